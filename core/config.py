@@ -1,0 +1,128 @@
+"""One typed config per server; each field is one CLI flag (``--field-name``), so the two never drift.
+
+Internal ports bind 127.0.0.1 unless ``--host`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+
+def _f(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EncoderConfig:
+    """The encoder server (gRPC): vision tower + image processor + embedding cache."""
+
+    model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
+    host: str = _f("127.0.0.1", "address to bind the gRPC server to")
+    port: int = _f(50051, "gRPC port")
+    device: str = _f("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    dtype: str = _f("auto", "float32, bfloat16, float16, or auto (bfloat16 on cuda, float32 on cpu)")
+    cache_size_mb: int = _f(1024, "embedding cache capacity in MiB (LRU by image hash)")
+    max_message_mb: int = _f(256, "largest gRPC message accepted or sent, in MiB")
+    max_image_pixels: int = _f(64_000_000, "largest decoded image (width*height) accepted")
+
+
+@dataclass
+class PrefillConfig:
+    """The prefill server (ZMQ): builds KV with a radix cache and ships it to decode servers."""
+
+    model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
+    host: str = _f("127.0.0.1", "address to bind all sockets to, and to advertise")
+    port: int = _f(30001, "ZMQ port for requests from gateways")
+    embed_port: int = _f(30101, "ZMQ port receiving image embeddings; TP rank r listens on embed_port + r")
+    bootstrap_port: int = _f(8998, "ZMQ port where decode servers register for a request's KV (bootstrap)")
+    device: str = _f("auto", "cpu, cuda, cuda:N, or auto")
+    dtype: str = _f("auto", "float32, bfloat16, float16, or auto")
+    page_size: int = _f(16, "tokens per KV page")
+    num_pages: int = _f(0, "KV pages in the pool; 0 sizes it from --mem-fraction on cuda, 4096 on cpu")
+    mem_fraction: float = _f(0.5, "share of free GPU memory given to the KV pool when --num-pages is 0")
+    context_length: int = _f(0, "longest prompt + output in tokens; 0 = the model's max_position_embeddings")
+    max_prefill_tokens: int = _f(8192, "new tokens computed in one prefill forward (several requests batch)")
+    attention_backend: str = _f("auto", "sdpa, flashinfer, or auto (flashinfer on cuda)")
+    request_timeout_s: float = _f(120.0, "drop a request whose embeddings or decode registration never come")
+
+
+@dataclass
+class DecodeConfig:
+    """The decode server (ZMQ): receives KV, continuous batching, streams tokens to gateways."""
+
+    model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
+    host: str = _f("127.0.0.1", "address to bind all sockets to, and to advertise")
+    port: int = _f(30002, "ZMQ port for requests from gateways")
+    kv_port: int = _f(30201, "ZMQ port receiving KV transfers from prefill servers")
+    device: str = _f("auto", "cpu, cuda, cuda:N, or auto")
+    dtype: str = _f("auto", "float32, bfloat16, float16, or auto")
+    page_size: int = _f(16, "tokens per KV page")
+    num_pages: int = _f(0, "KV pages in the pool; 0 sizes it from --mem-fraction on cuda, 4096 on cpu")
+    mem_fraction: float = _f(0.5, "share of free GPU memory given to the KV pool when --num-pages is 0")
+    context_length: int = _f(0, "longest prompt + output in tokens; 0 = the model's max_position_embeddings")
+    max_running_requests: int = _f(256, "most requests in one decode batch")
+    attention_backend: str = _f("auto", "sdpa, flashinfer, or auto (flashinfer on cuda)")
+    request_timeout_s: float = _f(120.0, "drop a request whose KV never comes")
+
+
+@dataclass
+class GatewayConfig:
+    """The OpenAI-compatible HTTP gateway that coordinates encoder, prefill and decode."""
+
+    model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
+    served_model_name: str = _f("", "model name clients send; default: the model path")
+    host: str = _f("127.0.0.1", "address to bind the HTTP server to")
+    port: int = _f(8000, "HTTP port")
+    encoder_addr: str = _f("127.0.0.1:50051", "encoder gRPC address host:port")
+    prefill_addr: str = _f("tcp://127.0.0.1:30001", "prefill server ZMQ endpoint")
+    decode_addr: str = _f("tcp://127.0.0.1:30002", "decode server ZMQ endpoint")
+    api_key: str = _f("", "require 'Authorization: Bearer KEY' when set")
+    max_image_bytes: int = _f(20 * 1024 * 1024, "largest image accepted, in bytes (after base64 decoding)")
+    allow_remote_images: bool = _f(False, "allow http(s) image URLs (fetched by the gateway)")
+    allowed_local_media_path: str = _f("", "allow file:// image URLs under this directory")
+    max_tokens_default: int = _f(0, "max completion tokens when the request gives none; 0 = up to the context")
+
+
+@dataclass
+class LaunchConfig:
+    """``epdserve launch``: all four servers on this machine, with ports derived from ``--port``."""
+
+    model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
+    served_model_name: str = _f("", "model name clients send; default: the model path")
+    host: str = _f("127.0.0.1", "address the gateway binds to (internal servers always bind 127.0.0.1)")
+    port: int = _f(8000, "gateway HTTP port; internal ports are taken from free ports")
+    device: str = _f("auto", "device for every stage")
+    dtype: str = _f("auto", "dtype for every stage")
+    page_size: int = _f(16, "tokens per KV page")
+    num_pages: int = _f(0, "KV pages per pool (prefill and decode each); 0 = automatic")
+    api_key: str = _f("", "require 'Authorization: Bearer KEY' at the gateway when set")
+
+
+def _base_type(tp):
+    """``int | None`` -> ``int``; plain types unchanged."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one ``--kebab-case`` flag per field of the config dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = _base_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.metadata.get("help", "")
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        else:
+            parser.add_argument(flag, type=tp, default=f.default, help=f"{help_} (default: {f.default!r})")
+
+
+def config_from_args(cls: type, args: argparse.Namespace):
+    """Build ``cls`` from parsed arguments made by :func:`add_config_args`."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

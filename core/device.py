@@ -1,0 +1,34 @@
+"""Resolve the ``device``/``dtype`` strings of the server configs."""
+
+from __future__ import annotations
+
+import torch
+
+_NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> ``cuda`` when available, else ``cpu``; anything else is passed to ``torch.device``.
+
+    Raises:
+        ValueError: a CUDA device is asked for and none is available.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` -> bfloat16 on CUDA, float32 on CPU.
+
+    Raises:
+        ValueError: unknown dtype name.
+    """
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _NAMED:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_NAMED)} or 'auto'")
+    return _NAMED[name]

@@ -1,0 +1,39 @@
+"""The one structure a scheduler hands to the model runner: a forward over B requests, tokens flattened."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """A model forward over B requests (prefill/extend or decode), their new tokens concatenated.
+
+    Attributes:
+        is_decode: every request has exactly one new token (lets backends use decode kernels).
+        input_ids: ``[T]`` int64 token ids; rows under ``mm_mask`` are ignored (their embeddings are replaced).
+        positions: ``[3, T]`` int64 M-RoPE positions (temporal, height, width); text tokens repeat one value.
+        out_slots: ``[T]`` int64 KV slot of each new token, ``page * page_size + offset_in_page``.
+        q_lens: per request, new tokens in this forward (sum is ``T``).
+        kv_lens: per request, KV length after this forward (cached prefix + new tokens).
+        page_table: per request, its KV page ids in order; at least ``ceil(kv_len / page_size)`` of them.
+        mm_embeds: ``[N, hidden]`` image embeddings (any float dtype) replacing token embeddings where
+            ``mm_mask`` is True, in row order; ``N == mm_mask.sum()``.
+        mm_mask: ``[T]`` bool.
+    """
+
+    is_decode: bool
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    q_lens: list[int]
+    kv_lens: list[int]
+    page_table: list[list[int]]
+    mm_embeds: torch.Tensor | None = None
+    mm_mask: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens)

@@ -1,0 +1,263 @@
+"""Every message that crosses a ZeroMQ socket between stages, and the one codec for all of them.
+
+Data flows one way, stage by stage::
+
+    gateway --PrefillRequest--> prefill            encoder --ImageEmbeddings--> prefill (every TP rank)
+    gateway --DecodeRequest---> decode --KVRegister--> prefill bootstrap
+    prefill --KVTransfer------> decode --TokenOutput--> gateway
+
+Wire format (never pickle): a multipart ZeroMQ message whose first frame is a msgpack map
+``{"kind": <class name>, **fields}`` and whose further frames are raw tensor bytes. A ``torch.Tensor`` field is
+written in the map as ``{"__tensor__": i, "dtype": "float32", "shape": [...]}`` and its bytes travel in frame
+``i + 1``. Nested dataclasses are maps tagged with their ``kind``. Only classes registered here decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+
+
+class WireError(ValueError):
+    """Raised when frames do not decode to a known message (unknown kind, bad tensor header, bad msgpack)."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling. ``temperature == 0`` means greedy; ``top_k <= 0`` and ``top_p == 1`` disable them."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class ImageSpan:
+    """Where one image's tokens sit in a prompt.
+
+    ``offset``/``length`` index into ``input_ids`` (tokens); ``grid_thw`` is the processor's patch grid before
+    spatial merging; ``image_hash`` is the hex SHA-256 of the image bytes, also the embedding cache key.
+    """
+
+    offset: int
+    length: int
+    image_hash: str
+    grid_thw: list[int]
+
+
+@dataclass
+class PrefillRequest:
+    """gateway -> prefill: a tokenized prompt. Image token positions hold the model's image token id."""
+
+    rid: str
+    input_ids: list[int]
+    images: list[ImageSpan]
+    sampling: SamplingParams
+    bootstrap_room: int
+
+
+@dataclass
+class DecodeRequest:
+    """gateway -> decode: decode ``rid`` once its KV arrives from the prefill server at the bootstrap address."""
+
+    rid: str
+    prompt_len: int
+    sampling: SamplingParams
+    bootstrap_host: str
+    bootstrap_port: int
+    bootstrap_room: int
+
+
+@dataclass
+class AbortRequest:
+    """gateway -> prefill/decode: drop ``rid`` and free its KV pages."""
+
+    rid: str
+
+
+@dataclass
+class ServerInfoRequest:
+    """Any client -> prefill/decode: ask for a ``ServerInfo`` reply on the same socket."""
+
+
+@dataclass
+class ServerInfo:
+    """prefill/decode -> client. ``embed_endpoints`` has one ZMQ endpoint per TP rank (prefill only)."""
+
+    role: str
+    model_path: str
+    context_length: int
+    page_size: int
+    num_pages: int
+    embed_endpoints: list[str] = field(default_factory=list)
+    bootstrap_host: str = ""
+    bootstrap_port: int = 0
+
+
+@dataclass
+class ImageEmbeddings:
+    """encoder -> prefill (every TP rank): vision tower output for the images of ``rid``.
+
+    ``embeddings[i]`` is float ``[num_tokens_i, hidden_size]`` for image ``image_hashes[i]``.
+    """
+
+    rid: str
+    image_hashes: list[str]
+    embeddings: list[torch.Tensor]
+
+
+@dataclass
+class KVRegister:
+    """decode -> prefill bootstrap: send the KV of ``bootstrap_room`` to ``kv_endpoint`` (SGLang's rendezvous)."""
+
+    rid: str
+    bootstrap_room: int
+    kv_endpoint: str
+
+
+@dataclass
+class KVTransfer:
+    """prefill -> decode: a request's prompt KV and its first sampled token.
+
+    ``kv`` is ``[num_layers, 2, prompt_len, num_kv_heads, head_dim]`` in the model dtype (K at index 0, V at 1),
+    gathered token-major from the prefill server's KV pages. ``mrope_position_delta`` is the M-RoPE offset that
+    decode positions add to the token index. On failure ``error`` is set and ``kv`` is None.
+    """
+
+    rid: str
+    bootstrap_room: int
+    first_token_id: int = -1
+    cached_tokens: int = 0
+    mrope_position_delta: int = 0
+    kv: torch.Tensor | None = None
+    error: str | None = None
+
+
+@dataclass
+class TokenOutput:
+    """decode -> gateway: new tokens of one request since the last output, with their text.
+
+    ``text`` is the delta such that the concatenation of all deltas equals
+    ``tokenizer.decode(all_token_ids, skip_special_tokens=True)`` (cut at a matched stop string).
+    ``finish_reason`` is None while running, then ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``.
+    """
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class TokenOutputBatch:
+    """decode -> gateway: every ``TokenOutput`` of one decode step for one gateway, in one message."""
+
+    outputs: list[TokenOutput]
+
+
+_KINDS: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        SamplingParams, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest, ServerInfoRequest, ServerInfo,
+        ImageEmbeddings, KVRegister, KVTransfer, TokenOutput, TokenOutputBatch,
+    )
+}
+
+
+def encode(msg: Any) -> list[bytes | memoryview]:
+    """Encode a registered dataclass to ZeroMQ frames (header + one raw frame per tensor).
+
+    Tensors are moved to CPU and made contiguous; their bytes are exported without a further copy.
+
+    Raises:
+        TypeError: ``msg`` (or a nested value) is not a registered dataclass or plain msgpack data.
+    """
+    frames: list[bytes | memoryview] = []
+
+    def pack(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().to("cpu").contiguous()
+            frames.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else b"")
+            return {"__tensor__": len(frames) - 1, "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape)}
+        if dataclasses.is_dataclass(value):
+            if type(value).__name__ not in _KINDS:
+                raise TypeError(f"{type(value).__name__} is not a registered message kind")
+            out = {"kind": type(value).__name__}
+            for f in dataclasses.fields(value):
+                out[f.name] = pack(getattr(value, f.name))
+            return out
+        if isinstance(value, (list, tuple)):
+            return [pack(v) for v in value]
+        return value
+
+    header = msgpack.packb(pack(msg), use_bin_type=True)
+    return [header, *frames]
+
+
+def decode(frames: list[bytes | memoryview]) -> Any:
+    """Decode frames made by :func:`encode` back to the dataclass.
+
+    Tensors are copied out of the frames (writable, CPU).
+
+    Raises:
+        WireError: malformed msgpack, unknown kind, unknown dtype, or a tensor frame of the wrong size.
+    """
+    if not frames:
+        raise WireError("empty message")
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise WireError(f"malformed header: {e}") from e
+
+    def unpack(value: Any) -> Any:
+        if isinstance(value, dict):
+            if "__tensor__" in value:
+                idx, dtype, shape = value["__tensor__"], value.get("dtype"), value.get("shape")
+                if dtype not in _DTYPES or not isinstance(idx, int) or not 0 <= idx < len(frames) - 1:
+                    raise WireError(f"bad tensor header {value!r}")
+                buf = bytearray(frames[idx + 1])
+                t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+                try:
+                    return t.view(_DTYPES[dtype]).reshape(shape)
+                except RuntimeError as e:
+                    raise WireError(f"tensor frame does not match {dtype}{shape}: {e}") from e
+            kind = value.get("kind")
+            cls = _KINDS.get(kind)
+            if cls is None:
+                raise WireError(f"unknown message kind {kind!r}")
+            names = {f.name for f in dataclasses.fields(cls)}
+            try:
+                return cls(**{k: unpack(v) for k, v in value.items() if k in names})
+            except TypeError as e:
+                raise WireError(f"bad fields for {kind}: {e}") from e
+        if isinstance(value, list):
+            return [unpack(v) for v in value]
+        return value
+
+    msg = unpack(header)
+    if not dataclasses.is_dataclass(msg):
+        raise WireError("header is not a message")
+    return msg
