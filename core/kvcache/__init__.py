@@ -1,0 +1,1 @@
+"""KV cache bookkeeping: page pool (free list), radix prefix cache, and the KV page tensors."""

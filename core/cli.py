@@ -1,0 +1,73 @@
+"""The ``epdserve`` command: one subcommand per server, ``launch`` for all of them, and tools."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from epdserve.config import (DecodeConfig, EncoderConfig, GatewayConfig, LaunchConfig, PrefillConfig,
+                             add_config_args, config_from_args)
+
+_SERVERS = {
+    "encoder": (EncoderConfig, "the encoder (gRPC): images -> embeddings, pushed to prefill TP ranks"),
+    "prefill": (PrefillConfig, "the prefill server: prompt KV with a radix cache, sent to decode"),
+    "decode": (DecodeConfig, "the decode server: continuous batching, streams tokens"),
+    "gateway": (GatewayConfig, "the OpenAI-compatible HTTP gateway"),
+    "launch": (LaunchConfig, "all four servers on this machine; Ctrl-C stops them"),
+}
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """One line per event, ``time level logger: message``; third-party libraries only above WARNING."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("epdserve").setLevel(level)
+    for noisy in ("transformers", "httpx", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _run_server(name: str, config) -> int:
+    if name == "encoder":
+        from epdserve.encoder.server import main
+    elif name == "prefill":
+        from epdserve.prefill.server import serve as main
+    elif name == "decode":
+        from epdserve.decode.server import serve as main
+    elif name == "gateway":
+        from epdserve.gateway.app import main
+    else:
+        from epdserve.launch import launch as main
+    return main(config) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``epdserve`` console script. Returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":  # the benchmark has its own parser (and `bench sweep`)
+        from epdserve.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="epdserve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="log level of epdserve's own loggers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (cls, help_) in _SERVERS.items():
+        add_config_args(sub.add_parser(name, help=help_, description=cls.__doc__), cls)
+    tiny = sub.add_parser("make-tiny-model", help="write the small random-weight test checkpoint to DIR")
+    tiny.add_argument("dir")
+    tiny.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2_vl"])
+    tiny.add_argument("--seed", type=int, default=0)
+    sub.add_parser("bench", help="the serving benchmark (see `epdserve bench --help`)")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    if args.command == "make-tiny-model":
+        from epdserve.models.tiny import make_tiny_model
+
+        print(make_tiny_model(args.dir, arch=args.arch, seed=args.seed))
+        return 0
+    cls, _ = _SERVERS[args.command]
+    return _run_server(args.command, config_from_args(cls, args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

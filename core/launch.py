@@ -1,0 +1,116 @@
+"""``epdserve launch``: encoder, prefill, decode and gateway as four processes on one machine.
+
+Internal servers bind 127.0.0.1 on free ports; only the gateway takes ``--host``/``--port``. The launcher
+waits until the gateway's ``/health`` answers 200 (the gateway knows prefill and decode by then) and the
+encoder's gRPC health says SERVING, logs one ready line, and on SIGINT/SIGTERM (or any child dying) stops all.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from epdserve.config import LaunchConfig
+from epdserve.models.tiny import resolve_model_path
+
+log = logging.getLogger("epdserve.launch")
+_LOCAL = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind((_LOCAL, 0))
+        return s.getsockname()[1]
+
+
+def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]], str]:
+    enc, pre, emb, boot, dec, kv = (free_port() for _ in range(6))
+    common = ["--model-path", model_path, "--device", cfg.device, "--dtype", cfg.dtype]
+    kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages)]
+    exe = [sys.executable, "-m", "epdserve.cli"]
+    return {
+        "encoder": [*exe, "encoder", *common, "--port", str(enc)],
+        "prefill": [*exe, "prefill", *common, *kv_pool, "--port", str(pre), "--embed-port", str(emb),
+                    "--bootstrap-port", str(boot)],
+        "decode": [*exe, "decode", *common, *kv_pool, "--port", str(dec), "--kv-port", str(kv)],
+        "gateway": [*exe, "gateway", "--model-path", model_path, "--served-model-name", cfg.served_model_name,
+                    "--host", cfg.host, "--port", str(cfg.port), "--encoder-addr", f"{_LOCAL}:{enc}",
+                    "--prefill-addr", f"tcp://{_LOCAL}:{pre}", "--decode-addr", f"tcp://{_LOCAL}:{dec}",
+                    "--api-key", cfg.api_key],
+    }, f"{_LOCAL}:{enc}"
+
+
+def _encoder_serving(addr: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(addr) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _gateway_healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
+    """Run the four servers until a signal or a child exits. Returns the exit code (0 after Ctrl-C).
+
+    Raises:
+        FileNotFoundError: ``cfg.model_path`` is not a local checkpoint.
+    """
+    model_path = resolve_model_path(cfg.model_path)  # build the default model once, before the children race
+    commands, encoder_addr = _commands(cfg, model_path)
+    procs: dict[str, subprocess.Popen] = {}
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    try:
+        for name, cmd in commands.items():
+            # A new session keeps the terminal's Ctrl-C away from the children: the launcher stops them in order.
+            procs[name] = subprocess.Popen(cmd, start_new_session=True)
+        health = f"http://{_LOCAL if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}/health"
+        deadline, ready = time.monotonic() + ready_timeout_s, False
+        while not stopping:
+            dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
+            if dead:
+                log.error("stopping: %s exited", ", ".join(f"{n} (code {c})" for n, c in dead.items()))
+                return 1
+            if not ready and _gateway_healthy(health) and _encoder_serving(encoder_addr):
+                ready = True
+                log.info("epdserve ready on http://%s:%d (model=%s)", cfg.host, cfg.port,
+                         cfg.served_model_name or model_path)
+            if not ready and time.monotonic() > deadline:
+                log.error("servers not ready after %.0f s", ready_timeout_s)
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop(procs)
+
+
+def _stop(procs: dict[str, subprocess.Popen], grace_s: float = 10.0) -> None:
+    # Gateway first, so no new work reaches the stages while they stop.
+    for name in ("gateway", "encoder", "prefill", "decode"):
+        if name in procs and procs[name].poll() is None:
+            procs[name].send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

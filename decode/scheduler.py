@@ -1,0 +1,213 @@
+"""Decode scheduling: register for a request's KV at the prefill bootstrap, load the KV into pages, and run
+continuous batching (every running request advances one token per forward; requests join and leave between
+forwards, as in Orca, Yu et al., OSDI 2022, and vLLM/SGLang).
+
+Pages for the whole output (prompt + ``max_new_tokens``, capped at the context) are reserved at admission, so a
+running request never runs out of KV space and no preemption is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from epdserve.decode.detokenizer import IncrementalDetokenizer
+from epdserve.forward_batch import ForwardBatch
+from epdserve.kvcache.page_pool import PagePool
+from epdserve.messages import DecodeRequest, KVRegister, KVTransfer, TokenOutput
+from epdserve.model_runner import ModelRunner
+from epdserve.models.mrope import decode_positions
+from epdserve.sampling import sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Seq:
+    msg: DecodeRequest
+    peer: bytes
+    deadline: float
+    transfer: KVTransfer | None = None
+    pages: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    detok: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV the prefill server took from its radix cache
+    mrope_delta: int = 0
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens with KV in the pages: the prompt plus every output token but the last."""
+        return self.msg.prompt_len + len(self.output_ids) - 1
+
+
+class DecodeScheduler:
+    """Owns the decode server's page pool and running batch.
+
+    Args:
+        runner: the model runner.
+        tokenizer: Hugging Face tokenizer for detokenization.
+        context_length: prompt + output tokens never exceed this.
+        max_running_requests: largest decode batch.
+        timeout_s: seconds a request waits for its KV.
+        kv_endpoint: this server's KV receive endpoint, sent to prefill servers when registering.
+    """
+
+    def __init__(self, runner: ModelRunner, tokenizer, *, context_length: int, max_running_requests: int,
+                 timeout_s: float, kv_endpoint: str):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.pool = PagePool(runner.num_pages, runner.page_size)
+        self.context_length = context_length
+        self.max_running = max_running_requests
+        self.timeout_s = timeout_s
+        self.kv_endpoint = kv_endpoint
+        self.eos_ids = set(runner.config.eos_token_ids)
+        self.pending: dict[int, _Seq] = {}  # room -> request waiting for its KV
+        self.ready: deque[_Seq] = deque()  # KV arrived, waiting for pages
+        self.running: list[_Seq] = []
+        self.outputs: list[tuple[bytes, TokenOutput]] = []
+
+    # ---- inputs -------------------------------------------------------------------------------------------
+    def add_request(self, msg: DecodeRequest, peer: bytes) -> tuple[str, KVRegister]:
+        """Track a request; returns ``(bootstrap endpoint, KVRegister)`` for the server to send."""
+        self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=time.monotonic() + self.timeout_s)
+        endpoint = f"tcp://{msg.bootstrap_host}:{msg.bootstrap_port}"
+        return endpoint, KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room, kv_endpoint=self.kv_endpoint)
+
+    def add_transfer(self, msg: KVTransfer) -> None:
+        """KV (or an error) for a pending request; transfers for unknown rooms (aborted) are dropped."""
+        seq = self.pending.pop(msg.bootstrap_room, None)
+        if seq is None:
+            log.debug("rid=%s KV for unknown room dropped", msg.rid)
+            return
+        if msg.error is None:
+            err = self._check_kv(seq, msg)
+            if err:
+                msg = KVTransfer(rid=msg.rid, bootstrap_room=msg.bootstrap_room, error=err)
+        if msg.error is not None:
+            self._emit(seq, "", "error", error=msg.error)
+            return
+        seq.transfer = msg
+        self.ready.append(seq)
+
+    def abort(self, rid: str) -> None:
+        """Drop ``rid`` wherever it is and free its pages."""
+        for room in [room for room, s in self.pending.items() if s.msg.rid == rid]:
+            del self.pending[room]
+        self.ready = deque(s for s in self.ready if s.msg.rid != rid)
+        for seq in [s for s in self.running if s.msg.rid == rid]:
+            self.running.remove(seq)
+            self.pool.free(seq.pages)
+
+    # ---- the loop body ------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.running) or bool(self.ready)
+
+    def step(self) -> list[tuple[bytes, TokenOutput]]:
+        """Expire, admit, run one decode forward; return the outputs to send as ``(gateway peer, output)``."""
+        self._expire()
+        self._admit()
+        if self.running:
+            self._forward()
+        out, self.outputs = self.outputs, []
+        return out
+
+    def fail_running(self, error: str) -> None:
+        """After a failed forward: end every running request with ``error`` and free its pages."""
+        for seq in self.running:
+            self.pool.free(seq.pages)
+            self._emit(seq, "", "error", error=error)
+        self.running = []
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _check_kv(self, seq: _Seq, msg: KVTransfer) -> str | None:
+        cfg = self.runner.config
+        want = (cfg.num_layers, 2, seq.msg.prompt_len, cfg.num_kv_heads, cfg.head_dim)
+        if msg.kv is None or tuple(msg.kv.shape) != want:
+            got = None if msg.kv is None else tuple(msg.kv.shape)
+            return f"KV transfer has shape {got}, expected {want}"
+        if not 0 <= msg.first_token_id < cfg.vocab_size:
+            return f"first token {msg.first_token_id} out of the vocabulary"
+        return None
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for room, seq in list(self.pending.items()):
+            if seq.deadline < now:
+                del self.pending[room]
+                log.warning("rid=%s timed out waiting for KV", seq.msg.rid)
+                self._emit(seq, "", "error", error="timed out waiting for KV from the prefill server")
+
+    def _admit(self) -> None:
+        while self.ready and len(self.running) < self.max_running:
+            seq = self.ready[0]
+            total = min(seq.msg.prompt_len + seq.msg.sampling.max_new_tokens, self.context_length)
+            need = self.pool.pages_for(total)
+            if need > self.pool.num_pages:
+                self.ready.popleft()
+                self._emit(seq, "", "error", error=f"{total} tokens need more KV pages than the pool has")
+                continue
+            if need > self.pool.num_free:
+                break  # first come, first served
+            self.ready.popleft()
+            seq.pages = self.pool.alloc(need)
+            transfer, seq.transfer = seq.transfer, None
+            self.runner.write_kv(self._slots(seq, 0, seq.msg.prompt_len), transfer.kv.to(self.runner.device))
+            seq.cached_tokens, seq.mrope_delta = transfer.cached_tokens, transfer.mrope_position_delta
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.msg.sampling.stop)
+            if seq.msg.sampling.seed is not None:
+                seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.msg.sampling.seed)
+            self.running.append(seq)
+            self._append_token(seq, transfer.first_token_id)
+
+    def _slots(self, seq: _Seq, start: int, end: int) -> torch.Tensor:
+        ps = self.runner.page_size
+        return torch.tensor([seq.pages[i // ps] * ps + i % ps for i in range(start, end)], dtype=torch.int64,
+                            device=self.runner.device)
+
+    def _forward(self) -> None:
+        seqs, dev, ps = self.running, self.runner.device, self.runner.page_size
+        idx = [s.kv_len for s in seqs]  # sequence index of each request's newest token
+        batch = ForwardBatch(
+            is_decode=True,
+            input_ids=torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64, device=dev),
+            positions=decode_positions(torch.tensor(idx, dtype=torch.int64),
+                                       torch.tensor([s.mrope_delta for s in seqs], dtype=torch.int64)).to(dev),
+            out_slots=torch.tensor([s.pages[i // ps] * ps + i % ps for s, i in zip(seqs, idx)], dtype=torch.int64,
+                                   device=dev),
+            q_lens=[1] * len(seqs),
+            kv_lens=[i + 1 for i in idx],
+            page_table=[s.pages for s in seqs],
+        )
+        logits = self.runner.forward(batch)
+        tokens = sample(logits, [s.msg.sampling for s in seqs], [s.generator for s in seqs]).tolist()
+        for seq, tok in zip(list(seqs), tokens):
+            self._append_token(seq, tok)
+
+    def _append_token(self, seq: _Seq, tok: int) -> None:
+        sp = seq.msg.sampling
+        seq.output_ids.append(tok)
+        finish = None
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
+            finish = "stop"
+        elif len(seq.output_ids) >= sp.max_new_tokens or seq.msg.prompt_len + len(seq.output_ids) >= self.context_length:
+            finish = "length"
+        delta, hit = seq.detok.add(tok, final=finish is not None)
+        if hit:
+            finish = "stop"
+        if finish is not None:
+            self.running.remove(seq)
+            self.pool.free(seq.pages)
+            seq.pages = []
+        self._emit(seq, delta, finish, token_ids=[tok])
+
+    def _emit(self, seq: _Seq, text: str, finish: str | None, *, token_ids: list[int] = (), error=None) -> None:
+        self.outputs.append((seq.peer, TokenOutput(
+            rid=seq.msg.rid, token_ids=list(token_ids), text=text, finish_reason=finish,
+            prompt_tokens=seq.msg.prompt_len, completion_tokens=len(seq.output_ids),
+            cached_tokens=seq.cached_tokens, error=error)))

@@ -1,0 +1,92 @@
+"""The decode server process: sockets in, :class:`DecodeScheduler` in the middle, tokens out to gateways.
+
+Sockets (bound on ``config.host``):
+- ``port`` (ROUTER): ``DecodeRequest``, ``AbortRequest``, ``ServerInfoRequest`` from gateways; token outputs
+  go back to the same peer as ``TokenOutputBatch`` (one message per gateway per step).
+- ``kv_port`` (PULL): ``KVTransfer`` from prefill servers.
+Out: one PUSH socket per prefill bootstrap address, carrying ``KVRegister``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections import defaultdict
+
+import zmq
+from transformers import AutoTokenizer
+
+from epdserve import transport
+from epdserve.config import DecodeConfig
+from epdserve.decode.scheduler import DecodeScheduler
+from epdserve.device import resolve_device, resolve_dtype
+from epdserve.messages import AbortRequest, DecodeRequest, KVTransfer, ServerInfo, ServerInfoRequest, TokenOutputBatch
+from epdserve.model_runner import ModelRunner
+from epdserve.models.tiny import resolve_model_path
+
+log = logging.getLogger("epdserve.decode")
+
+
+def serve(config: DecodeConfig) -> None:
+    """Load the model and run the decode loop until SIGINT/SIGTERM.
+
+    Raises:
+        FileNotFoundError: ``config.model_path`` is not a local checkpoint.
+        zmq.ZMQError: a port is taken.
+    """
+    model_path = resolve_model_path(config.model_path)
+    device = resolve_device(config.device)
+    runner = ModelRunner(model_path, device=device, dtype=resolve_dtype(config.dtype, device),
+                         num_pages=config.num_pages, page_size=config.page_size,
+                         attention_backend=config.attention_backend, mem_fraction=config.mem_fraction)
+    context_length = config.context_length or runner.config.max_position_embeddings
+    kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
+    sched = DecodeScheduler(runner, AutoTokenizer.from_pretrained(model_path), context_length=context_length,
+                            max_running_requests=config.max_running_requests, timeout_s=config.request_timeout_s,
+                            kv_endpoint=kv_endpoint)
+    info = ServerInfo(role="decode", model_path=model_path, context_length=context_length,
+                      page_size=runner.page_size, num_pages=runner.num_pages)
+
+    ctx = zmq.Context()
+    requests = transport.bind(ctx, zmq.ROUTER, config.host, config.port)
+    kv_in = transport.bind(ctx, zmq.PULL, config.host, config.kv_port)
+    to_bootstrap: dict[str, zmq.Socket] = {}
+    poller = zmq.Poller()
+    for sock in (requests, kv_in):
+        poller.register(sock, zmq.POLLIN)
+
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages)", config.host, config.port,
+             kv_endpoint, model_path, device, runner.num_pages)
+    try:
+        while not stopping:
+            poller.poll(0 if sched.has_work() else 20)
+            while (got := transport.recv_routed(requests)) is not None:
+                peer, msg = got
+                if isinstance(msg, DecodeRequest):
+                    endpoint, register = sched.add_request(msg, peer)
+                    if endpoint not in to_bootstrap:
+                        to_bootstrap[endpoint] = transport.connect(ctx, zmq.PUSH, endpoint)
+                    transport.send(to_bootstrap[endpoint], register)
+                elif isinstance(msg, AbortRequest):
+                    sched.abort(msg.rid)
+                elif isinstance(msg, ServerInfoRequest):
+                    transport.send(requests, info, identity=peer)
+            while (msg := transport.recv(kv_in)) is not None:
+                if isinstance(msg, KVTransfer):
+                    sched.add_transfer(msg)
+            try:
+                outputs = sched.step()
+            except Exception as e:  # a failed forward must not take the server down
+                log.exception("decode step failed")
+                sched.fail_running(f"decode failed: {e}")
+                outputs, sched.outputs = sched.outputs, []
+            by_peer = defaultdict(list)
+            for peer, out in outputs:
+                by_peer[peer].append(out)
+            for peer, outs in by_peer.items():
+                transport.send(requests, TokenOutputBatch(outputs=outs), identity=peer)
+    finally:
+        ctx.destroy(linger=0)

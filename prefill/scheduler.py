@@ -1,0 +1,300 @@
+"""Prefill scheduling: wait for a request's image embeddings, reuse cached prefix KV from the radix cache,
+run chunked prefill over KV pages, sample the first token, and hand the KV to the decode server that
+registered for the request's bootstrap room.
+
+Requests and embeddings arrive in either order (the encoder pushes embeddings while the gateway sends the
+request). Decode registrations can come before or after prefill ends. Everything that waits has a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from epdserve.forward_batch import ForwardBatch
+from epdserve.kvcache.page_pool import PagePool
+from epdserve.kvcache.radix_cache import RadixCache
+from epdserve.messages import ImageEmbeddings, KVRegister, KVTransfer, PrefillRequest
+from epdserve.model_runner import ModelRunner
+from epdserve.models.mrope import mrope_positions
+from epdserve.sampling import sample
+
+log = logging.getLogger(__name__)
+
+
+def image_pad_id(image_hash: str) -> int:
+    """Radix-cache key id for every token of an image: above any vocabulary id and unique per image hash
+    (60 bits of the SHA-256), so equal images at equal places share KV and different images never do."""
+    return (1 << 62) | int(image_hash[:15], 16)
+
+
+@dataclass
+class _Req:
+    msg: PrefillRequest
+    deadline: float
+    positions: torch.Tensor | None = None  # [3, n] int64
+    mrope_delta: int = 0
+    key: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    node: object = None  # locked radix node of the matched prefix
+    cached: int = 0  # tokens whose KV came from the radix cache
+    computed: int = 0  # tokens with KV in this server's pages
+
+    @property
+    def n(self) -> int:
+        return len(self.msg.input_ids)
+
+
+class PrefillScheduler:
+    """Owns the prefill server's page pool and radix cache; one instance per TP rank's scheduler loop.
+
+    Args:
+        runner: the model runner (its KV pool has ``runner.num_pages`` pages of ``runner.page_size`` tokens).
+        context_length: longest prompt accepted, in tokens (a prompt must leave room for one output token).
+        max_prefill_tokens: new tokens computed per forward, summed over the batch (chunked prefill bound).
+        timeout_s: seconds a request waits for embeddings, or its KV waits for a decode registration.
+    """
+
+    def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float):
+        self.runner = runner
+        self.cfg = runner.config
+        self.pool = PagePool(runner.num_pages, runner.page_size)
+        self.radix = RadixCache(runner.page_size)
+        self.context_length = context_length
+        self.max_prefill_tokens = max_prefill_tokens
+        self.timeout_s = timeout_s
+        self.waiting: dict[str, _Req] = {}  # rid -> request waiting for embeddings or pages
+        self.running: list[_Req] = []  # requests with pages, partly prefilled (chunked)
+        self.embeds: dict[str, tuple[float, dict[str, torch.Tensor]]] = {}  # rid -> (deadline, hash -> [n, h])
+        self.registered: dict[int, tuple[float, str]] = {}  # room -> (deadline, decode KV endpoint)
+        self.finished: dict[int, tuple[float, KVTransfer]] = {}  # room -> (deadline, transfer)
+
+    # ---- inputs -------------------------------------------------------------------------------------------
+    def add_request(self, msg: PrefillRequest) -> None:
+        """Queue a prompt; invalid prompts become an error transfer for the decode server."""
+        now = time.monotonic()
+        err = self._validate(msg)
+        if err:
+            log.warning("rid=%s rejected: %s", msg.rid, err)
+            self._finish_error(msg, err)
+            return
+        self.waiting[msg.rid] = _Req(msg, deadline=now + self.timeout_s)
+
+    def add_embeddings(self, msg: ImageEmbeddings) -> None:
+        """Stash the encoder's embeddings for ``msg.rid`` until (or after) its request arrives."""
+        _, by_hash = self.embeds.setdefault(msg.rid, (time.monotonic() + self.timeout_s, {}))
+        for h, emb in zip(msg.image_hashes, msg.embeddings):
+            by_hash[h] = emb
+
+    def register(self, msg: KVRegister) -> None:
+        """A decode server asks for the KV of ``msg.bootstrap_room`` at ``msg.kv_endpoint``."""
+        self.registered[msg.bootstrap_room] = (time.monotonic() + self.timeout_s, msg.kv_endpoint)
+
+    def abort(self, rid: str) -> None:
+        """Drop ``rid`` wherever it is and free its pages."""
+        self.embeds.pop(rid, None)
+        req = self.waiting.pop(rid, None)
+        for r in [r for r in self.running if r.msg.rid == rid]:
+            self.running.remove(r)
+            self._release(r, insert=False)
+            req = r
+        if req is not None:
+            self.registered.pop(req.msg.bootstrap_room, None)
+        for room, (_, t) in list(self.finished.items()):
+            if t.rid == rid:
+                del self.finished[room]
+                self.registered.pop(room, None)
+
+    # ---- the loop body ------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        """True when :meth:`step` would run a forward now."""
+        return bool(self.running) or any(self._embeds_ready(r) for r in self.waiting.values())
+
+    def step(self) -> list[tuple[str, KVTransfer]]:
+        """Admit ready requests, run one prefill forward, and return the transfers to send now as
+        ``(decode KV endpoint, KVTransfer)``."""
+        self._expire()
+        self._admit()
+        if self.running:
+            self._forward()
+        out = []
+        for room in [room for room in self.finished if room in self.registered]:
+            _, transfer = self.finished.pop(room)
+            _, endpoint = self.registered.pop(room)
+            out.append((endpoint, transfer))
+        return out
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _validate(self, msg: PrefillRequest) -> str | None:
+        n = len(msg.input_ids)
+        if n == 0:
+            return "empty prompt"
+        if n >= self.context_length:
+            return f"prompt of {n} tokens does not fit the context length {self.context_length}"
+        for span in msg.images:
+            ids = msg.input_ids[span.offset:span.offset + span.length]
+            t, h, w = span.grid_thw
+            m = self.cfg.spatial_merge_size
+            if span.offset < 0 or len(ids) != span.length or any(i != self.cfg.image_token_id for i in ids):
+                return f"image span {span.offset}+{span.length} does not cover image tokens"
+            if t * h * w != span.length * m * m:
+                return f"image grid {span.grid_thw} does not give {span.length} tokens"
+        if any(not 0 <= i < self.cfg.vocab_size for i in msg.input_ids):
+            return "token id out of the vocabulary"
+        return None
+
+    def _embeds_ready(self, req: _Req) -> bool:
+        if not req.msg.images:
+            return True
+        got = self.embeds.get(req.msg.rid, (0.0, {}))[1]
+        return all(s.image_hash in got for s in req.msg.images)
+
+    def _finish_error(self, msg: PrefillRequest, error: str) -> None:
+        self.embeds.pop(msg.rid, None)
+        transfer = KVTransfer(rid=msg.rid, bootstrap_room=msg.bootstrap_room, error=error)
+        self.finished[msg.bootstrap_room] = (time.monotonic() + self.timeout_s, transfer)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, req in list(self.waiting.items()):
+            if req.deadline < now:
+                del self.waiting[rid]
+                log.warning("rid=%s timed out waiting for image embeddings", rid)
+                self._finish_error(req.msg, "timed out waiting for image embeddings")
+        # Embeddings whose request never came, registrations whose request never came, KV nobody asked for.
+        active_rids = set(self.waiting) | {r.msg.rid for r in self.running}
+        active_rooms = {r.msg.bootstrap_room for r in (*self.waiting.values(), *self.running)} | set(self.finished)
+        for table, active in ((self.embeds, active_rids), (self.registered, active_rooms), (self.finished, ())):
+            for key in [k for k, v in table.items() if v[0] < now and k not in active]:
+                del table[key]
+
+    def _admit(self) -> None:
+        for rid, req in list(self.waiting.items()):
+            if not self._embeds_ready(req):
+                continue
+            err = self._check_embeds(req)
+            if err:
+                del self.waiting[rid]
+                self._finish_error(req.msg, err)
+                continue
+            if not self._allocate(req):
+                if not self.running:  # nothing will free pages: it can never fit
+                    del self.waiting[rid]
+                    self._finish_error(req.msg, f"prompt of {req.n} tokens needs more KV pages than the pool has")
+                break  # first come, first served: later requests wait behind it
+            del self.waiting[rid]
+            self.running.append(req)
+
+    def _check_embeds(self, req: _Req) -> str | None:
+        got = self.embeds.get(req.msg.rid, (0.0, {}))[1]
+        for span in req.msg.images:
+            emb = got[span.image_hash]
+            if emb.dim() != 2 or emb.shape != (span.length, self.cfg.hidden_size):
+                return f"embedding of image {span.image_hash[:12]} has shape {tuple(emb.shape)}, " \
+                       f"expected ({span.length}, {self.cfg.hidden_size})"
+        return None
+
+    def _allocate(self, req: _Req) -> bool:
+        msg, ps = req.msg, self.runner.page_size
+        if not req.key:
+            req.key = list(msg.input_ids)
+            for span in msg.images:
+                req.key[span.offset:span.offset + span.length] = [image_pad_id(span.image_hash)] * span.length
+            req.positions, req.mrope_delta = mrope_positions(
+                req.n, [(s.offset, s.grid_thw) for s in msg.images], self.cfg.spatial_merge_size)
+        # At least one token must be computed to get logits, so never match the whole prompt.
+        match = self.radix.match_prefix(req.key[:((req.n - 1) // ps) * ps])
+        need = self.pool.pages_for(req.n) - len(match.pages)
+        self.radix.lock(match.node)  # protect the match from the eviction below
+        if need > self.pool.num_free:
+            self.pool.free(self.radix.evict(need - self.pool.num_free))
+        if need > self.pool.num_free:
+            self.radix.unlock(match.node)
+            return False
+        req.node, req.cached, req.computed = match.node, match.length, match.length
+        req.pages = match.pages + self.pool.alloc(need)
+        return True
+
+    def _forward(self) -> None:
+        ps, budget = self.runner.page_size, self.max_prefill_tokens
+        batch_reqs, chunks = [], []
+        for req in self.running:
+            if budget <= 0:
+                break
+            take = min(req.n - req.computed, budget)
+            batch_reqs.append(req)
+            chunks.append((req.computed, req.computed + take))
+            budget -= take
+        ids, pos, slots, mask, mm = [], [], [], [], []
+        for req, (s, e) in zip(batch_reqs, chunks):
+            ids.extend(req.msg.input_ids[s:e])
+            pos.append(req.positions[:, s:e])
+            slots.extend(req.pages[i // ps] * ps + i % ps for i in range(s, e))
+            m = torch.zeros(e - s, dtype=torch.bool)
+            got = self.embeds.get(req.msg.rid, (0.0, {}))[1]
+            for span in req.msg.images:
+                a, b = max(s, span.offset), min(e, span.offset + span.length)
+                if a < b:
+                    m[a - s:b - s] = True
+                    mm.append(got[span.image_hash][a - span.offset:b - span.offset])
+            mask.append(m)
+        dev = self.runner.device
+        batch = ForwardBatch(
+            is_decode=False,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.cat(pos, dim=1).to(dev),
+            out_slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            q_lens=[e - s for s, e in chunks],
+            kv_lens=[e for _, e in chunks],
+            page_table=[r.pages for r in batch_reqs],
+            mm_embeds=torch.cat(mm).to(dev) if mm else None,
+            mm_mask=torch.cat(mask).to(dev) if mm else None,
+        )
+        logits = self.runner.forward(batch)
+        done = [i for i, (req, (_, e)) in enumerate(zip(batch_reqs, chunks)) if e == req.n]
+        for req, (_, e) in zip(batch_reqs, chunks):
+            req.computed = e
+        if not done:
+            return
+        reqs = [batch_reqs[i] for i in done]
+        gens = []
+        for r in reqs:
+            seed = r.msg.sampling.seed
+            gens.append(None if seed is None else torch.Generator(device=dev).manual_seed(seed))
+        first = sample(logits[done], [r.msg.sampling for r in reqs], gens).tolist()
+        for req, tok in zip(reqs, first):
+            self.running.remove(req)
+            slots = torch.tensor([req.pages[i // ps] * ps + i % ps for i in range(req.n)], dtype=torch.int64)
+            transfer = KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=tok,
+                                  cached_tokens=req.cached, mrope_position_delta=req.mrope_delta,
+                                  kv=self.runner.read_kv(slots.to(dev)))
+            self._release(req, insert=True)
+            self.embeds.pop(req.msg.rid, None)
+            self.finished[req.msg.bootstrap_room] = (time.monotonic() + self.timeout_s, transfer)
+            log.debug("rid=%s prefilled %d tokens (%d cached)", req.msg.rid, req.n, req.cached)
+
+    def _release(self, req: _Req, *, insert: bool) -> None:
+        """Give a request's pages back: full pages into the radix cache (if its KV is complete), the rest to
+        the pool; then unlock its matched prefix."""
+        ps = self.runner.page_size
+        n_matched = req.cached // ps
+        if insert:
+            full = req.n // ps
+            present = self.radix.insert(req.key[:full * ps], req.pages[:full]) // ps
+            # Pages of ours whose tokens the tree already had (another request inserted them meanwhile).
+            self.pool.free(req.pages[n_matched:max(present, n_matched)])
+            self.pool.free(req.pages[full:])
+        else:
+            self.pool.free(req.pages[n_matched:])
+        self.radix.unlock(req.node)
+        req.pages = []
+
+    def fail_running(self, error: str) -> None:
+        """After a failed forward: end every running request with ``error`` and free its pages."""
+        for req in self.running:
+            self._release(req, insert=False)
+            self._finish_error(req.msg, error)
+        self.running = []

@@ -1,0 +1,92 @@
+"""The prefill server process: sockets in, :class:`PrefillScheduler` in the middle, KV transfers out.
+
+Sockets (all bound on ``config.host``):
+- ``port`` (ROUTER): ``PrefillRequest``, ``AbortRequest``, ``ServerInfoRequest`` from gateways.
+- ``embed_port + r`` (PULL): ``ImageEmbeddings`` from encoders for TP rank ``r`` (one rank today).
+- ``bootstrap_port`` (PULL): ``KVRegister`` from decode servers (SGLang-style bootstrap rendezvous).
+Out: one PUSH socket per decode KV endpoint, carrying ``KVTransfer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import zmq
+
+from epdserve import transport
+from epdserve.config import PrefillConfig
+from epdserve.device import resolve_device, resolve_dtype
+from epdserve.messages import (AbortRequest, ImageEmbeddings, KVRegister, PrefillRequest, ServerInfo,
+                               ServerInfoRequest)
+from epdserve.model_runner import ModelRunner
+from epdserve.models.tiny import resolve_model_path
+from epdserve.prefill.scheduler import PrefillScheduler
+
+log = logging.getLogger("epdserve.prefill")
+
+
+def serve(config: PrefillConfig) -> None:
+    """Load the model and run the prefill loop until SIGINT/SIGTERM.
+
+    Raises:
+        FileNotFoundError: ``config.model_path`` is not a local checkpoint.
+        zmq.ZMQError: a port is taken.
+    """
+    model_path = resolve_model_path(config.model_path)
+    device = resolve_device(config.device)
+    runner = ModelRunner(model_path, device=device, dtype=resolve_dtype(config.dtype, device),
+                         num_pages=config.num_pages, page_size=config.page_size,
+                         attention_backend=config.attention_backend, mem_fraction=config.mem_fraction)
+    context_length = config.context_length or runner.config.max_position_embeddings
+    sched = PrefillScheduler(runner, context_length=context_length,
+                             max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s)
+    info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
+                      page_size=runner.page_size, num_pages=runner.num_pages,
+                      embed_endpoints=[f"tcp://{config.host}:{config.embed_port}"],
+                      bootstrap_host=config.host, bootstrap_port=config.bootstrap_port)
+
+    ctx = zmq.Context()
+    requests = transport.bind(ctx, zmq.ROUTER, config.host, config.port)
+    embeds = transport.bind(ctx, zmq.PULL, config.host, config.embed_port)
+    bootstrap = transport.bind(ctx, zmq.PULL, config.host, config.bootstrap_port)
+    to_decode: dict[str, zmq.Socket] = {}
+    poller = zmq.Poller()
+    for sock in (requests, embeds, bootstrap):
+        poller.register(sock, zmq.POLLIN)
+
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages)",
+             config.host, config.port, info.embed_endpoints[0], config.host, config.bootstrap_port, model_path,
+             device, runner.num_pages)
+    try:
+        while not stopping:
+            poller.poll(0 if sched.has_work() else 20)
+            while (got := transport.recv_routed(requests)) is not None:
+                peer, msg = got
+                if isinstance(msg, PrefillRequest):
+                    sched.add_request(msg)
+                elif isinstance(msg, AbortRequest):
+                    sched.abort(msg.rid)
+                elif isinstance(msg, ServerInfoRequest):
+                    transport.send(requests, info, identity=peer)
+            while (msg := transport.recv(embeds)) is not None:
+                if isinstance(msg, ImageEmbeddings):
+                    sched.add_embeddings(msg)
+            while (msg := transport.recv(bootstrap)) is not None:
+                if isinstance(msg, KVRegister):
+                    sched.register(msg)
+            try:
+                transfers = sched.step()
+            except Exception as e:  # a failed forward must not take the server down
+                log.exception("prefill step failed")
+                sched.fail_running(f"prefill failed: {e}")
+                continue
+            for endpoint, transfer in transfers:
+                if endpoint not in to_decode:
+                    to_decode[endpoint] = transport.connect(ctx, zmq.PUSH, endpoint)
+                transport.send(to_decode[endpoint], transfer)
+    finally:
+        ctx.destroy(linger=0)
