@@ -33,7 +33,8 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
     enc, pre, emb, boot, dec, kv = (free_port() for _ in range(6))
     common = ["--model-path", model_path, "--device", cfg.device, "--dtype", cfg.dtype]
     kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages)]
-    exe = [sys.executable, "-m", "epdserve.cli"]
+    level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())
+    exe = [sys.executable, "-m", "epdserve.cli", "--log-level", level]
     return {
         "encoder": [*exe, "encoder", *common, "--port", str(enc)],
         "prefill": [*exe, "prefill", *common, *kv_pool, "--port", str(pre), "--embed-port", str(emb),

@@ -1,0 +1,99 @@
+"""The LM half of a prefill or decode server: weights, paged KV pool and attention backend behind one forward."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from epdserve.attention.base import make_backend
+from epdserve.forward_batch import ForwardBatch
+from epdserve.kvcache.kv_pool import KVPool
+from epdserve.models.config import ModelConfig
+from epdserve.models.qwen2_vl_lm import Qwen2VLLanguageModel
+from epdserve.models.weights import iter_lm_weights
+
+_CPU_DEFAULT_PAGES = 4096
+
+
+class ModelRunner:
+    """Loads a Qwen2-VL / Qwen2.5-VL language model and runs :class:`ForwardBatch` es over its paged KV cache.
+
+    Attributes: ``config`` (:class:`ModelConfig`), ``num_pages``, ``page_size``, ``device``, ``dtype``,
+    ``kv_pool`` (:class:`KVPool`), ``model`` (:class:`Qwen2VLLanguageModel`), ``backend``.
+    """
+
+    def __init__(self, model_path: str, *, device: torch.device, dtype: torch.dtype, num_pages: int,
+                 page_size: int, attention_backend: str = "auto", mem_fraction: float = 0.5):
+        """Load config and LM weights (vision weights are skipped), then size and allocate the KV pool.
+
+        ``num_pages == 0`` sizes the pool automatically: on CUDA ``mem_fraction`` of the free memory left after
+        loading the weights, on CPU 4096 pages.
+
+        Raises:
+            FileNotFoundError: missing config or weights.
+            ValueError: unsupported model, bad weights, bad backend name, or no room for one page.
+        """
+        self.device, self.dtype, self.page_size = torch.device(device), dtype, page_size
+        self.config = cfg = ModelConfig.load(model_path)
+        # Built on the meta device so no memory is spent on random init; the weights fill it in place.
+        with torch.device("meta"):
+            model = Qwen2VLLanguageModel(cfg)
+        model.materialize(self.device, dtype)
+        weights = iter_lm_weights(model_path, tie_word_embeddings=cfg.tie_word_embeddings, device=self.device)
+        model.load_weights((name, t.to(dtype)) for name, t in weights)
+        self.model = model.eval().requires_grad_(False)
+        if num_pages <= 0:
+            num_pages = self._auto_pages(mem_fraction)
+        self.num_pages = num_pages
+        self.kv_pool = KVPool(num_layers=cfg.num_layers, num_pages=num_pages, page_size=page_size,
+                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype, device=self.device)
+        self.backend = make_backend(attention_backend, self.kv_pool, cfg.num_heads)
+        self.model.attn = self.backend
+
+    def _auto_pages(self, mem_fraction: float) -> int:
+        if self.device.type != "cuda":
+            return _CPU_DEFAULT_PAGES
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cfg = self.config
+        per_page = KVPool.bytes_per_page(num_layers=cfg.num_layers, page_size=self.page_size,
+                                         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=self.dtype)
+        pages = int(free * mem_fraction) // per_page
+        if pages < 1:
+            raise ValueError(f"no room for a KV page: {free} bytes free, {per_page} bytes per page")
+        return pages
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run ``batch`` (tensors on any device; moved here) and return float32 logits ``[B, vocab]`` at each
+        request's last new token. New K/V land in ``batch.out_slots``.
+
+        Raises:
+            ValueError: inconsistent page tables / lengths (from the attention backend).
+        """
+        dev = self.device
+        batch = dataclasses.replace(
+            batch,
+            input_ids=batch.input_ids.to(dev, non_blocking=True),
+            positions=batch.positions.to(dev, non_blocking=True),
+            out_slots=batch.out_slots.to(dev, non_blocking=True),
+            mm_embeds=None if batch.mm_embeds is None else batch.mm_embeds.to(dev, non_blocking=True),
+            mm_mask=None if batch.mm_mask is None else batch.mm_mask.to(dev, non_blocking=True),
+        )
+        with torch.inference_mode():
+            logits = self.model(batch)
+        return logits.clone()  # a normal tensor, so callers may edit it in place outside inference mode
+
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        """KV at ``slots`` ``[n]`` as a contiguous CPU tensor ``[num_layers, 2, n, num_kv_heads, head_dim]`` in the
+        model dtype (the :class:`~epdserve.messages.KVTransfer` payload)."""
+        with torch.no_grad():
+            return self.kv_pool.read(slots.to(self.device)).to("cpu").contiguous()
+
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store a received ``kv`` ``[num_layers, 2, n, num_kv_heads, head_dim]`` at ``slots`` ``[n]``.
+
+        Raises:
+            ValueError: ``kv`` has the wrong shape.
+        """
+        with torch.no_grad():
+            self.kv_pool.write_all(slots.to(self.device), kv)

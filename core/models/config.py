@@ -1,0 +1,123 @@
+"""The language-model facts epdserve needs from a Qwen2-VL / Qwen2.5-VL checkpoint's ``config.json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+
+# Defaults of the released checkpoints (and of transformers' config classes) for keys old configs may omit.
+_DEFAULT_TOKEN_IDS = {"image_token_id": 151655, "video_token_id": 151656,
+                      "vision_start_token_id": 151652, "vision_end_token_id": 151653}
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Text-decoder shape, M-RoPE and special tokens of a Qwen2-VL / Qwen2.5-VL checkpoint.
+
+    ``head_dim`` is ``hidden_size // num_heads``, as transformers' ``Qwen2_5_VLAttention`` computes it (it ignores
+    a ``head_dim`` key). ``mrope_section`` splits the ``head_dim / 2`` rotary frequencies over (t, h, w).
+    ``eos_token_ids`` is the sorted union of ``config.json`` and ``generation_config.json`` eos ids.
+    """
+
+    model_path: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    spatial_merge_size: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, model_path: str | Path) -> ModelConfig:
+        """Read ``config.json`` (and ``generation_config.json`` when present) of a local checkpoint.
+
+        Reads both layouts: transformers 5 (text keys in ``text_config``, ``rope_theta``/``mrope_section`` in
+        ``text_config.rope_parameters``) and the hub layout of released checkpoints (text keys at top level,
+        ``rope_scaling = {"type": "mrope", "mrope_section": [...]}``, top-level ``rope_theta``). Text keys are
+        looked up in ``text_config`` first, then at top level.
+
+        Raises:
+            FileNotFoundError: no ``config.json`` in ``model_path``.
+            ValueError: unsupported ``model_type``, missing shape keys, or ``mrope_section`` not summing to
+                ``head_dim / 2``.
+        """
+        root = Path(model_path)
+        cfg_file = root / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"no config.json in {str(model_path)!r}")
+        cfg = json.loads(cfg_file.read_text())
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r} in {cfg_file}; "
+                             f"epdserve serves {', '.join(SUPPORTED_MODEL_TYPES)}")
+        text = cfg.get("text_config") or {}
+        vision = cfg.get("vision_config") or {}
+
+        def get(key: str, default: Any = None) -> Any:
+            if text.get(key) is not None:
+                return text[key]
+            return cfg.get(key, default)
+
+        def need(key: str) -> Any:
+            value = get(key)
+            if value is None:
+                raise ValueError(f"{cfg_file} has no {key!r} (neither in text_config nor at top level)")
+            return value
+
+        rope = dict(get("rope_scaling") or {})
+        rope.update(get("rope_parameters") or {})
+        mrope_section = tuple(int(s) for s in rope.get("mrope_section", (16, 24, 24)))
+        rope_theta = float(rope.get("rope_theta", get("rope_theta", 1000000.0)))
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        head_dim = hidden // heads
+        if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {list(mrope_section)} must have 3 parts summing to head_dim/2 = "
+                             f"{head_dim // 2}")
+
+        eos = set(_ids(get("eos_token_id")))
+        gen_file = root / "generation_config.json"
+        if gen_file.is_file():
+            eos |= set(_ids(json.loads(gen_file.read_text()).get("eos_token_id")))
+        tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        return cls(
+            model_path=str(model_path),
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads", heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            mrope_section=mrope_section,  # type: ignore[arg-type]
+            max_position_embeddings=int(get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(tie),
+            **{k: int(cfg.get(k, text.get(k, d))) for k, d in _DEFAULT_TOKEN_IDS.items()},
+            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+            eos_token_ids=tuple(sorted(eos)),
+        )

@@ -1,0 +1,59 @@
+"""M-RoPE position ids of a prompt with images, and of decode tokens.
+
+Source: Qwen2-VL paper (arXiv:2409.12191, "Multimodal Rotary Position Embedding") and transformers 5
+``Qwen2_5_VLModel.get_rope_index`` / ``get_vision_position_ids``, which this reproduces for images.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mrope_positions(num_tokens: int, images: list[tuple[int, list[int]]],
+                    spatial_merge_size: int) -> tuple[torch.Tensor, int]:
+    """3D positions of a prompt of ``num_tokens`` tokens whose images sit at the given offsets.
+
+    Args:
+        num_tokens: prompt length (> 0).
+        images: ``(offset of the image's first token, [grid_t, grid_h, grid_w])`` per image; the image occupies
+            ``grid_t * (grid_h // m) * (grid_w // m)`` tokens from ``offset`` (``m = spatial_merge_size``).
+        spatial_merge_size: the vision tower's spatial merge ``m``.
+
+    Returns:
+        ``(positions, delta)``: int64 ``[3, num_tokens]`` (temporal, height, width) and the int
+        ``delta = max(positions) + 1 - num_tokens``. Text runs count up by one on all three axes from a running
+        start ``s``; an image's token at grid cell ``(t, h, w)`` gets ``(s + t, s + h, s + w)``, after which
+        ``s += max(grid_h, grid_w) // m`` (as in transformers). Decode token at sequence index ``i`` has
+        position ``i + delta`` on every axis.
+
+    Raises:
+        ValueError: ``num_tokens <= 0``, or images overlap, are out of order, or run past the prompt.
+    """
+    if num_tokens <= 0:
+        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+    pos = torch.empty(3, num_tokens, dtype=torch.int64)
+    start, idx = 0, 0
+    for offset, grid in images:
+        gt, gh, gw = (int(g) for g in grid)
+        mh, mw = gh // spatial_merge_size, gw // spatial_merge_size
+        n = gt * mh * mw
+        if offset < idx or offset + n > num_tokens:
+            raise ValueError(f"image at offset {offset} with {n} tokens overlaps the previous image or runs past "
+                             f"the prompt ({num_tokens} tokens); images must be sorted and disjoint")
+        pos[:, idx:offset] = torch.arange(start, start + offset - idx)
+        start += offset - idx
+        t, h, w = torch.meshgrid(torch.arange(gt), torch.arange(mh), torch.arange(mw), indexing="ij")
+        pos[:, offset:offset + n] = torch.stack([t, h, w]).reshape(3, -1) + start
+        start += max(gh, gw) // spatial_merge_size
+        idx = offset + n
+    pos[:, idx:] = torch.arange(start, start + num_tokens - idx)
+    return pos, int(pos.max()) + 1 - num_tokens
+
+
+def decode_positions(token_indices: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+    """Positions ``[3, B]`` int64 of decode tokens: ``token_indices + deltas`` (both ``[B]``) on all three axes.
+
+    ``token_indices[b]`` is the token's index in its sequence (prompt length + tokens generated before it);
+    ``deltas[b]`` is the request's :func:`mrope_positions` delta.
+    """
+    return (token_indices.long() + deltas.long()).unsqueeze(0).expand(3, -1).contiguous()

@@ -1,0 +1,58 @@
+"""Token sampling from last-token logits: greedy, temperature, top-k, top-p (nucleus)."""
+
+from __future__ import annotations
+
+import torch
+
+from epdserve.messages import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Pick one token per row of ``logits`` ``[B, V]`` float32; returns int64 ``[B]`` on ``logits.device``.
+
+    Rows with ``temperature == 0`` take ``torch.argmax`` (bit-for-bit the choice of transformers' greedy
+    search). Other rows: divide by temperature, keep the ``top_k`` largest (``top_k <= 0`` or ``>= V``: all),
+    then the smallest set of tokens whose probability mass reaches ``top_p`` (Holtzman et al., arXiv:1904.09751;
+    the top token is always kept), renormalise and draw with ``torch.multinomial``. Rows with a generator draw
+    from it (so a seeded request is reproducible whatever it is batched with); the others share one batched
+    draw from the global RNG. All filtering is vectorised over the batch with one sort.
+
+    Raises:
+        ValueError: ``params``/``generators`` length differs from B, or a negative temperature / top_p not in
+            (0, 1].
+    """
+    B, V = logits.shape
+    if len(params) != B or len(generators) != B:
+        raise ValueError(f"{B} logit rows but {len(params)} params and {len(generators)} generators")
+    out = torch.argmax(logits, dim=-1)
+    rows = [i for i, p in enumerate(params) if p.temperature != 0]
+    if not rows:
+        return out
+    for i in rows:
+        if params[i].temperature < 0 or not 0 < params[i].top_p <= 1:
+            raise ValueError(f"bad sampling params {params[i]}")
+    dev = logits.device
+    sel = torch.tensor(rows, device=dev)
+    temps = torch.tensor([params[i].temperature for i in rows], device=dev, dtype=torch.float32)
+    scaled = logits[sel] / temps[:, None]
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=dev)[None, :]
+    ks = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in (params[i] for i in rows)], device=dev)
+    sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
+    top_p = torch.tensor([params[i].top_p for i in rows], device=dev, dtype=torch.float32)
+    probs = sorted_logits.softmax(dim=-1)
+    # A token is dropped when the mass before it already reaches top_p; rank 0 never is (mass before it is 0).
+    drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (ranks > 0) & (top_p[:, None] < 1)
+    probs = probs.masked_fill(drop, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    picks = torch.empty(len(rows), dtype=torch.int64, device=dev)
+    shared = [j for j, i in enumerate(rows) if generators[i] is None]
+    if shared:
+        picks[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
+    for j, i in enumerate(rows):
+        g = generators[i]
+        if g is not None:
+            picks[j] = torch.multinomial(probs[j].to(g.device), 1, generator=g).to(dev)[0]
+    out[sel] = sorted_ids.gather(1, picks[:, None]).squeeze(1)
+    return out
