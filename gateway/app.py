@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP front end: routes, auth, errors, client-disconnect handling, and ``main``.
+
+Endpoints: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (200 once the processor is loaded
+and prefill and decode have answered, else 503). Every error is OpenAI error JSON; schema errors and malformed
+JSON are 400 (not FastAPI's 422).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import sys
+import uuid
+from collections.abc import Awaitable
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import httpx
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from epdserve.config import GatewayConfig
+from epdserve.gateway.chat import APIError, ChatService
+from epdserve.gateway.media import MediaPolicy
+from epdserve.gateway.prompt import PromptBuilder
+from epdserve.gateway.protocol import ChatCompletionRequest, ModelCard, ModelList
+from epdserve.gateway.stages import StageClient
+from epdserve.models.tiny import resolve_model_path
+
+logger = logging.getLogger("epdserve.gateway")
+
+T = TypeVar("T")
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+class Gateway:
+    """Everything one gateway app holds: config, stage connections and (once started) the chat service.
+
+    Lives in ``app.state.gateway``. ``ready`` is True once :meth:`start` has finished.
+    """
+
+    def __init__(self, config: GatewayConfig, stages: StageClient | None = None,
+                 startup_timeout_s: float = 300.0):
+        self.config = config
+        self.model_path = resolve_model_path(config.model_path)
+        self.model_name = config.served_model_name or self.model_path
+        self.stages = stages if stages is not None else StageClient(config)
+        self.startup_timeout_s = startup_timeout_s
+        self.chat: ChatService | None = None
+        self.startup_error: BaseException | None = None
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.chat is not None and self.stages.ready
+
+    async def start(self) -> None:
+        """Load the processor and handshake with the stages; failures are logged and kept in ``startup_error``."""
+        try:
+            builder = await asyncio.to_thread(PromptBuilder.from_pretrained, self.model_path)
+            await self.stages.start(self.startup_timeout_s)
+            for info in (self.stages.prefill_info, self.stages.decode_info):
+                if info.model_path and info.model_path != self.model_path:
+                    logger.warning("the %s server serves %s, the gateway tokenizes with %s", info.role,
+                                   info.model_path, self.model_path)
+            if self.config.allow_remote_images:
+                self._http = httpx.AsyncClient(follow_redirects=True)
+            media = MediaPolicy(max_bytes=self.config.max_image_bytes, allow_remote=self.config.allow_remote_images,
+                                local_root=self.config.allowed_local_media_path)
+            self.chat = ChatService(self.stages, builder, self.model_name, media, self.config.max_tokens_default,
+                                    self._http)
+        except Exception as e:
+            self.startup_error = e
+            logger.error("gateway startup failed: %s", e)
+
+    async def close(self) -> None:
+        if self.chat is not None:
+            self.chat.close()
+        await self.stages.close()
+        if self._http is not None:
+            await self._http.aclose()
+
+
+def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
+               startup_timeout_s: float = 300.0) -> FastAPI:
+    """Build the gateway's FastAPI app.
+
+    The stage handshake runs in the background from the app's lifespan, so the server answers ``/health`` (503)
+    while the stages load.
+
+    Args:
+        config: the gateway config.
+        stages: stage connections to use instead of ``StageClient(config)`` (tests inject fakes). The app starts
+            and closes them.
+        startup_timeout_s: how long to wait for prefill/decode/encoder to answer, in seconds.
+
+    Raises:
+        FileNotFoundError: ``config.model_path`` is not a local checkpoint.
+    """
+    gw = Gateway(config, stages, startup_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        startup = asyncio.create_task(gw.start())
+        try:
+            yield
+        finally:
+            startup.cancel()
+            await asyncio.gather(startup, return_exceptions=True)
+            await gw.close()
+
+    app = FastAPI(title="epdserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gw
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body().model_dump(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return await _api_error(request, APIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return await _api_error(request, APIError(400, str(e.errors())))
+
+    async def authorize(request: Request) -> None:
+        if not config.api_key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if gw.ready:
+            return Response(status_code=200)
+        msg = f"not ready: {gw.startup_error}" if gw.startup_error else "not ready: waiting for the stages"
+        return JSONResponse(APIError(503, msg).body().model_dump(), status_code=503)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> JSONResponse:
+        card = ModelCard(id=gw.model_name, root=gw.model_path,
+                         max_model_len=gw.stages.context_length if gw.ready else None)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(request: Request) -> Response:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            return await _chat(request, rid)
+        except APIError as e:
+            logger.info("rid=%s -> %d: %s", rid, e.status, e.message)
+            raise
+        except _ClientGone:
+            logger.info("rid=%s client disconnected", rid)
+            return Response(status_code=499)
+        except Exception as e:  # keep serving: one bad request must not take the gateway down
+            logger.exception("rid=%s internal error", rid)
+            raise APIError(500, f"internal error: {e}") from None
+
+    async def _chat(request: Request, rid: str) -> Response:
+        try:
+            req = ChatCompletionRequest.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise APIError(400, _describe(e), param=_first_param(e)) from None
+        if req.model != gw.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {gw.model_name!r}",
+                           param="model", code="model_not_found")
+        if (problem := req.unsupported()) is not None:
+            raise APIError(400, problem)
+        if not gw.ready:
+            raise APIError(503, "the server is starting: the stages are not ready yet")
+        chat = gw.chat
+        prepared = await _until_disconnect(request, chat.prepare(rid, req))
+        if req.stream:
+            # Starlette cancels the body iterator when the client disconnects; ChatService.stream aborts then.
+            return StreamingResponse(chat.stream(prepared), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        response = await _until_disconnect(request, chat.complete(prepared))
+        return JSONResponse(response.model_dump())
+
+    return app
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it (which aborts the request) and raise _ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise _ClientGone()
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the only message left to receive is http.disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _describe(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:3]:
+        loc = ".".join(str(x) for x in err["loc"])
+        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+    more = f" (and {e.error_count() - 3} more)" if e.error_count() > 3 else ""
+    return "invalid request: " + "; ".join(parts) + more
+
+
+def _first_param(e: ValidationError) -> str | None:
+    errors = e.errors()
+    return str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
+
+
+def main(config: GatewayConfig) -> None:
+    """Serve the gateway until interrupted (uvicorn, log level warning).
+
+    Logs one line, ``gateway ready on http://HOST:PORT (model=NAME)``, once the HTTP server listens and the stages
+    answered. Exits with status 1 if the stages cannot be reached in time.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           access_log=False))
+    if not asyncio.run(_serve(server, app.state.gateway)):
+        sys.exit(1)
+
+
+async def _serve(server, gw: Gateway) -> bool:
+    """Run ``server`` and log the ready line once both it listens and ``gw`` is ready. False on startup failure."""
+    serving = asyncio.create_task(server.serve())
+    while not serving.done():
+        if server.started and gw.ready:
+            port = server.servers[0].sockets[0].getsockname()[1] if server.servers else gw.config.port
+            logger.info("gateway ready on http://%s:%d (model=%s)", gw.config.host, port, gw.model_name)
+            break
+        if gw.startup_error is not None:
+            server.should_exit = True
+            break
+        await asyncio.sleep(0.05)
+    await serving
+    return gw.startup_error is None

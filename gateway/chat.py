@@ -1,0 +1,234 @@
+"""One chat completion, from a validated request to a response or an SSE stream (no HTTP plumbing here).
+
+Steps: fetch images -> encode (embeddings go straight to prefill) -> tokenize with image slots -> check lengths ->
+send ``DecodeRequest`` then ``PrefillRequest`` -> collect or stream ``TokenOutput``s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import httpx
+
+from epdserve.gateway.media import MediaError, MediaPolicy, load_image
+from epdserve.gateway.prompt import Prompt, PromptBuilder, PromptError, to_hf_messages
+from epdserve.gateway.protocol import (
+    AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChunkChoice,
+    Delta, ErrorInfo, ErrorResponse, Usage,
+)
+from epdserve.gateway.stages import StageClient, StageError
+from epdserve.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenOutput
+
+logger = logging.getLogger("epdserve.gateway")
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI error JSON with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.param = param
+        self.code = code if code is not None else status
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code))
+
+
+@dataclass
+class PreparedChat:
+    """A request ready to send to the stages."""
+
+    rid: str
+    request: ChatCompletionRequest
+    prompt: Prompt
+    prefill: PrefillRequest
+    decode: DecodeRequest
+
+
+class ChatService:
+    """Runs chat completions against the stages. One per gateway; safe for concurrent requests.
+
+    Args:
+        stages: a started (or starting) :class:`StageClient`.
+        builder: the prompt builder; its calls are serialized on one worker thread (see :class:`PromptBuilder`).
+        model_name: the served model name put in responses.
+        media: image URL policy.
+        max_tokens_default: completion budget when the request gives none (0 = up to the context length).
+    """
+
+    def __init__(self, stages: StageClient, builder: PromptBuilder, model_name: str, media: MediaPolicy,
+                 max_tokens_default: int = 0, http: httpx.AsyncClient | None = None):
+        self.stages = stages
+        self.builder = builder
+        self.model_name = model_name
+        self.media = media
+        self.max_tokens_default = max_tokens_default
+        self.http = http
+        # One thread: keeps tokenization off the event loop without using the tokenizer from two threads.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epdserve-tokenize")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def prepare(self, rid: str, req: ChatCompletionRequest) -> PreparedChat:
+        """Fetch and encode images, build the prompt, check lengths and build the stage requests.
+
+        Raises:
+            APIError: 400/413 for bad images or prompts, the encoder's status for encoder failures, 503 when the
+                stages are not ready.
+        """
+        hf_messages, urls = to_hf_messages(req.messages)
+        try:
+            images = list(await asyncio.gather(*(load_image(u, self.media, self.http) for u in urls)))
+        except MediaError as e:
+            raise APIError(e.status, e.message, param="messages") from None
+        try:
+            encoded = await self.stages.encode(rid, images) if images else []
+            prompt = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.builder.build, hf_messages, encoded)
+            max_new = self._max_new_tokens(req, len(prompt.input_ids))
+        except BaseException as e:
+            # The encoder may already have pushed this request's embeddings to prefill: let it drop them.
+            if images:
+                self.stages.abort(rid)
+            if isinstance(e, StageError):
+                raise APIError(e.status, e.message) from None
+            if isinstance(e, PromptError):
+                raise APIError(400, str(e), param="messages") from None
+            raise
+        sampling = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            max_new_tokens=max_new,
+            stop=req.stop_list(),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            seed=req.seed,
+        )
+        room = secrets.randbits(63)  # rendezvous key between this request's prefill and decode
+        info = self.stages.prefill_info
+        prefill = PrefillRequest(rid=rid, input_ids=prompt.input_ids, images=prompt.images, sampling=sampling,
+                                 bootstrap_room=room)
+        decode = DecodeRequest(rid=rid, prompt_len=len(prompt.input_ids), sampling=sampling,
+                               bootstrap_host=info.bootstrap_host, bootstrap_port=info.bootstrap_port,
+                               bootstrap_room=room)
+        logger.debug("rid=%s prompt_tokens=%d images=%d max_new_tokens=%d", rid, len(prompt.input_ids),
+                     len(images), max_new)
+        return PreparedChat(rid, req, prompt, prefill, decode)
+
+    def _max_new_tokens(self, req: ChatCompletionRequest, prompt_len: int) -> int:
+        context = self.stages.context_length
+        if prompt_len >= context:
+            raise APIError(400, f"the prompt has {prompt_len} tokens, but the model's context length is "
+                                f"{context} tokens", param="messages", code="context_length_exceeded")
+        left = context - prompt_len
+        wanted = req.requested_max_tokens()
+        if wanted is not None:
+            if prompt_len + wanted > context:
+                raise APIError(400, f"the prompt has {prompt_len} tokens and {wanted} completion tokens were "
+                                    f"requested, {prompt_len + wanted} in all, but the model's context length "
+                                    f"is {context} tokens", param="max_completion_tokens",
+                               code="context_length_exceeded")
+            return wanted
+        # A server default must never make a request fail, so it is clipped to what is left of the context.
+        return min(self.max_tokens_default, left) if self.max_tokens_default > 0 else left
+
+    async def complete(self, chat: PreparedChat) -> ChatCompletionResponse:
+        """Run ``chat`` to the end and build the ``chat.completion`` response.
+
+        Raises:
+            APIError: 500 when a stage reports an error.
+        """
+        t0 = time.monotonic()
+        texts: list[str] = []
+        token_ids: list[int] = []
+        final: TokenOutput | None = None
+        async with aclosing(self.stages.generate(chat.prefill, chat.decode)) as outputs:
+            async for out in outputs:
+                texts.append(out.text)
+                token_ids.extend(out.token_ids)
+                final = out
+        if final.finish_reason == "error":
+            logger.warning("rid=%s failed: %s", chat.rid, final.error)
+            raise APIError(500, final.error or "generation failed")
+        usage = self._usage(chat, final, len(token_ids))
+        logger.debug("rid=%s finished (%s): %d+%d tokens in %.3f s", chat.rid, final.finish_reason,
+                     usage.prompt_tokens, usage.completion_tokens, time.monotonic() - t0)
+        rti = chat.request.return_token_ids
+        return ChatCompletionResponse(
+            id=chat.rid, model=self.model_name, usage=usage,
+            choices=[Choice(message=AssistantMessage(content="".join(texts)), finish_reason=final.finish_reason,
+                            token_ids=token_ids if rti else None)],
+            prompt_token_ids=chat.prompt.input_ids if rti else None,
+        )
+
+    async def stream(self, chat: PreparedChat) -> AsyncIterator[str]:
+        """Yield the SSE events of ``chat``: a role chunk, content chunks, a finish chunk, an optional usage chunk,
+        then ``data: [DONE]``. A stage error becomes an ``{"error": ...}`` event before ``[DONE]``.
+
+        Closing the iterator early (client gone) aborts the request on the stages.
+        """
+        t0 = time.monotonic()
+        created = int(time.time())
+        rti = chat.request.return_token_ids
+        opts = chat.request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+
+        def event(choices: list[ChunkChoice], **extra) -> str:
+            chunk = ChatCompletionChunk(id=chat.rid, created=created, model=self.model_name, choices=choices,
+                                        **extra)
+            return f"data: {chunk.model_dump_json()}\n\n"
+
+        yield event([ChunkChoice(delta=Delta(role="assistant", content=""))],
+                    prompt_token_ids=chat.prompt.input_ids if rti else None)
+        final: TokenOutput | None = None
+        n_tokens = 0
+        try:
+            async with aclosing(self.stages.generate(chat.prefill, chat.decode)) as outputs:
+                async for out in outputs:
+                    final = out
+                    n_tokens += len(out.token_ids)
+                    if out.finish_reason == "error":
+                        logger.warning("rid=%s failed: %s", chat.rid, out.error)
+                        err = APIError(500, out.error or "generation failed")
+                        yield f"data: {err.body().model_dump_json()}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                    if out.text or (rti and out.token_ids):
+                        yield event([ChunkChoice(delta=Delta(content=out.text),
+                                                 token_ids=out.token_ids if rti else None)])
+                    if out.finish_reason is not None:
+                        yield event([ChunkChoice(delta=Delta(), finish_reason=out.finish_reason)])
+        except Exception as e:  # the response has started: the only way left to report is an error event
+            logger.exception("rid=%s stream failed", chat.rid)
+            yield f"data: {APIError(500, f'internal error: {e}').body().model_dump_json()}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        usage = self._usage(chat, final, n_tokens)
+        if include_usage:
+            yield event([], usage=usage)
+        logger.debug("rid=%s finished (%s): %d+%d tokens in %.3f s", chat.rid, final.finish_reason,
+                     usage.prompt_tokens, usage.completion_tokens, time.monotonic() - t0)
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _usage(chat: PreparedChat, final: TokenOutput, n_tokens: int) -> Usage:
+        # The stage's counts are authoritative; ours are the fallback when a stage leaves them at 0.
+        return Usage.of(final.prompt_tokens or len(chat.prompt.input_ids), final.completion_tokens or n_tokens,
+                        final.cached_tokens)

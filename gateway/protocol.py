@@ -1,0 +1,204 @@
+"""The OpenAI chat-completions schema the gateway speaks (requests, responses, stream chunks, errors).
+
+Only what the gateway can honour is modelled. Unknown request fields are ignored (clients such as the OpenAI
+SDK send fields like ``user``), but fields that would change the answer and are not implemented (``n > 1``,
+``logprobs``, penalties) are rejected by :meth:`ChatCompletionRequest.unsupported` rather than silently
+dropped. Extensions shared with vLLM/SGLang: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+# Extension fields are left out of the JSON when unset so plain OpenAI responses stay byte-for-byte familiar.
+_Extension = Field(default=None, exclude_if=_is_none)
+
+
+class ImageURL(BaseModel):
+    """``{"url": ..., "detail": ...}``; ``detail`` is accepted and ignored (the processor picks the resolution)."""
+
+    url: str
+    detail: str | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _bare_url(cls, v):
+        # Some clients send the URL as a bare string; accept it as the object form.
+        return {"url": v} if isinstance(v, str) else v
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    """One input message. ``developer`` (the newer OpenAI name for ``system``) is treated as ``system``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions`` body.
+
+    ``max_completion_tokens`` is preferred over the legacy ``max_tokens`` when both are given. ``temperature``
+    0 means greedy. ``top_k`` <= 0 disables top-k.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def unsupported(self) -> str | None:
+        """A message naming the first requested feature the gateway does not implement, else None."""
+        if self.n != 1:
+            return "n > 1 is not supported"
+        if self.logprobs or self.top_logprobs:
+            return "logprobs are not supported"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty and frequency_penalty are not supported"
+        return None
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens``, else None."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token counts. ``cached_tokens`` counts prompt tokens whose KV came from the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = _Extension
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = _Extension
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = _Extension
+    content: str | None = _Extension
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = _Extension
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event. The usage chunk (``stream_options.include_usage``) has empty ``choices``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = _Extension
+    prompt_token_ids: list[int] | None = _Extension
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "epdserve"
+    root: str | None = _Extension
+    max_model_len: int | None = _Extension
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo

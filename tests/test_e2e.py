@@ -1,0 +1,230 @@
+"""The whole pipeline, as README starts it (`epdserve launch`, four processes), against transformers' generate().
+
+Greedy output through the gateway must equal ``generate(do_sample=False)`` on the same checkpoint and the same
+processor output, token for token, and the text must equal ``tokenizer.decode(ids, skip_special_tokens=True)``.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+NEW_TOKENS = 40
+PROMPT = "Describe this image in detail, please: the colours, the objects, and what happens in the scene."
+
+
+def _free_port() -> int:
+    from epdserve.launch import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    """`epdserve launch` on a free port with the tiny model; yields (base_url, log_path)."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("launch") / "launch.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "epdserve.cli", "--log-level", "DEBUG", "launch", "--model-path", tiny_model_path,
+         "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while "epdserve ready" not in log_path.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"launch did not get ready:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.3)
+    yield url, log_path
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_model_path)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    return processor, model
+
+
+def _data_url(path: Path) -> str:
+    mime = "image/jpeg" if path.suffix == ".jpg" else "image/png"
+    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
+
+
+def _openai_messages(turns):
+    """turns: list of (role, [str | Path]) -> OpenAI messages with image_url parts."""
+    out = []
+    for role, parts in turns:
+        if len(parts) == 1 and isinstance(parts[0], str):
+            out.append({"role": role, "content": parts[0]})
+            continue
+        out.append({"role": role, "content": [
+            {"type": "image_url", "image_url": {"url": _data_url(p)}} if isinstance(p, Path)
+            else {"type": "text", "text": p} for p in parts]})
+    return out
+
+
+def _hf_reference(hf, turns, new_tokens=NEW_TOKENS):
+    """Greedy ids from transformers' generate() on the processor's own output (EOS ignored, like ignore_eos)."""
+    from PIL import Image
+    from transformers import GenerationConfig
+
+    processor, model = hf
+    messages, images = [], []
+    for role, parts in turns:
+        if len(parts) == 1 and isinstance(parts[0], str):
+            messages.append({"role": role, "content": parts[0]})
+            continue
+        content = []
+        for p in parts:
+            if isinstance(p, Path):
+                images.append(Image.open(p))
+                content.append({"type": "image"})
+            else:
+                content.append({"type": "text", "text": p})
+        messages.append({"role": role, "content": content})
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=images or None, return_tensors="pt")
+    gen = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        out = model.generate(**inputs, generation_config=gen)
+    ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    return inputs["input_ids"][0].tolist(), ids, processor.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _chat(url, model, messages, **extra):
+    body = {"model": model, "messages": messages, "temperature": 0, "max_completion_tokens": NEW_TOKENS,
+            "ignore_eos": True, "return_token_ids": True, **extra}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+CASES = {
+    "text": [("user", ["Tell me a story about a rocket and a cat."])],
+    "one_photo": [("user", ["chelsea", PROMPT])],
+    "two_photos": [("user", ["astronaut", "What differs between these two pictures?", "coffee"])],
+    "two_turns": [("user", ["rocket", "What is this?"]), ("assistant", ["A rocket launch."]),
+                  ("user", ["Where is it going?"])],
+}
+
+
+def _resolve(case, photo_paths):
+    return [(role, [photo_paths[p] if p in photo_paths else p for p in parts]) for role, parts in CASES[case]]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_parity_with_transformers(server, hf, tiny_model_path, photo_paths, case):
+    url, _ = server
+    turns = _resolve(case, photo_paths)
+    ref_prompt, ref_ids, ref_text = _hf_reference(hf, turns)
+    resp = _chat(url, tiny_model_path, _openai_messages(turns))
+    choice = resp["choices"][0]
+    assert resp["prompt_token_ids"] == ref_prompt
+    assert choice["token_ids"] == ref_ids
+    assert choice["message"]["content"] == ref_text
+    assert choice["finish_reason"] == "length"
+    assert resp["usage"]["completion_tokens"] == NEW_TOKENS
+    assert resp["usage"]["prompt_tokens"] == len(ref_prompt)
+
+
+def test_openai_client_stream_and_not(server, hf, tiny_model_path, photo_paths):
+    openai = pytest.importorskip("openai")
+    url, _ = server
+    turns = _resolve("one_photo", photo_paths)
+    _, _, ref_text = _hf_reference(hf, turns)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY")
+    kw = dict(model=tiny_model_path, messages=_openai_messages(turns), temperature=0,
+              max_completion_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(**kw)
+    assert resp.choices[0].message.content == ref_text
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref_text
+    assert chunks[-1].usage.completion_tokens == NEW_TOKENS
+
+
+def test_repeated_photo_hits_radix_and_embedding_caches(server, tiny_model_path, photo_paths):
+    url, log_path = server
+    turns = [("system", ["You are a careful visual assistant. Answer in one short paragraph."]),
+             ("user", [photo_paths["page"], PROMPT])]
+    messages = _openai_messages(turns)
+    first = _chat(url, tiny_model_path, messages)
+    second = _chat(url, tiny_model_path, messages)
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    pad = 5  # <|image_pad|> in the tiny tokenizer
+    ids = second["prompt_token_ids"]
+    image_end = max(i for i, t in enumerate(ids) if t == pad) + 1
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= image_end
+    # The encoder logs each request's cache hits under the request id.
+    deadline = time.monotonic() + 5
+    while not re.search(rf"{second['id']}.*1 from cache", log_path.read_text()):
+        assert time.monotonic() < deadline, "no encoder cache hit logged for the second request"
+        time.sleep(0.1)
+
+
+def test_eight_concurrent_requests_match_their_single_outputs(server, tiny_model_path, photo_paths):
+    url, _ = server
+    names = ["chelsea", "astronaut", "coffee", "rocket", "camera", "page"]
+    requests = [_openai_messages([("user", [photo_paths[names[i % 6]], f"Question {i}: what is shown?"])])
+                for i in range(6)]
+    requests += [_openai_messages([("user", [f"Write {i} words about serving."])]) for i in range(2)]
+    single = [_chat(url, tiny_model_path, m)["choices"][0]["token_ids"] for m in requests]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda m: _chat(url, tiny_model_path, m)["choices"][0]["token_ids"], requests))
+    assert together == single
+
+
+def test_bad_input_gets_clear_errors_and_server_keeps_serving(server, tiny_model_path, photo_paths):
+    url, _ = server
+    corrupt = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n not really a png").decode()
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": tiny_model_path, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": corrupt}}, {"type": "text", "text": "hi"}]}]})
+    assert r.status_code == 400 and "image" in r.json()["error"]["message"].lower()
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                   json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": tiny_model_path, "messages": [{"role": "user", "content": "word " * 5000}]})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"].lower()
+    ok = _chat(url, tiny_model_path, _openai_messages([("user", [photo_paths["chelsea"], "And now?"])]))
+    assert ok["usage"]["completion_tokens"] == NEW_TOKENS
+
+
+def test_stream_deltas_equal_final_text(server, tiny_model_path, photo_paths):
+    url, _ = server
+    messages = _openai_messages([("user", [photo_paths["coffee"], "Describe it."])])
+    full = _chat(url, tiny_model_path, messages)["choices"][0]["message"]["content"]
+    body = {"model": tiny_model_path, "messages": messages, "temperature": 0, "max_completion_tokens": NEW_TOKENS,
+            "ignore_eos": True, "stream": True}
+    parts = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        for c in json.loads(line[6:])["choices"]:
+            parts.append(c["delta"].get("content") or "")
+    assert "".join(parts) == full
