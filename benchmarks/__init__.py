@@ -1,0 +1,1 @@
+"""epdserve.bench: the end-to-end serving benchmark behind ``epdserve bench`` (see README.md in this folder)."""
