@@ -228,3 +228,17 @@ def test_stream_deltas_equal_final_text(server, tiny_model_path, photo_paths):
         for c in json.loads(line[6:])["choices"]:
             parts.append(c["delta"].get("content") or "")
     assert "".join(parts) == full
+
+
+def test_bench_against_epdserve(server, tiny_model_path, tmp_path):
+    from epdserve.bench.cli import main as bench
+
+    url, _ = server
+    out = tmp_path / "bench.json"
+    code = bench(["--base-url", url, "--model", tiny_model_path, "--dataset", "shared-prefix", "--num-prompts", "6",
+                  "--output-len", "8", "--max-concurrency", "3", "--output-json", str(out), "--disable-tqdm"])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    ok = [r for r in doc["requests"] if r["success"]]
+    assert len(ok) == 6 and all(r["completion_tokens"] == 8 for r in ok)
+    assert any(r["cached_tokens"] > 0 for r in ok)  # the shared prefix hit the radix cache

@@ -1,0 +1,391 @@
+"""The encoder server: gRPC ``epdserve.v1.Encoder/Encode`` in front of the vision tower and the embedding cache.
+
+A request's images are hashed, looked up in the cache, and the missing ones are decoded and encoded in ONE tower
+call on a single worker thread (the event loop keeps answering health checks meanwhile). An image already being
+encoded for another request is awaited, not encoded again. With ``targets`` the embeddings are pushed over ZMQ to
+every TP rank of one prefill server before the response is sent; without, they come back in the response.
+
+Run it with ``python -m epdserve.encoder.server --port 50051`` (flags: :class:`epdserve.config.EncoderConfig`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import signal
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from PIL import Image
+
+from epdserve.config import EncoderConfig
+from epdserve.device import resolve_device, resolve_dtype
+from epdserve.encoder.cache import EmbeddingCache
+from epdserve.encoder.vision import ImageDecodeError, VisionEncoder, decode_image
+from epdserve.messages import ImageEmbeddings, encode
+from epdserve.models.tiny import resolve_model_path
+from epdserve.proto import encoder_pb2, encoder_pb2_grpc
+
+log = logging.getLogger("epdserve.encoder")  # not __name__: that is "__main__" under python -m
+
+SERVICE_NAME: str = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name  # "epdserve.v1.Encoder"
+MIB = 1 << 20
+# A target that accepts no message for this long is taken as down: the request fails with UNAVAILABLE rather
+# than queueing embeddings for a prefill rank that may never read them.
+PUSH_TIMEOUT_S = 10.0
+# Messages queued per target before sends wait: embeddings are MBs each, so the default 1000 could hold GBs.
+_PUSH_HWM = 64
+# Give queued embeddings a moment to leave at shutdown, but never hang on a dead peer.
+_PUSH_LINGER_MS = 1000
+# Bound on cached PUSH sockets (one per prefill TP rank seen); the least recently used is closed beyond it.
+_MAX_PUSH_SOCKETS = 256
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(Exception):
+    """A request that fails with a specific gRPC status (``code``) and message, not as an internal error."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, log_level: int = logging.DEBUG) -> None:
+        super().__init__(message)
+        self.code = code
+        self.log_level = log_level  # client mistakes stay quiet; operational trouble (a dead target) is a warning
+
+
+def tensor_to_proto(t: torch.Tensor) -> encoder_pb2.Tensor:
+    """Serialize a CPU or device tensor to ``epdserve.v1.Tensor`` (raw little-endian row-major bytes).
+
+    Raises:
+        ValueError: dtype other than float32 / bfloat16 / float16.
+    """
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported tensor dtype {t.dtype}")
+    raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    return encoder_pb2.Tensor(dtype=name, shape=list(t.shape), data=raw)
+
+
+def tensor_from_proto(msg: encoder_pb2.Tensor) -> torch.Tensor:
+    """Rebuild the tensor of an ``epdserve.v1.Tensor`` (a writable CPU copy).
+
+    Raises:
+        ValueError: unknown dtype, or ``data`` does not hold exactly ``shape`` elements.
+    """
+    if msg.dtype not in _DTYPES:
+        raise ValueError(f"unknown tensor dtype {msg.dtype!r}")
+    flat = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8) if msg.data else torch.empty(0, dtype=torch.uint8)
+    try:
+        return flat.view(_DTYPES[msg.dtype]).reshape(list(msg.shape))
+    except RuntimeError as e:
+        raise ValueError(f"tensor data does not match {msg.dtype}{list(msg.shape)}: {e}") from e
+
+
+def _sha256_all(datas: list[bytes]) -> list[str]:
+    return [hashlib.sha256(d).hexdigest() for d in datas]
+
+
+def _decode_each(datas: list[bytes], max_pixels: int) -> list[Image.Image | ImageDecodeError]:
+    out: list[Image.Image | ImageDecodeError] = []
+    for d in datas:
+        try:
+            out.append(decode_image(d, max_pixels))
+        except ImageDecodeError as e:
+            out.append(e)
+    return out
+
+
+def _consume_exception(fut: asyncio.Future) -> None:
+    # A failed encode may have no waiter left (its requests were cancelled); reading the exception here keeps
+    # asyncio from logging "Future exception was never retrieved".
+    if not fut.cancelled():
+        fut.exception()
+
+
+class EmbeddingPusher:
+    """ZMQ PUSH sockets to prefill embedding endpoints, connected on first use and cached per endpoint.
+
+    Sockets use ``IMMEDIATE`` so a message is only queued to a live connection: an unreachable target makes
+    :meth:`push` fail after ``timeout_s`` instead of silently buffering.
+    """
+
+    def __init__(self, context: zmq.asyncio.Context, timeout_s: float = PUSH_TIMEOUT_S) -> None:
+        self._ctx = context
+        self._timeout_s = timeout_s
+        self._sockets: OrderedDict[str, zmq.asyncio.Socket] = OrderedDict()
+
+    def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self._sockets.get(endpoint)
+        if sock is not None:
+            self._sockets.move_to_end(endpoint)
+            return sock
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDHWM, _PUSH_HWM)
+        sock.setsockopt(zmq.LINGER, _PUSH_LINGER_MS)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"bad target {endpoint!r}: {e}") from e
+        self._sockets[endpoint] = sock
+        if len(self._sockets) > _MAX_PUSH_SOCKETS:
+            _, oldest = self._sockets.popitem(last=False)
+            oldest.close()
+        return sock
+
+    async def push(self, endpoints: list[str], frames: list[bytes | memoryview]) -> None:
+        """Send the same multipart message to every endpoint, concurrently; return once all have taken it.
+
+        Raises:
+            RequestError: INVALID_ARGUMENT for a malformed endpoint, UNAVAILABLE for one that accepted nothing
+                within the timeout (the others may have received the message).
+        """
+        socks = [(e, self._socket(e)) for e in endpoints]
+
+        async def one(endpoint: str, sock: zmq.asyncio.Socket) -> None:
+            try:
+                await asyncio.wait_for(sock.send_multipart(frames, copy=False), self._timeout_s)
+            except TimeoutError as e:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                   f"target {endpoint!r} accepted no embeddings within {self._timeout_s:g} s",
+                                   logging.WARNING) from e
+
+        results = await asyncio.gather(*(one(e, s) for e, s in socks), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    def close(self) -> None:
+        """Close every socket (each lingers up to 1 s for queued messages)."""
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets.clear()
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
+    """``epdserve.v1.Encoder``: Encode answers UNAVAILABLE until ``encoder`` is set (the model is loaded).
+
+    Cache, in-flight map and tasks are touched only from the event loop; the tower runs on ``tower``, a
+    single-thread executor, so there is never more than one tower call at a time.
+    """
+
+    def __init__(self, cache: EmbeddingCache, pusher: EmbeddingPusher, tower: ThreadPoolExecutor,
+                 max_image_pixels: int) -> None:
+        self.encoder: VisionEncoder | None = None
+        self.cache = cache
+        self._pusher = pusher
+        self._tower = tower
+        self._max_pixels = max_image_pixels
+        # image hash -> future of (embedding, grid_thw) for images being encoded now, shared by all requests.
+        self._inflight: dict[str, asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def Encode(self, request: encoder_pb2.EncodeRequest,
+                     context: grpc.aio.ServicerContext) -> encoder_pb2.EncodeResponse:
+        """Encode the request's images; see the module docstring and proto/encoder.proto for the semantics.
+
+        Status codes: INVALID_ARGUMENT (no images, an undecodable or too large image named by its index, a bad
+        target, targets without a request id), UNAVAILABLE (model loading, a target not accepting), INTERNAL
+        (anything unexpected; the server keeps serving).
+        """
+        rid = request.request_id
+        try:
+            return await self._encode(request)
+        except RequestError as e:
+            code, message = e.code, str(e)
+            log.log(e.log_level, "rid=%s %s: %s", rid, code.name, message)
+        except Exception as e:
+            log.exception("rid=%s encode failed", rid)
+            code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+        await context.abort(code, message)
+
+    async def _encode(self, request: encoder_pb2.EncodeRequest) -> encoder_pb2.EncodeResponse:
+        rid = request.request_id
+        encoder = self.encoder
+        if encoder is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the vision model is still loading")
+        if not request.images:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request has no images")
+        targets = list(dict.fromkeys(request.targets))  # a rank listed twice must not get the message twice
+        if targets and not rid:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required when targets are given")
+        datas = [im.data for im in request.images]
+        hashes = await asyncio.to_thread(_sha256_all, datas)  # 100 MB takes ~0.2 s: keep it off the loop
+        results = await self._embeddings(encoder, datas, hashes)
+        if targets:
+            msg = ImageEmbeddings(rid=rid, image_hashes=hashes, embeddings=[results[h][0] for h in hashes])
+            await self._pusher.push(targets, encode(msg))
+        response = encoder_pb2.EncodeResponse(request_id=rid)
+        for h in hashes:
+            emb, grid, hit = results[h]
+            item = response.images.add(image_hash=h, num_tokens=encoder.num_tokens(grid), grid_thw=grid,
+                                       cache_hit=hit)
+            if not targets:
+                item.embedding.CopyFrom(tensor_to_proto(emb))
+        hits = sum(results[h][2] for h in hashes)
+        log.debug("rid=%s encoded %d image(s), %d from cache", rid, len(hashes), hits)
+        return response
+
+    async def _embeddings(self, encoder: VisionEncoder, datas: list[bytes],
+                          hashes: list[str]) -> dict[str, tuple[torch.Tensor, list[int], bool]]:
+        """``hash -> (embedding, grid_thw, cache_hit)`` for every distinct image of a request."""
+        out: dict[str, tuple[torch.Tensor, list[int], bool]] = {}
+        pending: dict[str, asyncio.Future] = {}
+        new: list[tuple[str, bytes]] = []
+        loop = asyncio.get_running_loop()
+        for i, h in enumerate(hashes):
+            if h in out or h in pending:
+                continue
+            entry = self.cache.get(h)
+            if entry is not None:
+                out[h] = (entry.embedding, entry.grid_thw, True)
+                continue
+            fut = self._inflight.get(h)
+            if fut is None:
+                fut = loop.create_future()
+                fut.add_done_callback(_consume_exception)
+                self._inflight[h] = fut
+                new.append((h, datas[i]))
+            pending[h] = fut
+        if new:
+            # A task, not an inline await: if this request is cancelled, the encode still finishes for the
+            # other requests waiting on the same images, and its result still lands in the cache.
+            task = asyncio.create_task(self._produce(encoder, new, {h: pending[h] for h, _ in new}))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        outcomes = await asyncio.gather(*(asyncio.shield(f) for f in pending.values()), return_exceptions=True)
+        done = dict(zip(pending, outcomes))
+        for i, h in enumerate(hashes):  # report the first bad image in request order
+            if isinstance(done.get(h), ImageDecodeError):
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"image {i}: {done[h]}")
+        for h, res in done.items():
+            if isinstance(res, BaseException):
+                raise res
+            out[h] = (res[0], res[1], False)
+        return out
+
+    async def _produce(self, encoder: VisionEncoder, items: list[tuple[str, bytes]],
+                       futures: dict[str, asyncio.Future]) -> None:
+        """Decode ``items`` and run the tower once on the decodable ones; resolve their futures, fill the cache.
+
+        Each future's outcome depends only on its own bytes (or a tower failure), so requests sharing an image
+        never get another request's decode error.
+        """
+        try:
+            decoded = await asyncio.to_thread(_decode_each, [d for _, d in items], self._max_pixels)
+            good: list[tuple[str, Image.Image]] = []
+            for (h, _), img in zip(items, decoded):
+                if isinstance(img, ImageDecodeError):
+                    futures[h].set_exception(img)
+                else:
+                    good.append((h, img))
+            if good:
+                loop = asyncio.get_running_loop()
+                encoded = await loop.run_in_executor(self._tower, encoder.encode, [img for _, img in good])
+                for (h, _), (emb, grid) in zip(good, encoded):
+                    self.cache.put(h, emb, grid)
+                    futures[h].set_result((emb, grid))
+        except BaseException as e:
+            err = e if isinstance(e, Exception) else RuntimeError("encoding was cancelled (server stopping)")
+            for f in futures.values():
+                if not f.done():
+                    f.set_exception(err)
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            for h, f in futures.items():
+                if self._inflight.get(h) is f:
+                    del self._inflight[h]
+
+    async def aclose(self) -> None:
+        """Cancel encodes still running (their waiters get an error) and wait for them to unwind."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> None:
+    """Run the encoder gRPC server until cancelled.
+
+    The port is bound first with health NOT_SERVING; the model is then loaded on the tower thread, health
+    turns SERVING (overall ``""`` and ``epdserve.v1.Encoder``), one INFO line is logged and ``ready`` is set.
+    ``config.port == 0`` binds a free port (the log line names it).
+
+    Raises:
+        ValueError: bad ``device``/``dtype``, or a checkpoint the vision loader rejects.
+        FileNotFoundError: ``model_path`` is not a local checkpoint.
+        RuntimeError: the address cannot be bound.
+    """
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    max_bytes = config.max_message_mb * MIB
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", max_bytes),
+                                      ("grpc.max_receive_message_length", max_bytes)])
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    tower = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epdserve-vision")
+    zmq_ctx = zmq.asyncio.Context()
+    pusher = EmbeddingPusher(zmq_ctx)
+    servicer = EncoderServicer(EmbeddingCache(config.cache_size_mb * MIB), pusher, tower, config.max_image_pixels)
+    encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    try:
+        port = server.add_insecure_port(_bind_address(config.host, config.port))
+        await server.start()
+        loop = asyncio.get_running_loop()
+        model_path = await loop.run_in_executor(tower, resolve_model_path, config.model_path)
+        servicer.encoder = await loop.run_in_executor(tower, VisionEncoder, model_path, device, dtype)
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("encoder ready on %s (model=%s, device=%s, dtype=%s)", _bind_address(config.host, port),
+                 model_path, device, str(dtype).removeprefix("torch."))
+        if ready is not None:
+            ready.set()
+        await server.wait_for_termination()
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=1.0)
+        await servicer.aclose()
+        pusher.close()
+        zmq_ctx.term()
+        tower.shutdown(wait=False, cancel_futures=True)
+
+
+async def _serve_until_signal(config: EncoderConfig) -> None:
+    task = asyncio.create_task(serve(config))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+def main(config: EncoderConfig) -> None:
+    """Run the encoder server in the foreground until SIGINT/SIGTERM, logging at INFO (one line when ready)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve_until_signal(config))
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from epdserve.config import add_config_args, config_from_args
+
+    _parser = argparse.ArgumentParser(description=EncoderConfig.__doc__)
+    add_config_args(_parser, EncoderConfig)
+    main(config_from_args(EncoderConfig, _parser.parse_args()))

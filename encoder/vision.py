@@ -1,0 +1,194 @@
+"""The vision half of a Qwen2-VL / Qwen2.5-VL checkpoint: image decoding, the image processor, the vision tower.
+
+Only the vision tower is built and only its tensors are read from the safetensors files, so the encoder never
+holds the language model. The tower is transformers' own class, and it is fed the image processor's own
+``pixel_values`` / ``image_grid_thw``: its output is the same as the full model's ``get_image_features`` (pixel
+preprocessing differences move logits far more than kernel noise does; see ../shared/notes/qwen-vl-facts.md).
+"""
+
+from __future__ import annotations
+
+import json
+from io import BytesIO
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from epdserve.device import resolve_device, resolve_dtype
+
+# transformers 5 names the tower ``model.visual``; checkpoints written by older versions (and the hub's
+# Qwen2-VL / Qwen2.5-VL releases) name it ``visual``. transformers 5 itself still saves the older layout.
+_VISUAL_PREFIXES = ("model.visual.", "visual.")
+
+
+class ImageDecodeError(ValueError):
+    """The bytes are not a decodable image, or the image is larger than allowed."""
+
+
+def decode_image(data: bytes, max_pixels: int) -> Image.Image:
+    """Decode raw image file bytes (PNG, JPEG, WebP, ...) to a fully loaded RGB ``PIL.Image``.
+
+    The size is checked from the header before any pixel is decoded, so a decompression bomb costs nothing.
+    Trailing bytes after the image data are ignored (PIL stops at the end of the image stream).
+
+    Raises:
+        ImageDecodeError: empty, unknown format, corrupt or truncated data, or ``width * height > max_pixels``.
+    """
+    if not data:
+        raise ImageDecodeError("empty image data")
+    try:
+        img = Image.open(BytesIO(data))
+        width, height = img.size
+        if width * height > max_pixels:
+            raise ImageDecodeError(f"image of {width}x{height} pixels is larger than the limit of {max_pixels}")
+        img.load()
+        return img.convert("RGB")
+    except ImageDecodeError:
+        raise
+    # PIL reports bad data through several unrelated types (UnidentifiedImageError, OSError for truncation,
+    # DecompressionBombError, SyntaxError from some plugins, ValueError, struct.error ...).
+    except Exception as e:
+        raise ImageDecodeError(f"cannot decode image: {type(e).__name__}: {e}") from e
+
+
+def _vision_class(model_type: str) -> type:
+    if model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        return Qwen2_5_VisionTransformerPretrainedModel
+    if model_type == "qwen2_vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel
+    raise ValueError(f"unsupported model_type {model_type!r}; expected 'qwen2_5_vl' or 'qwen2_vl'")
+
+
+def _safetensors_files(model_path: Path) -> list[Path]:
+    """The safetensors files that hold vision tower tensors (only those shards, for a sharded checkpoint)."""
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        names = sorted({f for k, f in weight_map.items() if k.startswith(_VISUAL_PREFIXES)})
+        if not names:
+            raise ValueError(f"{index} lists no vision tower tensors ({' or '.join(_VISUAL_PREFIXES)}*)")
+        return [model_path / n for n in names]
+    single = model_path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_path}")
+
+
+def load_vision_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
+    """Read only the vision tower tensors of a checkpoint, with the ``model.visual.``/``visual.`` prefix removed.
+
+    Returns CPU tensors in the checkpoint's dtype.
+
+    Raises:
+        FileNotFoundError: no safetensors file in ``model_path``.
+        ValueError: no vision tensors, or one tensor under both prefixes.
+    """
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(Path(model_path)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                prefix = next((p for p in _VISUAL_PREFIXES if key.startswith(p)), None)
+                if prefix is None:
+                    continue
+                name = key[len(prefix):]
+                if name in state:
+                    raise ValueError(f"vision tensor {name!r} appears twice in {model_path}")
+                state[name] = f.get_tensor(key)
+    if not state:
+        raise ValueError(f"no vision tower tensors in {model_path}")
+    return state
+
+
+class VisionEncoder:
+    """Image processor + vision tower of one local Qwen2-VL / Qwen2.5-VL checkpoint.
+
+    Attributes:
+        model_path: the checkpoint directory.
+        model_type: ``"qwen2_5_vl"`` or ``"qwen2_vl"``.
+        device, dtype: where the tower runs and its parameter dtype.
+        merge_size: spatial merge size; an image of grid ``(t, h, w)`` gives ``t*h*w // merge_size**2`` tokens.
+        hidden_size: width of the embeddings (the language model's hidden size).
+        image_processor: the checkpoint's transformers image processor.
+        model: the vision tower (transformers module, eval mode, no grad).
+
+    Not thread-safe: call :meth:`encode` from one thread at a time.
+    """
+
+    def __init__(self, model_path: str | Path, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | str = "auto") -> None:
+        """Load the image processor and the vision tower.
+
+        Args:
+            model_path: local checkpoint directory (``config.json``, processor config, safetensors).
+            device: a ``torch.device`` or a name understood by :func:`epdserve.device.resolve_device`.
+            dtype: a ``torch.dtype`` or a name understood by :func:`epdserve.device.resolve_dtype`.
+
+        Raises:
+            ValueError: unsupported model type, missing or unexpected vision tensors, processor/tower mismatch,
+                or a CUDA device asked for without CUDA.
+            OSError: the checkpoint's config or processor files cannot be read.
+            FileNotFoundError: no safetensors file.
+        """
+        from transformers import AutoConfig, AutoProcessor
+        from transformers.initialization import no_init_weights
+
+        self.model_path = str(model_path)
+        self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self.device)
+        config = AutoConfig.from_pretrained(self.model_path)
+        self.model_type: str = config.model_type
+        vision_cls = _vision_class(self.model_type)
+        # AutoProcessor reads both the transformers-5 layout (processor_config.json) and the older
+        # preprocessor_config.json of the released checkpoints; AutoImageProcessor alone does not read the former.
+        self.image_processor = AutoProcessor.from_pretrained(self.model_path).image_processor
+        self.merge_size: int = config.vision_config.spatial_merge_size
+        if getattr(self.image_processor, "merge_size", self.merge_size) != self.merge_size:
+            raise ValueError(f"image processor merge_size {self.image_processor.merge_size} != vision tower "
+                             f"spatial_merge_size {self.merge_size}")
+        self.hidden_size: int = config.text_config.hidden_size
+
+        # Every weight is overwritten from the checkpoint, so random initialization would be wasted time
+        # (seconds for a real tower); the device context builds the tower in place, without a host copy.
+        with no_init_weights(), torch.device(self.device):
+            model = vision_cls._from_config(config.vision_config, dtype=self.dtype)
+        missing, unexpected = model.load_state_dict(load_vision_state_dict(self.model_path), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.model = model.eval().requires_grad_(False)
+
+    def num_tokens(self, grid_thw: list[int]) -> int:
+        """Image tokens (embedding rows) of an image with patch grid ``[t, h, w]``."""
+        t, h, w = grid_thw
+        return t * h * w // self.merge_size**2
+
+    @torch.inference_mode()
+    def encode(self, images: list[Image.Image]) -> list[tuple[torch.Tensor, list[int]]]:
+        """Run the image processor and the vision tower on ``images`` in one batch.
+
+        Args:
+            images: decoded RGB images (see :func:`decode_image`).
+
+        Returns:
+            One ``(embedding, grid_thw)`` per image, in order: ``embedding`` is a contiguous CPU tensor
+            ``[num_tokens_i, hidden_size]`` in the tower's dtype, ``grid_thw`` the processor's ``[t, h, w]`` row.
+            An empty list gives an empty list.
+        """
+        if not images:
+            return []
+        inputs = self.image_processor(images=images, return_tensors="pt")
+        grid = inputs["image_grid_thw"]
+        # Same cast as transformers' get_image_features, so the outputs match it exactly.
+        pixels = inputs["pixel_values"].to(self.device).type(self.dtype)
+        out = self.model(pixels, grid_thw=grid.to(self.device)).pooler_output
+        sizes = [self.num_tokens(row) for row in grid.tolist()]
+        out = out.to("cpu")  # one device-to-host copy for the batch; the cache and the wire need host memory
+        # clone: each cached embedding owns its memory instead of pinning the whole batch.
+        return [(emb.clone(), row) for emb, row in zip(torch.split(out, sizes), grid.tolist())]

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Regenerate encoder_pb2.py, encoder_pb2_grpc.py and encoder_pb2.pyi from encoder.proto.
+#
+# protoc names generated imports after the .proto's path under its include root, so the .proto is copied into a
+# temporary tree epdserve/proto/ first: the generated gRPC module then reads `from epdserve.proto import encoder_pb2`,
+# which is where the package installs it.
+# Usage: proto/generate.sh [python]   (python defaults to $PYTHON, then /work/venv/bin/python, then python3)
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+py="${1:-${PYTHON:-}}"
+if [[ -z "$py" ]]; then
+  if [[ -x /work/venv/bin/python ]]; then py=/work/venv/bin/python; else py=python3; fi
+fi
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+mkdir -p "$tmp/src/epdserve/proto" "$tmp/out"
+cp "$here/encoder.proto" "$tmp/src/epdserve/proto/"
+"$py" -m grpc_tools.protoc -I "$tmp/src" --python_out="$tmp/out" --pyi_out="$tmp/out" --grpc_python_out="$tmp/out" \
+  "$tmp/src/epdserve/proto/encoder.proto"
+cp "$tmp/out/epdserve/proto/encoder_pb2.py" "$tmp/out/epdserve/proto/encoder_pb2.pyi" \
+  "$tmp/out/epdserve/proto/encoder_pb2_grpc.py" "$here/"
+echo "generated $here/encoder_pb2{.py,.pyi,_grpc.py}"
