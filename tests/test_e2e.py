@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -48,12 +49,22 @@ def server(tiny_model_path, tmp_path_factory):
             pytest.fail(f"launch did not get ready:\n{log_path.read_text()[-4000:]}")
         time.sleep(0.3)
     yield url, log_path
-    proc.terminate()
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the launcher stops all four servers and exits 0
     try:
-        proc.wait(timeout=30)
+        code = proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+        code = None
     log.close()
+    assert code == 0, f"launch did not stop cleanly on Ctrl-C:\n{log_path.read_text()[-3000:]}"
+    assert not _listening(port), "the gateway port is still open after Ctrl-C"
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +253,20 @@ def test_bench_against_epdserve(server, tiny_model_path, tmp_path):
     ok = [r for r in doc["requests"] if r["success"]]
     assert len(ok) == 6 and all(r["completion_tokens"] == 8 for r in ok)
     assert any(r["cached_tokens"] > 0 for r in ok)  # the shared prefix hit the radix cache
+
+
+def test_sampling_parameters(server, tiny_model_path, photo_paths):
+    url, _ = server
+    messages = _openai_messages([("user", [photo_paths["astronaut"], "Tell me about her."])])
+    sampled = [_chat(url, tiny_model_path, messages, temperature=1.0, top_p=0.9, top_k=50, seed=s)
+               for s in (7, 7, 8)]
+    ids = [r["choices"][0]["token_ids"] for r in sampled]
+    assert ids[0] == ids[1] and ids[0] != ids[2]  # a seed makes sampling reproducible
+    greedy = _chat(url, tiny_model_path, messages)["choices"][0]["message"]["content"]
+    stop = greedy[len(greedy) // 2:len(greedy) // 2 + 3]
+    cut = _chat(url, tiny_model_path, messages, stop=[stop])
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["message"]["content"] == greedy[:greedy.index(stop)]
+    body = {"model": tiny_model_path, "messages": messages, "max_tokens": 5, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"

@@ -85,6 +85,8 @@ class ServerThread:
         self._loop.call_soon_threadsafe(self._task.cancel)
         self._thread.join(30)
         assert not self._thread.is_alive(), "encoder server did not shut down"
+        if self.error is not None:
+            raise self.error
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,217 @@
+"""Prefill and decode schedulers driven directly (no sockets): arrival orders, chunked prefill, radix sharing,
+aborts and failures freeing KV pages, timeouts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import AutoProcessor
+
+from epdserve.decode.scheduler import DecodeScheduler
+from epdserve.encoder.vision import VisionEncoder
+from epdserve.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, KVRegister, PrefillRequest,
+                               SamplingParams)
+from epdserve.model_runner import ModelRunner
+from epdserve.prefill.scheduler import PrefillScheduler
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_path):
+    return ModelRunner(tiny_model_path, device=torch.device("cpu"), dtype=torch.float32, num_pages=256,
+                       page_size=PAGE)
+
+
+@pytest.fixture(scope="module")
+def photo_request(tiny_model_path, photo_paths):
+    """(PrefillRequest without room, ImageEmbeddings) for one photo, built the way the gateway builds them."""
+    from PIL import Image
+
+    processor = AutoProcessor.from_pretrained(tiny_model_path)
+    image = Image.open(photo_paths["chelsea"])
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
+        add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[image])
+    ids = list(inputs["input_ids"][0])
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    offset, length = ids.index(pad), ids.count(pad)
+    emb, grid = VisionEncoder(tiny_model_path, torch.device("cpu"), torch.float32).encode([image])[0]
+    span = ImageSpan(offset=offset, length=length, image_hash="ab" * 32, grid_thw=list(grid))
+    return ids, span, emb
+
+
+def _prefill(runner, **kw):
+    return PrefillScheduler(runner, context_length=4096, max_prefill_tokens=kw.get("max_prefill_tokens", 8192),
+                            timeout_s=kw.get("timeout_s", 60.0))
+
+
+def _req(photo_request, rid, room, **sampling):
+    ids, span, _ = photo_request
+    return PrefillRequest(rid=rid, input_ids=ids, images=[span], sampling=SamplingParams(temperature=0, **sampling),
+                          bootstrap_room=room)
+
+
+def _embeds(photo_request, rid):
+    _, span, emb = photo_request
+    return ImageEmbeddings(rid=rid, image_hashes=[span.image_hash], embeddings=[emb])
+
+
+def _run(sched, steps=50):
+    out = []
+    for _ in range(steps):
+        out += sched.step()
+    return out
+
+
+def _pages_accounted(sched) -> bool:
+    return sched.pool.num_free + sched.radix.num_pages == sched.pool.num_pages
+
+
+def test_embeddings_and_registration_in_any_order(runner, photo_request):
+    results = []
+    for order in (["req", "emb", "reg"], ["emb", "reg", "req"], ["reg", "req", "emb"]):
+        sched, sent = _prefill(runner), []
+        for what in order:
+            if what == "req":
+                sched.add_request(_req(photo_request, "r", 7))
+            elif what == "emb":
+                sched.add_embeddings(_embeds(photo_request, "r"))
+            else:
+                sched.register(KVRegister(rid="r", bootstrap_room=7, kv_endpoint="tcp://decode"))
+            sent += sched.step()
+        (endpoint, transfer), = sent + _run(sched)  # sent exactly once
+        assert endpoint == "tcp://decode" and transfer.error is None
+        results.append(transfer)
+        assert _pages_accounted(sched)
+        sched.radix.check_integrity()
+    assert len({t.first_token_id for t in results}) == 1
+    assert all(torch.equal(t.kv, results[0].kv) for t in results)
+
+
+def _transfer_when_done(sched, req, emb):
+    sched.add_request(req)
+    sched.add_embeddings(emb)
+    sched.register(KVRegister(rid=req.rid, bootstrap_room=req.bootstrap_room, kv_endpoint="tcp://d"))
+    (_, transfer), = _run(sched)
+    return transfer
+
+
+def test_chunked_prefill_equals_one_shot(runner, photo_request):
+    one = _transfer_when_done(_prefill(runner), _req(photo_request, "a", 1), _embeds(photo_request, "a"))
+    sched = _prefill(runner, max_prefill_tokens=37)  # splits inside the image span, not on a page boundary
+    chunked = _transfer_when_done(sched, _req(photo_request, "b", 2), _embeds(photo_request, "b"))
+    assert chunked.first_token_id == one.first_token_id
+    torch.testing.assert_close(chunked.kv, one.kv, rtol=1e-5, atol=1e-5)
+    assert _pages_accounted(sched)
+
+
+def test_radix_cache_shares_image_kv_and_separates_other_images(runner, photo_request):
+    sched = _prefill(runner)
+    first = _transfer_when_done(sched, _req(photo_request, "a", 1), _embeds(photo_request, "a"))
+    again = _transfer_when_done(sched, _req(photo_request, "b", 2), _embeds(photo_request, "b"))
+    ids, span, emb = photo_request
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == ((len(ids) - 1) // PAGE) * PAGE  # everything but the last (partial) page
+    assert again.first_token_id == first.first_token_id
+    torch.testing.assert_close(again.kv, first.kv, rtol=1e-5, atol=1e-5)
+    # Same token ids, different image hash: only the text before the image may be shared.
+    other = ImageSpan(span.offset, span.length, "cd" * 32, span.grid_thw)
+    req = PrefillRequest(rid="c", input_ids=ids, images=[other], sampling=SamplingParams(temperature=0),
+                         bootstrap_room=3)
+    emb_c = ImageEmbeddings(rid="c", image_hashes=[other.image_hash], embeddings=[emb.flip(0)])
+    third = _transfer_when_done(sched, req, emb_c)
+    assert third.cached_tokens <= span.offset
+    assert not torch.equal(third.kv, first.kv)
+    assert _pages_accounted(sched)
+    sched.radix.check_integrity()
+
+
+def test_abort_mid_chunked_prefill_frees_pages(runner, photo_request):
+    sched = _prefill(runner, max_prefill_tokens=16)
+    sched.add_request(_req(photo_request, "a", 1))
+    sched.add_embeddings(_embeds(photo_request, "a"))
+    sched.step()
+    assert sched.running and sched.pool.num_free < sched.pool.num_pages
+    sched.abort("a")
+    assert not sched.running and not sched.embeds
+    assert sched.pool.num_free == sched.pool.num_pages  # nothing was cached: the prompt never finished
+    sched.radix.check_integrity()
+
+
+def test_failures_become_error_transfers(runner, photo_request):
+    sched = _prefill(runner, timeout_s=0.05)
+    ids, span, emb = photo_request
+    sched.register(KVRegister(rid="x", bootstrap_room=1, kv_endpoint="tcp://d"))
+    sched.add_request(_req(photo_request, "x", 1))  # its embeddings never come
+    time.sleep(0.1)
+    (_, transfer), = sched.step()
+    assert "timed out" in transfer.error
+    bad = ImageEmbeddings(rid="y", image_hashes=[span.image_hash], embeddings=[emb[:-1]])
+    sched = _prefill(runner)
+    transfer = _transfer_when_done(sched, _req(photo_request, "y", 2), bad)
+    assert "shape" in transfer.error
+    too_long = PrefillRequest(rid="z", input_ids=[1] * 5000, images=[], sampling=SamplingParams(),
+                              bootstrap_room=3)
+    sched.add_request(too_long)
+    sched.register(KVRegister(rid="z", bootstrap_room=3, kv_endpoint="tcp://d"))
+    (_, transfer), = sched.step()
+    assert "context length" in transfer.error
+    assert _pages_accounted(sched)
+
+
+class _Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def _decode_sched(runner, **kw):
+    return DecodeScheduler(runner, _Tok(), context_length=4096, max_running_requests=kw.get("max_running", 8),
+                           timeout_s=kw.get("timeout_s", 60.0), kv_endpoint="tcp://me")
+
+
+def test_decode_batches_frees_pages_and_reports_errors(runner, photo_request):
+    prefill = _prefill(runner)
+    transfers = [_transfer_when_done(prefill, _req(photo_request, f"r{i}", i), _embeds(photo_request, f"r{i}"))
+                 for i in range(3)]
+    dec = _decode_sched(runner)
+    prompt_len = len(photo_request[0])
+    for i, t in enumerate(transfers):
+        msg = DecodeRequest(rid=f"r{i}", prompt_len=prompt_len, sampling=SamplingParams(
+            temperature=0, max_new_tokens=6 if i else 50, ignore_eos=True), bootstrap_host="h", bootstrap_port=1,
+            bootstrap_room=i)
+        endpoint, reg = dec.add_request(msg, peer=b"g")
+        assert endpoint == "tcp://h:1" and reg.kv_endpoint == "tcp://me" and reg.bootstrap_room == i
+        dec.add_transfer(t)
+    outs = [o for _, o in dec.step()]
+    assert len(dec.running) == 3  # continuous batching: all three in one decode batch
+    for _ in range(5):
+        outs += [o for _, o in dec.step()]
+    finished = {o.rid: o for o in outs if o.finish_reason}
+    assert set(finished) == {"r1", "r2"} and all(o.finish_reason == "length" for o in finished.values())
+    assert finished["r1"].completion_tokens == 6
+    tokens = {rid: [t for o in outs if o.rid == rid for t in o.token_ids] for rid in ("r0", "r1", "r2")}
+    assert tokens["r1"] == tokens["r2"] == tokens["r0"][:6]  # same prompt, greedy: batching does not mix them
+    dec.abort("r0")
+    assert not dec.running and dec.pool.num_free == dec.pool.num_pages
+    # An error from prefill ends the request with finish_reason "error"; a transfer for an unknown room is dropped.
+    dec.add_request(DecodeRequest(rid="e", prompt_len=3, sampling=SamplingParams(), bootstrap_host="h",
+                                  bootstrap_port=1, bootstrap_room=99), peer=b"g")
+    from epdserve.messages import KVTransfer
+
+    dec.add_transfer(KVTransfer(rid="e", bootstrap_room=99, error="boom"))
+    dec.add_transfer(KVTransfer(rid="?", bootstrap_room=12345, error="late"))
+    (peer, out), = dec.step()
+    assert (peer, out.rid, out.finish_reason, out.error) == (b"g", "e", "error", "boom")
+
+
+def test_decode_times_out_without_kv(runner):
+    dec = _decode_sched(runner, timeout_s=0.05)
+    dec.add_request(DecodeRequest(rid="t", prompt_len=3, sampling=SamplingParams(), bootstrap_host="h",
+                                  bootstrap_port=1, bootstrap_room=5), peer=b"g")
+    time.sleep(0.1)
+    (_, out), = dec.step()
+    assert out.finish_reason == "error" and "timed out" in out.error
