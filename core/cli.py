@@ -57,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("dir")
     tiny.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2_vl"])
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--size", default="tiny", choices=["tiny", "small"], help="tiny for CPU tests, small for GPUs")
     sub.add_parser("bench", help="the serving benchmark (see `epdserve bench --help`)")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     if args.command == "make-tiny-model":
         from epdserve.models.tiny import make_tiny_model
 
-        print(make_tiny_model(args.dir, arch=args.arch, seed=args.seed))
+        print(make_tiny_model(args.dir, arch=args.arch, seed=args.seed, size=args.size))
         return 0
     cls, _ = _SERVERS[args.command]
     return _run_server(args.command, config_from_args(cls, args))

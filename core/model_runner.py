@@ -97,3 +97,15 @@ class ModelRunner:
         """
         with torch.no_grad():
             self.kv_pool.write_all(slots.to(self.device), kv)
+
+    def warmup(self) -> None:
+        """Run one small prefill and one decode step on scratch pages, so kernel JIT builds (flashinfer) and CUDA
+        initialisation happen before the server says it is ready, not inside the first request's TTFT. The
+        scratch KV is never read by a request: each request writes its slots before attending to them."""
+        n = min(8, self.page_size * self.num_pages - 1)
+        pages = list(range(-(-(n + 1) // self.page_size)))
+        positions = torch.arange(n + 1).expand(3, -1)
+        slots = torch.arange(n + 1)
+        ids = torch.zeros(n + 1, dtype=torch.int64)
+        self.forward(ForwardBatch(False, ids[:n], positions[:, :n], slots[:n], [n], [n], [pages]))
+        self.forward(ForwardBatch(True, ids[n:], positions[:, n:], slots[n:], [1], [n + 1], [pages]))

@@ -39,6 +39,7 @@ def serve(config: DecodeConfig) -> None:
     runner = ModelRunner(model_path, device=device, dtype=resolve_dtype(config.dtype, device),
                          num_pages=config.num_pages, page_size=config.page_size,
                          attention_backend=config.attention_backend, mem_fraction=config.mem_fraction)
+    runner.warmup()
     context_length = config.context_length or runner.config.max_position_embeddings
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
     sched = DecodeScheduler(runner, AutoTokenizer.from_pretrained(model_path), context_length=context_length,

@@ -11,6 +11,7 @@ Run it with ``python -m epdserve.encoder.server --port 50051`` (flags: :class:`e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import signal
@@ -140,6 +141,14 @@ class EmbeddingPusher:
             oldest.close()
         return sock
 
+    def connect(self, endpoints: list[str]) -> list[zmq.asyncio.Socket]:
+        """The (cached or new) socket of each endpoint; connecting early lets TCP setup overlap the encode.
+
+        Raises:
+            RequestError: INVALID_ARGUMENT for a malformed endpoint.
+        """
+        return [self._socket(e) for e in endpoints]
+
     async def push(self, endpoints: list[str], frames: list[bytes | memoryview]) -> None:
         """Send the same multipart message to every endpoint, concurrently; return once all have taken it.
 
@@ -147,7 +156,7 @@ class EmbeddingPusher:
             RequestError: INVALID_ARGUMENT for a malformed endpoint, UNAVAILABLE for one that accepted nothing
                 within the timeout (the others may have received the message).
         """
-        socks = [(e, self._socket(e)) for e in endpoints]
+        socks = list(zip(endpoints, self.connect(endpoints)))
 
         async def one(endpoint: str, sock: zmq.asyncio.Socket) -> None:
             try:
@@ -216,6 +225,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         targets = list(dict.fromkeys(request.targets))  # a rank listed twice must not get the message twice
         if targets and not rid:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required when targets are given")
+        self._pusher.connect(targets)  # a malformed target fails the request before any encoding
         datas = [im.data for im in request.images]
         hashes = await asyncio.to_thread(_sha256_all, datas)  # 100 MB takes ~0.2 s: keep it off the loop
         results = await self._embeddings(encoder, datas, hashes)
@@ -342,7 +352,13 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    try:
+    async with contextlib.AsyncExitStack() as cleanup:  # unwinds in reverse, every step even if one fails
+        cleanup.callback(tower.shutdown, wait=False, cancel_futures=True)
+        cleanup.callback(zmq_ctx.term)
+        cleanup.callback(pusher.close)
+        cleanup.push_async_callback(servicer.aclose)
+        cleanup.push_async_callback(server.stop, 1.0)
+        cleanup.push_async_callback(health_servicer.enter_graceful_shutdown)
         port = server.add_insecure_port(_bind_address(config.host, config.port))
         await server.start()
         loop = asyncio.get_running_loop()
@@ -354,14 +370,9 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
                  model_path, device, str(dtype).removeprefix("torch."))
         if ready is not None:
             ready.set()
-        await server.wait_for_termination()
-    finally:
-        await health_servicer.enter_graceful_shutdown()
-        await server.stop(grace=1.0)
-        await servicer.aclose()
-        pusher.close()
-        zmq_ctx.term()
-        tower.shutdown(wait=False, cancel_futures=True)
+        # Shielded: cancelling wait_for_termination() itself leaves grpc's shutdown future cancelled, and the
+        # server.stop() below would then raise CancelledError at once instead of stopping the server.
+        await asyncio.shield(server.wait_for_termination())
 
 
 async def _serve_until_signal(config: EncoderConfig) -> None:

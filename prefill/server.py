@@ -38,6 +38,7 @@ def serve(config: PrefillConfig) -> None:
     runner = ModelRunner(model_path, device=device, dtype=resolve_dtype(config.dtype, device),
                          num_pages=config.num_pages, page_size=config.page_size,
                          attention_backend=config.attention_backend, mem_fraction=config.mem_fraction)
+    runner.warmup()
     context_length = config.context_length or runner.config.max_position_embeddings
     sched = PrefillScheduler(runner, context_length=context_length,
                              max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s)

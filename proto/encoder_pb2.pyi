@@ -44,7 +44,7 @@ class ImageResult(_message.Message):
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     cache_hit: bool
     embedding: Tensor
-    def __init__(self, image_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., cache_hit: _Optional[bool] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, image_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., cache_hit: bool = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("request_id", "images")

@@ -5,7 +5,7 @@ import warnings
 
 from epdserve.proto import encoder_pb2 as epdserve_dot_proto_dot_encoder__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.73.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in epdserve/proto/encoder_pb2_grpc.py depends on'
+        + f' but the generated code in epdserve/proto/encoder_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class EncoderStub:
+class EncoderStub(object):
     """The encoder stage: runs the vision tower of a Qwen2-VL / Qwen2.5-VL checkpoint with an embedding cache.
     """
 
@@ -42,7 +42,7 @@ class EncoderStub:
                 _registered_method=True)
 
 
-class EncoderServicer:
+class EncoderServicer(object):
     """The encoder stage: runs the vision tower of a Qwen2-VL / Qwen2.5-VL checkpoint with an embedding cache.
     """
 
@@ -70,7 +70,7 @@ def add_EncoderServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Encoder:
+class Encoder(object):
     """The encoder stage: runs the vision tower of a Qwen2-VL / Qwen2.5-VL checkpoint with an embedding cache.
     """
 

@@ -4,6 +4,8 @@
 # protoc names generated imports after the .proto's path under its include root, so the .proto is copied into a
 # temporary tree epdserve/proto/ first: the generated gRPC module then reads `from epdserve.proto import encoder_pb2`,
 # which is where the package installs it.
+# The checked-in code comes from grpcio-tools==1.73.1 (protobuf gencode 6.31): it runs on grpcio >= 1.73.1 and
+# protobuf 6.31 to 7.x, the floors in pyproject.toml. Generate with that version to keep those floors.
 # Usage: proto/generate.sh [python]   (python defaults to $PYTHON, then /work/venv/bin/python, then python3)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import signal
 import socket
 import subprocess
 import sys
@@ -114,7 +115,8 @@ def photos(photo_paths) -> dict[str, bytes]:
 
 def _hf_reference(model_path: str, datas: list[bytes]) -> tuple[list[list[int]], list[torch.Tensor]]:
     """grid_thw rows and per-image embeddings from transformers' full model, for the same processor output."""
-    from transformers import AutoConfig, AutoProcessor, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+    from transformers import (AutoConfig, AutoProcessor, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2VLForConditionalGeneration)
 
     cls = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen2_vl": Qwen2VLForConditionalGeneration}[
         AutoConfig.from_pretrained(model_path).model_type]
@@ -260,6 +262,27 @@ def test_example_client(encoder_addr, photo_paths):
     assert "grid_thw    [1, 30, 46]" in out.stdout and "embedding   [345, 128] float32" in out.stdout
 
 
+def test_main_logs_one_ready_line_and_stops_on_sigterm(tiny_model_path, photos):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "epdserve.encoder.server", "--model-path", tiny_model_path,
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(60, proc.kill)  # readline() below would block forever on a silent hang
+    watchdog.start()
+    try:
+        first = proc.stdout.readline()
+        assert f"encoder ready on 127.0.0.1:{port}" in first and tiny_model_path in first, first
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=_CHANNEL_OPTIONS) as ch:
+            ok = encoder_pb2_grpc.EncoderStub(ch).Encode(_request("sub", [photos["chelsea"]]), timeout=30)
+        assert ok.images[0].num_tokens == 176
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert proc.stdout.read() == ""  # quiet: nothing but the ready line
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
+
+
 def test_qwen2_vl_checkpoint(tiny_qwen2_vl_path, photos):
     srv = ServerThread(tiny_qwen2_vl_path).start()
     try:
@@ -362,3 +385,66 @@ def test_concurrent_requests_share_one_encode(photos):
     assert sorted(calls) in ([2], [1, 1])
     assert [r.cache_hit for r in ra.images] == [False, False, False] and not rb.images[0].cache_hit
     assert rc.images[0].cache_hit and rb.images[0].embedding.data == ra.images[1].embedding.data
+
+
+class _FailingEncoder(_CountingEncoder):
+    def encode(self, images):
+        raise RuntimeError("tower exploded")
+
+
+def test_unexpected_error_is_internal_and_server_recovers(photos):
+    class Context:
+        def __init__(self):
+            self.aborted = None
+
+        async def abort(self, code, message):
+            self.aborted = (code, message)
+            raise grpc.aio.AbortError()
+
+    async def run():
+        from concurrent.futures import ThreadPoolExecutor
+
+        tower = ThreadPoolExecutor(1)
+        ctx = zmq.asyncio.Context()
+        servicer = EncoderServicer(EmbeddingCache(1 << 20), EmbeddingPusher(ctx), tower, MAX_PIXELS)
+        servicer.encoder = _FailingEncoder()
+        failed = Context()
+        with pytest.raises(grpc.aio.AbortError):
+            await servicer.Encode(_request("boom", [photos["chelsea"]]), failed)
+        servicer.encoder = _CountingEncoder()  # the failed image is not stuck "in flight"
+        ok = await servicer.Encode(_request("after", [photos["chelsea"]]), Context())
+        tower.shutdown()
+        ctx.term()
+        return failed.aborted, ok
+
+    aborted, ok = asyncio.run(run())
+    assert aborted == (grpc.StatusCode.INTERNAL, "RuntimeError: tower exploded")
+    assert ok.images[0].num_tokens == 4 and not ok.images[0].cache_hit
+
+
+def test_sharded_checkpoint_with_model_visual_prefix(tiny_model_path, tmp_path, photos):
+    # Rewrite the tiny checkpoint the way transformers-5-native and large checkpoints look: tensors named
+    # model.visual.* and split over shards listed in model.safetensors.index.json.
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for f in Path(tiny_model_path).iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    renamed = {("model." + k if k.startswith("visual.") else k): v for k, v in tensors.items()}
+    keys = sorted(renamed)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    weight_map = {}
+    for name, names in shards.items():
+        save_file({k: renamed[k] for k in names}, str(tmp_path / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in names})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    image = [Image.open(io.BytesIO(photos["coffee"])).convert("RGB")]
+    [(sharded, grid)] = VisionEncoder(tmp_path, "cpu", "float32").encode(image)
+    [(single, grid1)] = VisionEncoder(tiny_model_path, "cpu", "float32").encode(image)
+    assert grid == grid1 and torch.equal(sharded, single)

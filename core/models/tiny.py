@@ -93,18 +93,30 @@ def build_tokenizer(vocab_size: int = 1536):
     )
 
 
-def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int = 0, max_pixels: int = 512 * 28 * 28) -> Path:
+# Text-model sizes. "tiny" (~1M parameters) is for CPU tests; "small" (~100M, head_dim 128 as in real Qwen-VL
+# models, so flashinfer's kernels apply) is for GPU runs and benchmarks.
+SIZES = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, mrope_section=[4, 6, 6], vision_depth=2, vision_hidden=64),
+    "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=128, mrope_section=[16, 24, 24], vision_depth=4, vision_hidden=256),
+}
+
+
+def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int = 0, max_pixels: int = 512 * 28 * 28,
+                    size: str = "tiny") -> Path:
     """Write a ~1M-parameter Qwen-VL checkpoint to ``out_dir`` and return its path.
 
     Args:
         out_dir: target directory (created; existing files are overwritten).
         arch: ``"qwen2_5_vl"`` or ``"qwen2_vl"``.
+        size: ``"tiny"`` or ``"small"`` (see ``SIZES``).
         seed: seed of the random weights.
         max_pixels: image processor ``longest_edge`` in pixels; bounds image tokens per image to
             ``max_pixels / 28**2``.
 
     Raises:
-        ValueError: unknown ``arch``.
+        ValueError: unknown ``arch`` or ``size``.
     """
     import torch
     from transformers import GenerationConfig, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
@@ -113,23 +125,23 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
+    dims = dict(SIZES[size])
+    vision_depth, vision_hidden = dims.pop("vision_depth"), dims.pop("vision_hidden")
+    hidden = dims["hidden_size"]
     text_config = dict(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         initializer_range=0.02,
         tie_word_embeddings=False,
         rope_theta=1000000.0,
-        rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
+        rope_scaling={"type": "mrope", "mrope_section": dims.pop("mrope_section")},
+        **dims,
     )
-    vision_common = dict(depth=2, num_heads=4, in_chans=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-                         initializer_range=0.02)
+    vision_common = dict(depth=vision_depth, num_heads=4, in_chans=3, patch_size=14, spatial_merge_size=2,
+                         temporal_patch_size=2, initializer_range=0.02)
     special = dict(
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -145,13 +157,14 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
         from transformers import Qwen2_5_VLConfig as Config, Qwen2_5_VLForConditionalGeneration as Model
         from transformers import Qwen2_5_VLProcessor as Processor
 
-        vision_config = dict(vision_common, hidden_size=64, intermediate_size=128, out_hidden_size=128,
-                             fullatt_block_indexes=[1], window_size=112, tokens_per_second=2)
+        vision_config = dict(vision_common, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                             out_hidden_size=hidden, fullatt_block_indexes=[vision_depth - 1], window_size=112,
+                             tokens_per_second=2)
     elif arch == "qwen2_vl":
         from transformers import Qwen2VLConfig as Config, Qwen2VLForConditionalGeneration as Model
         from transformers import Qwen2VLProcessor as Processor
 
-        vision_config = dict(vision_common, embed_dim=64, mlp_ratio=2, hidden_size=128)
+        vision_config = dict(vision_common, embed_dim=vision_hidden, mlp_ratio=2, hidden_size=hidden)
     else:
         raise ValueError(f"unknown arch {arch!r}; expected 'qwen2_5_vl' or 'qwen2_vl'")
 
