@@ -31,42 +31,38 @@ class EncoderConfig:
 
 
 @dataclass
-class PrefillConfig:
-    """The prefill server (ZMQ): builds KV with a radix cache and ships it to decode servers."""
+class LMServerConfig:
+    """What the prefill and decode servers share: the language model, its KV pool, and the bind address."""
 
     model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
     host: str = _f("127.0.0.1", "address to bind all sockets to, and to advertise")
-    port: int = _f(30001, "ZMQ port for requests from gateways")
-    embed_port: int = _f(30101, "ZMQ port receiving image embeddings; TP rank r listens on embed_port + r")
-    bootstrap_port: int = _f(8998, "ZMQ port where decode servers register for a request's KV (bootstrap)")
     device: str = _f("auto", "cpu, cuda, cuda:N, or auto")
     dtype: str = _f("auto", "float32, bfloat16, float16, or auto")
     page_size: int = _f(16, "tokens per KV page")
     num_pages: int = _f(0, "KV pages in the pool; 0 sizes it from --mem-fraction on cuda, 4096 on cpu")
     mem_fraction: float = _f(0.5, "share of free GPU memory given to the KV pool when --num-pages is 0")
     context_length: int = _f(0, "longest prompt + output in tokens; 0 = the model's max_position_embeddings")
-    max_prefill_tokens: int = _f(8192, "new tokens computed in one prefill forward (several requests batch)")
     attention_backend: str = _f("auto", "sdpa, flashinfer, or auto (flashinfer on cuda)")
-    request_timeout_s: float = _f(120.0, "drop a request whose embeddings or decode registration never come")
+    request_timeout_s: float = _f(120.0, "drop a request whose inputs (embeddings, KV, registration) never come")
 
 
 @dataclass
-class DecodeConfig:
+class PrefillConfig(LMServerConfig):
+    """The prefill server (ZMQ): builds KV with a radix cache and ships it to decode servers."""
+
+    port: int = _f(30001, "ZMQ port for requests from gateways")
+    embed_port: int = _f(30101, "ZMQ port receiving image embeddings; TP rank r listens on embed_port + r")
+    bootstrap_port: int = _f(8998, "ZMQ port where decode servers register for a request's KV (bootstrap)")
+    max_prefill_tokens: int = _f(8192, "new tokens computed in one prefill forward (several requests batch)")
+
+
+@dataclass
+class DecodeConfig(LMServerConfig):
     """The decode server (ZMQ): receives KV, continuous batching, streams tokens to gateways."""
 
-    model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
-    host: str = _f("127.0.0.1", "address to bind all sockets to, and to advertise")
     port: int = _f(30002, "ZMQ port for requests from gateways")
     kv_port: int = _f(30201, "ZMQ port receiving KV transfers from prefill servers")
-    device: str = _f("auto", "cpu, cuda, cuda:N, or auto")
-    dtype: str = _f("auto", "float32, bfloat16, float16, or auto")
-    page_size: int = _f(16, "tokens per KV page")
-    num_pages: int = _f(0, "KV pages in the pool; 0 sizes it from --mem-fraction on cuda, 4096 on cpu")
-    mem_fraction: float = _f(0.5, "share of free GPU memory given to the KV pool when --num-pages is 0")
-    context_length: int = _f(0, "longest prompt + output in tokens; 0 = the model's max_position_embeddings")
     max_running_requests: int = _f(256, "most requests in one decode batch")
-    attention_backend: str = _f("auto", "sdpa, flashinfer, or auto (flashinfer on cuda)")
-    request_timeout_s: float = _f(120.0, "drop a request whose KV never comes")
 
 
 @dataclass

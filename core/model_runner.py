@@ -109,3 +109,23 @@ class ModelRunner:
         ids = torch.zeros(n + 1, dtype=torch.int64)
         self.forward(ForwardBatch(False, ids[:n], positions[:, :n], slots[:n], [n], [n], [pages]))
         self.forward(ForwardBatch(True, ids[n:], positions[:, n:], slots[n:], [1], [n + 1], [pages]))
+
+
+def runner_from_config(cfg) -> tuple[str, ModelRunner, int]:
+    """Build and warm up the model runner of a prefill or decode server from its
+    :class:`~epdserve.config.LMServerConfig`. Returns ``(model_path, runner, context_length)``.
+
+    Raises:
+        FileNotFoundError: ``cfg.model_path`` is not a local checkpoint.
+        ValueError: unknown device, dtype or attention backend.
+    """
+    from epdserve.device import resolve_device, resolve_dtype
+    from epdserve.models.tiny import resolve_model_path
+
+    model_path = resolve_model_path(cfg.model_path)
+    device = resolve_device(cfg.device)
+    runner = ModelRunner(model_path, device=device, dtype=resolve_dtype(cfg.dtype, device), num_pages=cfg.num_pages,
+                         page_size=cfg.page_size, attention_backend=cfg.attention_backend,
+                         mem_fraction=cfg.mem_fraction)
+    runner.warmup()
+    return model_path, runner, cfg.context_length or runner.config.max_position_embeddings

@@ -19,10 +19,8 @@ from transformers import AutoTokenizer
 from epdserve import transport
 from epdserve.config import DecodeConfig
 from epdserve.decode.scheduler import DecodeScheduler
-from epdserve.device import resolve_device, resolve_dtype
 from epdserve.messages import AbortRequest, DecodeRequest, KVTransfer, ServerInfo, ServerInfoRequest, TokenOutputBatch
-from epdserve.model_runner import ModelRunner
-from epdserve.models.tiny import resolve_model_path
+from epdserve.model_runner import runner_from_config
 
 log = logging.getLogger("epdserve.decode")
 
@@ -34,13 +32,7 @@ def serve(config: DecodeConfig) -> None:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
         zmq.ZMQError: a port is taken.
     """
-    model_path = resolve_model_path(config.model_path)
-    device = resolve_device(config.device)
-    runner = ModelRunner(model_path, device=device, dtype=resolve_dtype(config.dtype, device),
-                         num_pages=config.num_pages, page_size=config.page_size,
-                         attention_backend=config.attention_backend, mem_fraction=config.mem_fraction)
-    runner.warmup()
-    context_length = config.context_length or runner.config.max_position_embeddings
+    model_path, runner, context_length = runner_from_config(config)
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
     sched = DecodeScheduler(runner, AutoTokenizer.from_pretrained(model_path), context_length=context_length,
                             max_running_requests=config.max_running_requests, timeout_s=config.request_timeout_s,
@@ -60,7 +52,7 @@ def serve(config: DecodeConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
     log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages)", config.host, config.port,
-             kv_endpoint, model_path, device, runner.num_pages)
+             kv_endpoint, model_path, runner.device, runner.num_pages)
     try:
         while not stopping:
             poller.poll(0 if sched.has_work() else 20)

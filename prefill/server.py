@@ -16,11 +16,9 @@ import zmq
 
 from epdserve import transport
 from epdserve.config import PrefillConfig
-from epdserve.device import resolve_device, resolve_dtype
 from epdserve.messages import (AbortRequest, ImageEmbeddings, KVRegister, PrefillRequest, ServerInfo,
                                ServerInfoRequest)
-from epdserve.model_runner import ModelRunner
-from epdserve.models.tiny import resolve_model_path
+from epdserve.model_runner import runner_from_config
 from epdserve.prefill.scheduler import PrefillScheduler
 
 log = logging.getLogger("epdserve.prefill")
@@ -33,13 +31,7 @@ def serve(config: PrefillConfig) -> None:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
         zmq.ZMQError: a port is taken.
     """
-    model_path = resolve_model_path(config.model_path)
-    device = resolve_device(config.device)
-    runner = ModelRunner(model_path, device=device, dtype=resolve_dtype(config.dtype, device),
-                         num_pages=config.num_pages, page_size=config.page_size,
-                         attention_backend=config.attention_backend, mem_fraction=config.mem_fraction)
-    runner.warmup()
-    context_length = config.context_length or runner.config.max_position_embeddings
+    model_path, runner, context_length = runner_from_config(config)
     sched = PrefillScheduler(runner, context_length=context_length,
                              max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s)
     info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
@@ -61,7 +53,7 @@ def serve(config: PrefillConfig) -> None:
         signal.signal(sig, lambda *_: stopping.append(True))
     log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages)",
              config.host, config.port, info.embed_endpoints[0], config.host, config.bootstrap_port, model_path,
-             device, runner.num_pages)
+             runner.device, runner.num_pages)
     try:
         while not stopping:
             poller.poll(0 if sched.has_work() else 20)
