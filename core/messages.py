@@ -15,6 +15,7 @@ written in the map as ``{"__tensor__": i, "dtype": "float32", "shape": [...]}`` 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,10 +218,11 @@ def encode(msg: Any) -> list[bytes | memoryview]:
     return [header, *frames]
 
 
-def decode(frames: list[bytes | memoryview]) -> Any:
-    """Decode frames made by :func:`encode` back to the dataclass.
+def decode(frames: list) -> Any:
+    """Decode frames made by :func:`encode` (bytes, memoryviews or ``zmq.Frame``) back to the dataclass.
 
-    Tensors are copied out of the frames (writable, CPU).
+    Tensors are zero-copy, read-only CPU views of their frames (a KV transfer is megabytes per request): clone
+    one before writing to it.
 
     Raises:
         WireError: malformed msgpack, unknown kind, unknown dtype, or a tensor frame of the wrong size.
@@ -238,8 +240,13 @@ def decode(frames: list[bytes | memoryview]) -> Any:
                 idx, dtype, shape = value["__tensor__"], value.get("dtype"), value.get("shape")
                 if dtype not in _DTYPES or not isinstance(idx, int) or not 0 <= idx < len(frames) - 1:
                     raise WireError(f"bad tensor header {value!r}")
-                buf = bytearray(frames[idx + 1])
-                t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+                buf = memoryview(frames[idx + 1])
+                if buf.nbytes:
+                    with warnings.catch_warnings():  # read-only is fine: receivers copy or only read
+                        warnings.simplefilter("ignore", UserWarning)
+                        t = torch.frombuffer(buf, dtype=torch.uint8)
+                else:
+                    t = torch.empty(0, dtype=torch.uint8)
                 try:
                     return t.view(_DTYPES[dtype]).reshape(shape)
                 except RuntimeError as e:

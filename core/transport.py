@@ -39,11 +39,11 @@ def recv_routed(sock: zmq.Socket) -> tuple[bytes, Any] | None:
     so one bad peer cannot stop the server.
     """
     try:
-        frames = sock.recv_multipart(zmq.NOBLOCK)
+        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
     except zmq.Again:
         return None
     try:
-        return frames[0], messages.decode(frames[1:])
+        return frames[0].bytes, messages.decode(frames[1:])
     except messages.WireError as e:
         log.warning("dropped malformed message: %s", e)
         return frames[0], None
@@ -53,7 +53,7 @@ def recv(sock: zmq.Socket) -> Any | None:
     """Receive one message on a PULL/DEALER socket without blocking; None when nothing is queued or the
     message is malformed (logged)."""
     try:
-        frames = sock.recv_multipart(zmq.NOBLOCK)
+        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
     except zmq.Again:
         return None
     try:
@@ -66,4 +66,5 @@ def recv(sock: zmq.Socket) -> Any | None:
 def send(sock: zmq.Socket, msg: Any, identity: bytes | None = None) -> None:
     """Send ``msg`` (a registered message dataclass); on a ROUTER give the peer's ``identity``."""
     frames = messages.encode(msg)
-    sock.send_multipart([identity, *frames] if identity is not None else frames)
+    # copy=False hands tensor memory to ZMQ as is; pyzmq still copies frames under its copy threshold.
+    sock.send_multipart([identity, *frames] if identity is not None else frames, copy=False)

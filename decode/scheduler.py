@@ -76,6 +76,7 @@ class DecodeScheduler:
     def add_request(self, msg: DecodeRequest, peer: bytes) -> tuple[str, KVRegister]:
         """Track a request; returns ``(bootstrap endpoint, KVRegister)`` for the server to send."""
         self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=time.monotonic() + self.timeout_s)
+        log.debug("rid=%s request received", msg.rid)
         endpoint = f"tcp://{msg.bootstrap_host}:{msg.bootstrap_port}"
         return endpoint, KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room, kv_endpoint=self.kv_endpoint)
 
@@ -94,6 +95,7 @@ class DecodeScheduler:
             return
         seq.transfer = msg
         self.ready.append(seq)
+        log.debug("rid=%s KV received", msg.rid)
 
     def abort(self, rid: str) -> None:
         """Drop ``rid`` wherever it is and free its pages."""
@@ -163,6 +165,7 @@ class DecodeScheduler:
             if seq.msg.sampling.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.msg.sampling.seed)
             self.running.append(seq)
+            log.debug("rid=%s admitted (batch of %d)", seq.msg.rid, len(self.running))
             self._append_token(seq, transfer.first_token_id)
 
     def _slots(self, seq: _Seq, start: int, end: int) -> torch.Tensor:

@@ -93,12 +93,14 @@ class ChatService:
                 stages are not ready.
         """
         hf_messages, urls = to_hf_messages(req.messages)
+        logger.debug("rid=%s received (%d images)", rid, len(urls))
         try:
             images = list(await asyncio.gather(*(load_image(u, self.media, self.http) for u in urls)))
         except MediaError as e:
             raise APIError(e.status, e.message, param="messages") from None
         try:
             encoded = await self.stages.encode(rid, images) if images else []
+            logger.debug("rid=%s encoder answered", rid)
             prompt = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self.builder.build, hf_messages, encoded)
             max_new = self._max_new_tokens(req, len(prompt.input_ids))

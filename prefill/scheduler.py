@@ -82,10 +82,12 @@ class PrefillScheduler:
             self._finish_error(msg, err)
             return
         self.waiting[msg.rid] = _Req(msg, deadline=now + self.timeout_s)
+        log.debug("rid=%s request received (%d tokens)", msg.rid, len(msg.input_ids))
 
     def add_embeddings(self, msg: ImageEmbeddings) -> None:
         """Stash the encoder's embeddings for ``msg.rid`` until (or after) its request arrives."""
         _, by_hash = self.embeds.setdefault(msg.rid, (time.monotonic() + self.timeout_s, {}))
+        log.debug("rid=%s embeddings received", msg.rid)
         for h, emb in zip(msg.image_hashes, msg.embeddings):
             by_hash[h] = emb
 
@@ -187,6 +189,7 @@ class PrefillScheduler:
                 break  # first come, first served: later requests wait behind it
             del self.waiting[rid]
             self.running.append(req)
+            log.debug("rid=%s admitted (%d of %d tokens cached)", rid, req.cached, req.n)
 
     def _check_embeds(self, req: _Req) -> str | None:
         got = self.embeds.get(req.msg.rid, (0.0, {}))[1]
