@@ -159,7 +159,8 @@ class DecodeScheduler:
             self.ready.popleft()
             seq.pages = self.pool.alloc(need)
             transfer, seq.transfer = seq.transfer, None
-            self.runner.write_kv(self._slots(seq, 0, seq.msg.prompt_len), transfer.kv.to(self.runner.device))
+            slots = torch.tensor(self.pool.slots(seq.pages, 0, seq.msg.prompt_len), dtype=torch.int64)
+            self.runner.write_kv(slots, transfer.kv)
             seq.cached_tokens, seq.mrope_delta = transfer.cached_tokens, transfer.mrope_position_delta
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.msg.sampling.stop)
             if seq.msg.sampling.seed is not None:
@@ -168,21 +169,16 @@ class DecodeScheduler:
             log.debug("rid=%s admitted (batch of %d)", seq.msg.rid, len(self.running))
             self._append_token(seq, transfer.first_token_id)
 
-    def _slots(self, seq: _Seq, start: int, end: int) -> torch.Tensor:
-        ps = self.runner.page_size
-        return torch.tensor([seq.pages[i // ps] * ps + i % ps for i in range(start, end)], dtype=torch.int64,
-                            device=self.runner.device)
-
     def _forward(self) -> None:
-        seqs, dev, ps = self.running, self.runner.device, self.runner.page_size
+        seqs, dev = self.running, self.runner.device
         idx = [s.kv_len for s in seqs]  # sequence index of each request's newest token
         batch = ForwardBatch(
             is_decode=True,
             input_ids=torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64, device=dev),
             positions=decode_positions(torch.tensor(idx, dtype=torch.int64),
                                        torch.tensor([s.mrope_delta for s in seqs], dtype=torch.int64)).to(dev),
-            out_slots=torch.tensor([s.pages[i // ps] * ps + i % ps for s, i in zip(seqs, idx)], dtype=torch.int64,
-                                   device=dev),
+            out_slots=torch.tensor([self.pool.slots(s.pages, i, i + 1)[0] for s, i in zip(seqs, idx)],
+                                   dtype=torch.int64, device=dev),
             q_lens=[1] * len(seqs),
             kv_lens=[i + 1 for i in idx],
             page_table=[s.pages for s in seqs],

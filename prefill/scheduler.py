@@ -151,8 +151,12 @@ class PrefillScheduler:
     def _embeds_ready(self, req: _Req) -> bool:
         if not req.msg.images:
             return True
-        got = self.embeds.get(req.msg.rid, (0.0, {}))[1]
+        got = self._embeds_of(req.msg.rid)
         return all(s.image_hash in got for s in req.msg.images)
+
+    def _embeds_of(self, rid: str) -> dict[str, torch.Tensor]:
+        """The embeddings received so far for ``rid``, by image hash."""
+        return self.embeds.get(rid, (0.0, {}))[1]
 
     def _finish_error(self, msg: PrefillRequest, error: str) -> None:
         self.embeds.pop(msg.rid, None)
@@ -192,7 +196,7 @@ class PrefillScheduler:
             log.debug("rid=%s admitted (%d of %d tokens cached)", rid, req.cached, req.n)
 
     def _check_embeds(self, req: _Req) -> str | None:
-        got = self.embeds.get(req.msg.rid, (0.0, {}))[1]
+        got = self._embeds_of(req.msg.rid)
         for span in req.msg.images:
             emb = got[span.image_hash]
             if emb.dim() != 2 or emb.shape != (span.length, self.cfg.hidden_size):
@@ -222,7 +226,7 @@ class PrefillScheduler:
         return True
 
     def _forward(self) -> None:
-        ps, budget = self.runner.page_size, self.max_prefill_tokens
+        budget = self.max_prefill_tokens
         batch_reqs, chunks = [], []
         for req in self.running:
             if budget <= 0:
@@ -235,9 +239,9 @@ class PrefillScheduler:
         for req, (s, e) in zip(batch_reqs, chunks):
             ids.extend(req.msg.input_ids[s:e])
             pos.append(req.positions[:, s:e])
-            slots.extend(req.pages[i // ps] * ps + i % ps for i in range(s, e))
+            slots.extend(self.pool.slots(req.pages, s, e))
             m = torch.zeros(e - s, dtype=torch.bool)
-            got = self.embeds.get(req.msg.rid, (0.0, {}))[1]
+            got = self._embeds_of(req.msg.rid)
             for span in req.msg.images:
                 a, b = max(s, span.offset), min(e, span.offset + span.length)
                 if a < b:
@@ -270,7 +274,7 @@ class PrefillScheduler:
         first = sample(logits[done], [r.msg.sampling for r in reqs], gens).tolist()
         for req, tok in zip(reqs, first):
             self.running.remove(req)
-            slots = torch.tensor([req.pages[i // ps] * ps + i % ps for i in range(req.n)], dtype=torch.int64)
+            slots = torch.tensor(self.pool.slots(req.pages, 0, req.n), dtype=torch.int64)
             transfer = KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=tok,
                                   cached_tokens=req.cached, mrope_position_delta=req.mrope_delta,
                                   kv=self.runner.read_kv(slots.to(dev)))

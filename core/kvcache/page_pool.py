@@ -31,6 +31,12 @@ class PagePool:
         """Pages needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.page_size)
 
+    def slots(self, pages: list[int], start: int, end: int) -> list[int]:
+        """KV slots (``page * page_size + offset``) of tokens ``start .. end-1`` of a sequence whose KV sits in
+        ``pages``, in order."""
+        ps = self.page_size
+        return [pages[i // ps] * ps + i % ps for i in range(start, end)]
+
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` free pages. Raises :class:`OutOfPages` (state unchanged) when fewer are free."""
         if n > len(self._free):
