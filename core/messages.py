@@ -178,6 +178,33 @@ class TokenOutputBatch:
     outputs: list[TokenOutput]
 
 
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian, row-major bytes of ``t`` (moved to CPU and made contiguous; no further copy)."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+
+
+def tensor_from_bytes(buf, dtype: str, shape: list[int]) -> torch.Tensor:
+    """A zero-copy CPU view of ``buf`` (any buffer) as a ``dtype`` tensor of ``shape``; read-only when ``buf`` is.
+
+    Raises:
+        WireError: unknown ``dtype``, or ``buf`` does not hold exactly ``shape`` elements.
+    """
+    if dtype not in _DTYPES:
+        raise WireError(f"unknown tensor dtype {dtype!r}")
+    view = memoryview(buf)
+    if view.nbytes:
+        with warnings.catch_warnings():  # read-only is fine: receivers copy or only read
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(view, dtype=torch.uint8)
+    else:
+        flat = torch.empty(0, dtype=torch.uint8)
+    try:
+        return flat.view(_DTYPES[dtype]).reshape(shape)
+    except RuntimeError as e:
+        raise WireError(f"tensor data does not match {dtype}{list(shape)}: {e}") from e
+
+
 _KINDS: dict[str, type] = {
     cls.__name__: cls
     for cls in (
@@ -199,10 +226,9 @@ def encode(msg: Any) -> list[bytes | memoryview]:
 
     def pack(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            t = value.detach().to("cpu").contiguous()
-            frames.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else b"")
-            return {"__tensor__": len(frames) - 1, "dtype": str(t.dtype).removeprefix("torch."),
-                    "shape": list(t.shape)}
+            frames.append(tensor_bytes(value))
+            return {"__tensor__": len(frames) - 1, "dtype": str(value.dtype).removeprefix("torch."),
+                    "shape": list(value.shape)}
         if dataclasses.is_dataclass(value):
             if type(value).__name__ not in _KINDS:
                 raise TypeError(f"{type(value).__name__} is not a registered message kind")
@@ -238,19 +264,9 @@ def decode(frames: list) -> Any:
         if isinstance(value, dict):
             if "__tensor__" in value:
                 idx, dtype, shape = value["__tensor__"], value.get("dtype"), value.get("shape")
-                if dtype not in _DTYPES or not isinstance(idx, int) or not 0 <= idx < len(frames) - 1:
+                if not isinstance(idx, int) or not 0 <= idx < len(frames) - 1 or not isinstance(shape, list):
                     raise WireError(f"bad tensor header {value!r}")
-                buf = memoryview(frames[idx + 1])
-                if buf.nbytes:
-                    with warnings.catch_warnings():  # read-only is fine: receivers copy or only read
-                        warnings.simplefilter("ignore", UserWarning)
-                        t = torch.frombuffer(buf, dtype=torch.uint8)
-                else:
-                    t = torch.empty(0, dtype=torch.uint8)
-                try:
-                    return t.view(_DTYPES[dtype]).reshape(shape)
-                except RuntimeError as e:
-                    raise WireError(f"tensor frame does not match {dtype}{shape}: {e}") from e
+                return tensor_from_bytes(frames[idx + 1], dtype, shape)
             kind = value.get("kind")
             cls = _KINDS.get(kind)
             if cls is None:

@@ -30,7 +30,7 @@ from epdserve.config import EncoderConfig
 from epdserve.device import resolve_device, resolve_dtype
 from epdserve.encoder.cache import EmbeddingCache
 from epdserve.encoder.vision import ImageDecodeError, VisionEncoder, decode_image
-from epdserve.messages import ImageEmbeddings, encode
+from epdserve.messages import ImageEmbeddings, encode, tensor_bytes, tensor_from_bytes
 from epdserve.models.tiny import resolve_model_path
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
 
@@ -48,7 +48,8 @@ _PUSH_LINGER_MS = 1000
 # Bound on cached PUSH sockets (one per prefill TP rank seen); the least recently used is closed beyond it.
 _MAX_PUSH_SOCKETS = 256
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Embeddings are floating point; the wire codec itself carries more dtypes.
+_EMBEDDING_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class RequestError(Exception):
@@ -67,10 +68,9 @@ def tensor_to_proto(t: torch.Tensor) -> encoder_pb2.Tensor:
         ValueError: dtype other than float32 / bfloat16 / float16.
     """
     name = str(t.dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in _EMBEDDING_DTYPES:
         raise ValueError(f"unsupported tensor dtype {t.dtype}")
-    raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-    return encoder_pb2.Tensor(dtype=name, shape=list(t.shape), data=raw)
+    return encoder_pb2.Tensor(dtype=name, shape=list(t.shape), data=tensor_bytes(t).tobytes())
 
 
 def tensor_from_proto(msg: encoder_pb2.Tensor) -> torch.Tensor:
@@ -79,13 +79,9 @@ def tensor_from_proto(msg: encoder_pb2.Tensor) -> torch.Tensor:
     Raises:
         ValueError: unknown dtype, or ``data`` does not hold exactly ``shape`` elements.
     """
-    if msg.dtype not in _DTYPES:
+    if msg.dtype not in _EMBEDDING_DTYPES:
         raise ValueError(f"unknown tensor dtype {msg.dtype!r}")
-    flat = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8) if msg.data else torch.empty(0, dtype=torch.uint8)
-    try:
-        return flat.view(_DTYPES[msg.dtype]).reshape(list(msg.shape))
-    except RuntimeError as e:
-        raise ValueError(f"tensor data does not match {msg.dtype}{list(msg.shape)}: {e}") from e
+    return tensor_from_bytes(msg.data, msg.dtype, list(msg.shape)).clone()
 
 
 def _sha256_all(datas: list[bytes]) -> list[str]:
