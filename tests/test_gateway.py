@@ -331,6 +331,11 @@ def gateway(tiny_model_path, processor, stage_servers):
 @pytest.fixture
 def gw(gateway):
     base, prefill, decode_, encoder = gateway
+    # The fake decode answers before the gateway's PrefillRequest lands, so the previous test's messages can
+    # still be arriving: wait until the fakes have been quiet for a moment, then start from empty.
+    seen = -1
+    while seen != (seen := len(prefill.received) + len(decode_.received)):
+        time.sleep(0.1)
     prefill.reset()
     decode_.reset()
     encoder.calls.clear()
