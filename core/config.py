@@ -63,6 +63,9 @@ class DecodeConfig(LMServerConfig):
     port: int = _f(30002, "ZMQ port for requests from gateways")
     kv_port: int = _f(30201, "ZMQ port receiving KV transfers from prefill servers")
     max_running_requests: int = _f(256, "most requests in one decode batch")
+    cuda_graph_max_bs: int = _f(256, "largest decode batch replayed from a CUDA graph (capped at "
+                                     "--max-running-requests); larger batches run eagerly")
+    disable_cuda_graph: bool = _f(False, "run every decode step eagerly (CUDA graphs need the flashinfer backend)")
 
 
 @dataclass

@@ -24,11 +24,17 @@ class ModelRunner:
     """
 
     def __init__(self, model_path: str, *, device: torch.device, dtype: torch.dtype, num_pages: int,
-                 page_size: int, attention_backend: str = "auto", mem_fraction: float = 0.5):
+                 page_size: int, attention_backend: str = "auto", mem_fraction: float = 0.5,
+                 cuda_graph_max_bs: int = 0):
         """Load config and LM weights (vision weights are skipped), then size and allocate the KV pool.
 
         ``num_pages == 0`` sizes the pool automatically: on CUDA ``mem_fraction`` of the free memory left after
-        loading the weights, on CPU 4096 pages.
+        loading the weights, on CPU 4096 pages. The pool holds one more page than ``num_pages``: the scratch page
+        that CUDA-graph padding rows write to; pages ``0 .. num_pages - 1`` are the schedulers'.
+
+        With the flashinfer backend the model uses flashinfer's fused norm/RoPE/activation kernels, and
+        ``cuda_graph_max_bs > 0`` captures decode CUDA graphs up to that batch size (see
+        :mod:`epdserve.cuda_graph`); the graphs need the flashinfer backend and are skipped otherwise.
 
         Raises:
             FileNotFoundError: missing config or weights.
@@ -46,10 +52,18 @@ class ModelRunner:
         if num_pages <= 0:
             num_pages = self._auto_pages(mem_fraction)
         self.num_pages = num_pages
-        self.kv_pool = KVPool(num_layers=cfg.num_layers, num_pages=num_pages, page_size=page_size,
+        self.kv_pool = KVPool(num_layers=cfg.num_layers, num_pages=num_pages + 1, page_size=page_size,
                               num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype, device=self.device)
         self.backend = make_backend(attention_backend, self.kv_pool, cfg.num_heads)
         self.model.attn = self.backend
+        self.model.use_fused_ops(self.backend.uses_flashinfer)
+        self.graphs = None
+        if cuda_graph_max_bs > 0 and self.backend.uses_flashinfer:
+            from epdserve.cuda_graph import CudaGraphRunner
+
+            self.warmup()  # JIT builds and cuBLAS handles before capture
+            self.graphs = CudaGraphRunner(self.model, self.backend, vocab_size=cfg.vocab_size,
+                                          max_bs=cuda_graph_max_bs, scratch_page=num_pages, page_size=page_size)
 
     def _auto_pages(self, mem_fraction: float) -> int:
         if self.device.type != "cuda":
@@ -65,11 +79,14 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run ``batch`` (tensors on any device; moved here) and return float32 logits ``[B, vocab]`` at each
-        request's last new token. New K/V land in ``batch.out_slots``.
+        request's last new token. New K/V land in ``batch.out_slots``. Decode batches that a CUDA graph covers
+        are replayed (their logits are a view valid until the next forward); the rest run eagerly.
 
         Raises:
             ValueError: inconsistent page tables / lengths (from the attention backend).
         """
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.replay(batch)
         dev = self.device
         batch = dataclasses.replace(
             batch,
@@ -80,6 +97,7 @@ class ModelRunner:
             mm_mask=None if batch.mm_mask is None else batch.mm_mask.to(dev, non_blocking=True),
         )
         with torch.inference_mode():
+            self.backend.prepare(batch)
             logits = self.model(batch)
         return logits.clone()  # a normal tensor, so callers may edit it in place outside inference mode
 
@@ -111,9 +129,10 @@ class ModelRunner:
         self.forward(ForwardBatch(True, ids[n:], positions[:, n:], slots[n:], [1], [n + 1], [pages]))
 
 
-def runner_from_config(cfg) -> tuple[str, ModelRunner, int]:
+def runner_from_config(cfg, cuda_graph_max_bs: int = 0) -> tuple[str, ModelRunner, int]:
     """Build and warm up the model runner of a prefill or decode server from its
-    :class:`~epdserve.config.LMServerConfig`. Returns ``(model_path, runner, context_length)``.
+    :class:`~epdserve.config.LMServerConfig`, with decode CUDA graphs up to ``cuda_graph_max_bs`` (0: none).
+    Returns ``(model_path, runner, context_length)``.
 
     Raises:
         FileNotFoundError: ``cfg.model_path`` is not a local checkpoint.
@@ -126,6 +145,6 @@ def runner_from_config(cfg) -> tuple[str, ModelRunner, int]:
     device = resolve_device(cfg.device)
     runner = ModelRunner(model_path, device=device, dtype=resolve_dtype(cfg.dtype, device), num_pages=cfg.num_pages,
                          page_size=cfg.page_size, attention_backend=cfg.attention_backend,
-                         mem_fraction=cfg.mem_fraction)
+                         mem_fraction=cfg.mem_fraction, cuda_graph_max_bs=cuda_graph_max_bs)
     runner.warmup()
     return model_path, runner, cfg.context_length or runner.config.max_position_embeddings

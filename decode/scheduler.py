@@ -170,15 +170,16 @@ class DecodeScheduler:
             self._append_token(seq, transfer.first_token_id)
 
     def _forward(self) -> None:
-        seqs, dev = self.running, self.runner.device
+        seqs = self.running
         idx = [s.kv_len for s in seqs]  # sequence index of each request's newest token
+        # Built on the CPU: the model runner moves them over in one asynchronous copy.
         batch = ForwardBatch(
             is_decode=True,
-            input_ids=torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64, device=dev),
+            input_ids=torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64),
             positions=decode_positions(torch.tensor(idx, dtype=torch.int64),
-                                       torch.tensor([s.mrope_delta for s in seqs], dtype=torch.int64)).to(dev),
+                                       torch.tensor([s.mrope_delta for s in seqs], dtype=torch.int64)),
             out_slots=torch.tensor([self.pool.slots(s.pages, i, i + 1)[0] for s, i in zip(seqs, idx)],
-                                   dtype=torch.int64, device=dev),
+                                   dtype=torch.int64),
             q_lens=[1] * len(seqs),
             kv_lens=[i + 1 for i in idx],
             page_table=[s.pages for s in seqs],

@@ -32,7 +32,8 @@ def serve(config: DecodeConfig) -> None:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
         zmq.ZMQError: a port is taken.
     """
-    model_path, runner, context_length = runner_from_config(config)
+    graph_bs = 0 if config.disable_cuda_graph else min(config.cuda_graph_max_bs, config.max_running_requests)
+    model_path, runner, context_length = runner_from_config(config, cuda_graph_max_bs=graph_bs)
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
     sched = DecodeScheduler(runner, AutoTokenizer.from_pretrained(model_path), context_length=context_length,
                             max_running_requests=config.max_running_requests, timeout_s=config.request_timeout_s,

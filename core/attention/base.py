@@ -25,6 +25,8 @@ class AttentionBackend(ABC):
     ``kv_len`` L sits at KV index ``L - q + j`` and sees KV indices ``0 .. L - q + j``.
     """
 
+    uses_flashinfer = False  # flashinfer is installed and its kernels fit: fused ops and CUDA graphs apply
+
     def __init__(self, kv_pool: KVPool, num_qo_heads: int):
         """``num_qo_heads`` must be a multiple of the pool's KV heads (GQA)."""
         if num_qo_heads % kv_pool.num_kv_heads:

@@ -4,6 +4,11 @@ API: flashinfer ``BatchPrefillWithPagedKVCacheWrapper`` / ``BatchDecodeWithPaged
 (docs.flashinfer.ai/api/prefill.html, /api/decode.html): ``plan`` once per batch with the CSR page table
 (``kv_indptr`` [B+1], ``kv_indices``, ``kv_last_page_len`` [B]), then ``run(q, (k_cache, v_cache))`` per layer.
 flashinfer's causal mask in append mode is bottom-right aligned, which is the prefix-cache semantics we need.
+
+CUDA graphs: a decode wrapper in CUDA-graph mode has a fixed batch size and plans into fixed index buffers, so
+:meth:`FlashInferBackend.enable_cuda_graphs` makes one per captured batch size over shared buffers; ``plan`` runs
+on the host before each replay and the captured kernels read what it wrote (as SGLang's and mini-sglang's
+flashinfer backends do).
 """
 
 from __future__ import annotations
@@ -19,9 +24,19 @@ _WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 class FlashInferBackend(AttentionBackend):
-    """flashinfer paged prefill (extend batches, causal) and decode (decode batches) over the NHD KV pool."""
+    """flashinfer paged prefill (extend batches, causal) and decode (decode batches) over the NHD KV pool.
 
-    def __init__(self, kv_pool: KVPool, num_qo_heads: int):
+    Args:
+        kv_pool: the KV pool (on CUDA).
+        num_qo_heads: query heads.
+        decode_tensor_cores: run decode attention on flashinfer's tensor-core (prefill) kernels. Off by
+            default: at 1-128 requests and 8 query heads per KV head, the CUDA-core decode kernel with split-KV
+            measured faster on an H100 (docs/performance.md); None means that default.
+    """
+
+    uses_flashinfer = True
+
+    def __init__(self, kv_pool: KVPool, num_qo_heads: int, *, decode_tensor_cores: bool | None = None):
         """Allocate the shared float workspace and both wrappers on the pool's CUDA device.
 
         Raises:
@@ -30,20 +45,36 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(kv_pool, num_qo_heads)
         if kv_pool.device.type != "cuda":
             raise ValueError("FlashInferBackend needs a CUDA KV pool")
+        self._tensor_cores = bool(decode_tensor_cores)
         # Prefill and decode never run at the same time, so they can share one float workspace.
         self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
-        # Tensor-core decode is faster once several query heads share a KV head.
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, kv_layout="NHD", use_tensor_cores=num_qo_heads // kv_pool.num_kv_heads >= 4)
+            self._workspace, kv_layout="NHD", use_tensor_cores=self._tensor_cores)
+        self._graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self._wrapper = None
         self._out_slots: torch.Tensor | None = None
 
-    def prepare(self, batch: ForwardBatch) -> None:
-        """Plan the prefill or decode wrapper for ``batch``.
+    def enable_cuda_graphs(self, batch_sizes: list[int]) -> None:
+        """Create a CUDA-graph-mode decode wrapper for each batch size, over index buffers shared by all of them
+        (room for every page of the pool plus one padding page per row)."""
+        dev, max_bs = self.kv_pool.device, max(batch_sizes)
+        indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        indices = torch.zeros(self.kv_pool.num_pages + max_bs, dtype=torch.int32, device=dev)
+        last = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        for bs in batch_sizes:
+            self._graph_decode[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
+                paged_kv_indptr_buffer=indptr[:bs + 1], paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last[:bs])
+
+    def prepare(self, batch: ForwardBatch, *, cuda_graph: bool = False) -> None:
+        """Plan the prefill or decode wrapper for ``batch`` (``cuda_graph``: the graph-mode decode wrapper of
+        exactly ``batch.batch_size``). Makes no blocking host-device copy on the decode path.
 
         Raises:
             ValueError: a page table shorter than ``ceil(kv_len / page_size)``.
+            KeyError: ``cuda_graph`` for a batch size with no graph wrapper.
         """
         ps, dev = self.kv_pool.page_size, self.kv_pool.device
         indices, counts, last = [], [], []
@@ -55,13 +86,16 @@ class FlashInferBackend(AttentionBackend):
             counts.append(n)
             last.append(L - (n - 1) * ps)
         kv_indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        kv_indices = torch.tensor(indices, dtype=torch.int32).to(dev, non_blocking=True)
+        # Pinned, so the copy is asynchronous; torch's pinned allocator keeps the block until the copy is done.
+        kv_indices = torch.tensor(indices, dtype=torch.int32).pin_memory().to(dev, non_blocking=True)
         last_len = torch.tensor(last, dtype=torch.int32)
         pool, dtype = self.kv_pool, self.kv_pool.dtype
         if batch.is_decode:
-            self._decode.plan(kv_indptr, kv_indices, last_len, self.num_qo_heads, pool.num_kv_heads,
-                              pool.head_dim, ps, q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scale)
-            self._wrapper = self._decode
+            wrapper = self._graph_decode[batch.batch_size] if cuda_graph else self._decode
+            wrapper.plan(kv_indptr.pin_memory(), kv_indices, last_len.pin_memory(), self.num_qo_heads,
+                         pool.num_kv_heads, pool.head_dim, ps, q_data_type=dtype, kv_data_type=dtype,
+                         sm_scale=self.scale, non_blocking=True)
+            self._wrapper = wrapper
         else:
             qo_indptr = torch.tensor([0] + list(batch.q_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
             self._prefill.plan(qo_indptr, kv_indptr, kv_indices, last_len, self.num_qo_heads, pool.num_kv_heads,

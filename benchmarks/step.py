@@ -1,0 +1,115 @@
+"""The decode step alone: ``ModelRunner`` forwards + greedy sampling, no server, beside the memory roofline.
+
+``python -m epdserve.bench.step --model-path DIR --batch-sizes 1 32 128 --context 512``
+
+Per batch size it fills B requests' KV pages with random values at ``--context`` tokens each, then times
+``--steps`` decode steps the way the decode server runs them (inputs built on the host from Python lists,
+``runner.forward``, ``argmax``, one ``.tolist()``), wall clock per step. The roofline is the bytes one step must
+read (every LM weight once, the embedding table aside, plus every request's KV) over the device-to-device copy
+bandwidth measured in the same run (bytes read + written). The server's TPOT over this step time is the server's
+own overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from epdserve.forward_batch import ForwardBatch
+from epdserve.model_runner import ModelRunner
+from epdserve.models.mrope import decode_positions
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written (median of ``reps``)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / statistics.median(times[3:])
+
+
+def step_bytes(runner: ModelRunner, kv_tokens: int) -> int:
+    """Bytes a decode step must read: LM weights (the input embedding table aside) + ``kv_tokens`` tokens of KV."""
+    model, cfg = runner.model, runner.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not cfg.tie_word_embeddings:
+        weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    kv = kv_tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * runner.kv_pool.buffer.element_size()
+    return weights + kv
+
+
+def time_steps(runner: ModelRunner, batch_size: int, context: int, steps: int) -> list[float]:
+    """Wall seconds of each of ``steps`` decode steps of ``batch_size`` requests starting at ``context`` tokens."""
+    ps = runner.page_size
+    per_req = -(-(context + steps + 1) // ps)
+    if per_req * batch_size > runner.num_pages:
+        raise ValueError(f"{batch_size} x {context + steps} tokens need {per_req * batch_size} pages, "
+                         f"the pool has {runner.num_pages}")
+    pages = [list(range(r * per_req, (r + 1) * per_req)) for r in range(batch_size)]
+    runner.kv_pool.buffer[:, :, :per_req * batch_size].normal_()  # random KV: never time on zeros
+    tokens = torch.randint(100, 1000, (batch_size,)).tolist()
+    out = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        idx = [context + step] * batch_size
+        batch = ForwardBatch(
+            True, torch.tensor(tokens, dtype=torch.int64),
+            decode_positions(torch.tensor(idx), torch.zeros(batch_size, dtype=torch.int64)),
+            torch.tensor([p[i // ps] * ps + i % ps for p, i in zip(pages, idx)], dtype=torch.int64),
+            [1] * batch_size, [i + 1 for i in idx], pages)
+        tokens = runner.forward(batch).argmax(-1).tolist()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; prints a table and optionally writes ``--output-json``. Returns 0."""
+    ap = argparse.ArgumentParser(prog="python -m epdserve.bench.step", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--context", type=int, default=512, help="KV tokens per request at the first step")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--num-pages", type=int, default=0, help="0: sized from free memory")
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--output-json", default="")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    runner = ModelRunner(args.model_path, device=dev, dtype=torch.bfloat16, num_pages=args.num_pages, page_size=16,
+                         cuda_graph_max_bs=0 if args.disable_cuda_graph else max(args.batch_sizes))
+    bw = copy_bandwidth(dev)
+    rows = []
+    for bs in args.batch_sizes:
+        times = time_steps(runner, bs, args.context, args.steps)[4:]  # the first steps warm caches up
+        median = statistics.median(times)
+        kv_tokens = bs * (args.context + args.steps // 2)
+        roof = step_bytes(runner, kv_tokens) / bw
+        rows.append(dict(batch_size=bs, context=args.context, step_ms=median * 1e3, roofline_ms=roof * 1e3,
+                         roofline_fraction=roof / median, tokens_per_s=bs / median,
+                         cuda_graph=runner.graphs is not None))
+    print(f"device: {torch.cuda.get_device_name(dev)}; copy bandwidth {bw / 1e12:.2f} TB/s (read + write); "
+          f"CUDA graphs: {'on' if runner.graphs is not None else 'off'}")
+    print(f"{'batch':>6} {'step ms':>9} {'roofline ms':>12} {'of roofline':>12} {'tok/s':>10}")
+    for r in rows:
+        print(f"{r['batch_size']:>6} {r['step_ms']:>9.3f} {r['roofline_ms']:>12.3f} "
+              f"{100 * r['roofline_fraction']:>11.1f}% {r['tokens_per_s']:>10.0f}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(dev), copy_bandwidth=bw, model_path=args.model_path,
+                           rows=rows), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

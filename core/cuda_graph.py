@@ -1,0 +1,117 @@
+"""Decode forwards replayed from CUDA graphs: one graph per batch size, a batch padded up to the next size.
+
+Why: a decode step of a 36-layer model launches ~400 kernels; launched one by one from Python the step is bound
+by the CPU (~80 % of wall time on an H100, ``../shared/notes/qwen-vl-facts.md``). A replayed graph launches them
+all in one call.
+
+Method (mini-sglang ``python/minisgl/engine/graph.py``, SGLang ``CudaGraphRunner``): capture the decode forward
+for a fixed list of batch sizes, largest first, sharing one memory pool; inputs live in static device buffers.
+Per step: copy the step's inputs into those buffers with one host-to-device copy, pad the batch with rows that
+attend to one scratch page and write their KV there, plan attention on the host (flashinfer's graph-mode
+wrapper fills fixed-size index buffers the captured kernels read), replay, and read the logits rows of the real
+requests from a static output buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from epdserve.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """The captured batch sizes up to ``max_bs``: 1, 2, 4, 8, then every multiple of 8 (SGLang's list), and
+    ``max_bs`` itself. Padding waste is at most 7 rows above 8. Raises ValueError when ``max_bs < 1``."""
+    if max_bs < 1:
+        raise ValueError(f"max_bs must be positive, got {max_bs}")
+    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8)) + [max_bs]
+    return sorted(set(sizes))
+
+
+class CudaGraphRunner:
+    """Captured decode forwards of a model over a :class:`~epdserve.attention.flashinfer.FlashInferBackend`.
+
+    Args:
+        model: the LM (its ``forward(batch, out=...)`` must make no host-device copy for decode batches).
+        backend: the model's attention backend; gets one graph-mode decode wrapper per size.
+        vocab_size: columns of the logits.
+        max_bs: largest captured batch; larger batches run eagerly.
+        scratch_page: a KV page no request owns; padding rows attend to it and write their KV there.
+        page_size: tokens per page.
+
+    Raises:
+        torch.OutOfMemoryError: the graphs or their buffers do not fit.
+    """
+
+    def __init__(self, model, backend, *, vocab_size: int, max_bs: int, scratch_page: int, page_size: int):
+        dev = backend.kv_pool.device
+        self.model, self.backend = model, backend
+        self.sizes = graph_batch_sizes(max_bs)
+        self.scratch_page = scratch_page
+        top = self.sizes[-1]
+        # Rows: input id, 3 M-RoPE positions, KV slot. One buffer so a step's inputs go over in one copy.
+        self.inputs = torch.zeros(5, top, dtype=torch.int64, device=dev)
+        self.inputs[4] = scratch_page * page_size
+        self.logits = torch.empty(top, vocab_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        backend.enable_cuda_graphs(self.sizes)
+        t0 = time.monotonic()
+        pool = None
+        with torch.inference_mode():
+            for bs in reversed(self.sizes):
+                batch = self._static_batch(bs, [1] * bs, [[scratch_page]] * bs)
+                backend.prepare(batch, cuda_graph=True)
+                model(batch, out=self.logits[:bs])  # warm-up: JIT builds and lazy allocations happen outside
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    model(batch, out=self.logits[:bs])
+                pool = graph.pool()
+                self.graphs[bs] = graph
+        torch.cuda.synchronize(dev)
+        log.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.sizes), self.sizes[0], top,
+                 time.monotonic() - t0)
+
+    @property
+    def max_bs(self) -> int:
+        return self.sizes[-1]
+
+    def _static_batch(self, bs: int, kv_lens: list[int], page_table: list[list[int]]) -> ForwardBatch:
+        return ForwardBatch(True, self.inputs[0, :bs], self.inputs[1:4, :bs], self.inputs[4, :bs], [1] * bs,
+                            kv_lens, page_table)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """True for a decode batch of at most :attr:`max_bs` requests without image embeddings."""
+        return batch.is_decode and batch.batch_size <= self.max_bs and batch.mm_embeds is None
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run decode ``batch`` (inputs on the CPU or the device) through the graph of the next captured size.
+
+        Returns float32 logits ``[B, vocab]``: a view of a static buffer, valid until the next replay.
+
+        Raises:
+            ValueError: ``batch`` is not a decode batch this runner can run (see :meth:`can_run`).
+        """
+        if not self.can_run(batch):
+            raise ValueError(f"no CUDA graph for a {'decode' if batch.is_decode else 'prefill'} batch of "
+                             f"{batch.batch_size}")
+        B = batch.batch_size
+        bs = next(s for s in self.sizes if s >= B)
+        host = torch.empty(5, bs, dtype=torch.int64, pin_memory=True)
+        host[0, :B] = batch.input_ids
+        host[1:4, :B] = batch.positions
+        host[4, :B] = batch.out_slots
+        host[:4, B:] = 0
+        host[4, B:] = self.scratch_page * self.backend.kv_pool.page_size
+        self.inputs[:, :bs].copy_(host, non_blocking=True)
+        pad = bs - B
+        padded = self._static_batch(bs, list(batch.kv_lens) + [1] * pad,
+                                    list(batch.page_table) + [[self.scratch_page]] * pad)
+        self.backend.prepare(padded, cuda_graph=True)
+        self.graphs[bs].replay()
+        return self.logits[:B]
