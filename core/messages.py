@@ -154,16 +154,15 @@ class KVTransfer:
 
 @dataclass
 class TokenOutput:
-    """decode -> gateway: new tokens of one request since the last output, with their text.
+    """decode -> gateway: new token ids of one request since the last output (the gateway detokenizes them and
+    matches stop strings; decode stops only on EOS, ``stop_token_ids``, ``max_new_tokens`` and the context length).
 
-    ``text`` is the delta such that the concatenation of all deltas equals
-    ``tokenizer.decode(all_token_ids, skip_special_tokens=True)`` (cut at a matched stop string).
-    ``finish_reason`` is None while running, then ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``.
+    ``finish_reason`` is None while running, then ``"stop"``, ``"length"`` or ``"error"``. ``completion_tokens``
+    counts all output tokens so far, these included.
     """
 
     rid: str
     token_ids: list[int]
-    text: str
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

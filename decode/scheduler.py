@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epdserve.decode.detokenizer import IncrementalDetokenizer
 from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.messages import DecodeRequest, KVRegister, KVTransfer, TokenOutput
@@ -34,7 +33,6 @@ class _Seq:
     transfer: KVTransfer | None = None
     pages: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
-    detok: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
     cached_tokens: int = 0  # prompt tokens whose KV the prefill server took from its radix cache
     mrope_delta: int = 0
@@ -50,17 +48,15 @@ class DecodeScheduler:
 
     Args:
         runner: the model runner.
-        tokenizer: Hugging Face tokenizer for detokenization.
         context_length: prompt + output tokens never exceed this.
         max_running_requests: largest decode batch.
         timeout_s: seconds a request waits for its KV.
         kv_endpoint: this server's KV receive endpoint, sent to prefill servers when registering.
     """
 
-    def __init__(self, runner: ModelRunner, tokenizer, *, context_length: int, max_running_requests: int,
+    def __init__(self, runner: ModelRunner, *, context_length: int, max_running_requests: int,
                  timeout_s: float, kv_endpoint: str):
         self.runner = runner
-        self.tokenizer = tokenizer
         self.pool = PagePool(runner.num_pages, runner.page_size)
         self.context_length = context_length
         self.max_running = max_running_requests
@@ -91,7 +87,7 @@ class DecodeScheduler:
             if err:
                 msg = KVTransfer(rid=msg.rid, bootstrap_room=msg.bootstrap_room, error=err)
         if msg.error is not None:
-            self._emit(seq, "", "error", error=msg.error)
+            self._emit(seq, "error", error=msg.error)
             return
         seq.transfer = msg
         self.ready.append(seq)
@@ -123,7 +119,7 @@ class DecodeScheduler:
         """After a failed forward: end every running request with ``error`` and free its pages."""
         for seq in self.running:
             self.pool.free(seq.pages)
-            self._emit(seq, "", "error", error=error)
+            self._emit(seq, "error", error=error)
         self.running = []
 
     # ---- internals ----------------------------------------------------------------------------------------
@@ -143,7 +139,7 @@ class DecodeScheduler:
             if seq.deadline < now:
                 del self.pending[room]
                 log.warning("rid=%s timed out waiting for KV", seq.msg.rid)
-                self._emit(seq, "", "error", error="timed out waiting for KV from the prefill server")
+                self._emit(seq, "error", error="timed out waiting for KV from the prefill server")
 
     def _admit(self) -> None:
         while self.ready and len(self.running) < self.max_running:
@@ -152,7 +148,7 @@ class DecodeScheduler:
             need = self.pool.pages_for(total)
             if need > self.pool.num_pages:
                 self.ready.popleft()
-                self._emit(seq, "", "error", error=f"{total} tokens need more KV pages than the pool has")
+                self._emit(seq, "error", error=f"{total} tokens need more KV pages than the pool has")
                 continue
             if need > self.pool.num_free:
                 break  # first come, first served
@@ -162,7 +158,6 @@ class DecodeScheduler:
             slots = torch.tensor(self.pool.slots(seq.pages, 0, seq.msg.prompt_len), dtype=torch.int64)
             self.runner.write_kv(slots, transfer.kv)
             seq.cached_tokens, seq.mrope_delta = transfer.cached_tokens, transfer.mrope_position_delta
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.msg.sampling.stop)
             if seq.msg.sampling.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.msg.sampling.seed)
             self.running.append(seq)
@@ -197,17 +192,14 @@ class DecodeScheduler:
             finish = "stop"
         elif len(seq.output_ids) >= sp.max_new_tokens or seq.msg.prompt_len + len(seq.output_ids) >= self.context_length:
             finish = "length"
-        delta, hit = seq.detok.add(tok, final=finish is not None)
-        if hit:
-            finish = "stop"
         if finish is not None:
             self.running.remove(seq)
             self.pool.free(seq.pages)
             seq.pages = []
-        self._emit(seq, delta, finish, token_ids=[tok])
+        self._emit(seq, finish, token_ids=[tok])
 
-    def _emit(self, seq: _Seq, text: str, finish: str | None, *, token_ids: list[int] = (), error=None) -> None:
+    def _emit(self, seq: _Seq, finish: str | None, *, token_ids: list[int] = (), error=None) -> None:
         self.outputs.append((seq.peer, TokenOutput(
-            rid=seq.msg.rid, token_ids=list(token_ids), text=text, finish_reason=finish,
+            rid=seq.msg.rid, token_ids=list(token_ids), finish_reason=finish,
             prompt_tokens=seq.msg.prompt_len, completion_tokens=len(seq.output_ids),
             cached_tokens=seq.cached_tokens, error=error)))

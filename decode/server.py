@@ -14,7 +14,6 @@ import signal
 from collections import defaultdict
 
 import zmq
-from transformers import AutoTokenizer
 
 from epdserve import transport
 from epdserve.config import DecodeConfig
@@ -35,9 +34,8 @@ def serve(config: DecodeConfig) -> None:
     graph_bs = 0 if config.disable_cuda_graph else min(config.cuda_graph_max_bs, config.max_running_requests)
     model_path, runner, context_length = runner_from_config(config, cuda_graph_max_bs=graph_bs)
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
-    sched = DecodeScheduler(runner, AutoTokenizer.from_pretrained(model_path), context_length=context_length,
-                            max_running_requests=config.max_running_requests, timeout_s=config.request_timeout_s,
-                            kv_endpoint=kv_endpoint)
+    sched = DecodeScheduler(runner, context_length=context_length, max_running_requests=config.max_running_requests,
+                            timeout_s=config.request_timeout_s, kv_endpoint=kv_endpoint)
     info = ServerInfo(role="decode", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages)
 

@@ -1,22 +1,25 @@
 """One chat completion, from a validated request to a response or an SSE stream (no HTTP plumbing here).
 
 Steps: fetch images -> encode (embeddings go straight to prefill) -> tokenize with image slots -> check lengths ->
-send ``DecodeRequest`` then ``PrefillRequest`` -> collect or stream ``TokenOutput``s.
+send ``DecodeRequest`` then ``PrefillRequest`` -> detokenize the ``TokenOutput``s' ids (one
+:class:`IncrementalDetokenizer` per request, stop strings matched here) -> collect or stream the text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
+from epdserve.gateway.detokenizer import IncrementalDetokenizer, special_ids
 from epdserve.gateway.media import MediaError, MediaPolicy, load_image
 from epdserve.gateway.prompt import Prompt, PromptBuilder, PromptError, to_hf_messages
 from epdserve.gateway.protocol import (
@@ -81,6 +84,9 @@ class ChatService:
         self.http = http
         # One thread: keeps tokenization off the event loop without using the tokenizer from two threads.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epdserve-tokenize")
+        # Detokenization runs on the event loop, so it gets its own copy of the tokenizer.
+        self._detok_tokenizer = copy.deepcopy(builder.tokenizer)
+        self._skip_ids = special_ids(self._detok_tokenizer)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -158,14 +164,17 @@ class ChatService:
             APIError: 500 when a stage reports an error.
         """
         t0 = time.monotonic()
+        detok = self._detokenizer(chat)
         texts: list[str] = []
         token_ids: list[int] = []
         final: TokenOutput | None = None
         async with aclosing(self.stages.generate(chat.prefill, chat.decode)) as outputs:
             async for out in outputs:
-                texts.append(out.text)
-                token_ids.extend(out.token_ids)
-                final = out
+                text, final = _detokenize(detok, out)
+                texts.append(text)
+                token_ids.extend(final.token_ids)
+                if final.finish_reason is not None:
+                    break  # on a stop string: leaving the iterator aborts the request at prefill and decode
         if final.finish_reason == "error":
             logger.warning("rid=%s failed: %s", chat.rid, final.error)
             raise APIError(500, final.error or "generation failed")
@@ -184,7 +193,8 @@ class ChatService:
         """Yield the SSE events of ``chat``: a role chunk, content chunks, a finish chunk, an optional usage chunk,
         then ``data: [DONE]``. A stage error becomes an ``{"error": ...}`` event before ``[DONE]``.
 
-        Closing the iterator early (client gone) aborts the request on the stages.
+        Closing the iterator early (client gone) aborts the request on the stages, and so does a stop string: the
+        stream then ends with the text cut before it and ``finish_reason`` "stop".
         """
         t0 = time.monotonic()
         created = int(time.time())
@@ -199,24 +209,26 @@ class ChatService:
 
         yield event([ChunkChoice(delta=Delta(role="assistant", content=""))],
                     prompt_token_ids=chat.prompt.input_ids if rti else None)
+        detok = self._detokenizer(chat)
         final: TokenOutput | None = None
         n_tokens = 0
         try:
             async with aclosing(self.stages.generate(chat.prefill, chat.decode)) as outputs:
                 async for out in outputs:
-                    final = out
-                    n_tokens += len(out.token_ids)
-                    if out.finish_reason == "error":
-                        logger.warning("rid=%s failed: %s", chat.rid, out.error)
-                        err = APIError(500, out.error or "generation failed")
+                    text, final = _detokenize(detok, out)
+                    n_tokens += len(final.token_ids)
+                    if final.finish_reason == "error":
+                        logger.warning("rid=%s failed: %s", chat.rid, final.error)
+                        err = APIError(500, final.error or "generation failed")
                         yield f"data: {err.body().model_dump_json()}\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    if out.text or (rti and out.token_ids):
-                        yield event([ChunkChoice(delta=Delta(content=out.text),
-                                                 token_ids=out.token_ids if rti else None)])
-                    if out.finish_reason is not None:
-                        yield event([ChunkChoice(delta=Delta(), finish_reason=out.finish_reason)])
+                    if text or (rti and final.token_ids):
+                        yield event([ChunkChoice(delta=Delta(content=text),
+                                                 token_ids=final.token_ids if rti else None)])
+                    if final.finish_reason is not None:
+                        yield event([ChunkChoice(delta=Delta(), finish_reason=final.finish_reason)])
+                        break  # on a stop string: leaving the iterator aborts the request at prefill and decode
         except Exception as e:  # the response has started: the only way left to report is an error event
             logger.exception("rid=%s stream failed", chat.rid)
             yield f"data: {APIError(500, f'internal error: {e}').body().model_dump_json()}\n\n"
@@ -229,8 +241,34 @@ class ChatService:
                      usage.prompt_tokens, usage.completion_tokens, time.monotonic() - t0)
         yield "data: [DONE]\n\n"
 
+    def _detokenizer(self, chat: PreparedChat) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._detok_tokenizer, chat.prefill.sampling.stop, self._skip_ids)
+
     @staticmethod
     def _usage(chat: PreparedChat, final: TokenOutput, n_tokens: int) -> Usage:
         # The stage's counts are authoritative; ours are the fallback when a stage leaves them at 0.
         return Usage.of(final.prompt_tokens or len(chat.prompt.input_ids), final.completion_tokens or n_tokens,
                         final.cached_tokens)
+
+
+def _detokenize(detok: IncrementalDetokenizer, out: TokenOutput) -> tuple[str, TokenOutput]:
+    """Feed ``out``'s ids to ``detok``; return the text delta and ``out`` as the client sees it. On a stop string
+    that is ``out`` cut after the id that completed it, with ``finish_reason="stop"`` and ``completion_tokens``
+    counting no id after it."""
+    parts: list[str] = []
+    hit = False
+    used = 0
+    for token_id in out.token_ids:
+        delta, hit = detok.add(token_id)
+        parts.append(delta)
+        used += 1
+        if hit:
+            break
+    if out.finish_reason not in (None, "error") and not hit:
+        delta, hit = detok.flush()
+        parts.append(delta)
+    if hit:
+        unused = len(out.token_ids) - used
+        out = replace(out, token_ids=out.token_ids[:used], finish_reason="stop",
+                      completion_tokens=max(out.completion_tokens - unused, 0))
+    return "".join(parts), out

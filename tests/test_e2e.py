@@ -255,18 +255,28 @@ def test_bench_against_epdserve(server, tiny_model_path, tmp_path):
     assert any(r["cached_tokens"] > 0 for r in ok)  # the shared prefix hit the radix cache
 
 
-def test_sampling_parameters(server, tiny_model_path, photo_paths):
-    url, _ = server
+def test_sampling_parameters(server, hf, tiny_model_path, photo_paths):
+    url, log_path = server
     messages = _openai_messages([("user", [photo_paths["astronaut"], "Tell me about her."])])
     sampled = [_chat(url, tiny_model_path, messages, temperature=1.0, top_p=0.9, top_k=50, seed=s)
                for s in (7, 7, 8)]
     ids = [r["choices"][0]["token_ids"] for r in sampled]
     assert ids[0] == ids[1] and ids[0] != ids[2]  # a seed makes sampling reproducible
-    greedy = _chat(url, tiny_model_path, messages)["choices"][0]["message"]["content"]
+    greedy_choice = _chat(url, tiny_model_path, messages)["choices"][0]
+    greedy = greedy_choice["message"]["content"]
     stop = greedy[len(greedy) // 2:len(greedy) // 2 + 3]
     cut = _chat(url, tiny_model_path, messages, stop=[stop])
     assert cut["choices"][0]["finish_reason"] == "stop"
     assert cut["choices"][0]["message"]["content"] == greedy[:greedy.index(stop)]
+    # The gateway found the stop string: the ids end with the one that completed it, and usage counts only those.
+    cut_ids, decode_text = cut["choices"][0]["token_ids"], hf[0].tokenizer.decode
+    assert cut_ids == greedy_choice["token_ids"][:len(cut_ids)] and cut["usage"]["completion_tokens"] == len(cut_ids)
+    assert stop in decode_text(cut_ids, skip_special_tokens=True)
+    assert stop not in decode_text(cut_ids[:-1], skip_special_tokens=True)
+    deadline = time.monotonic() + 5  # ... and aborted the request at prefill and decode
+    while f"rid={cut['id']} abort" not in log_path.read_text():
+        assert time.monotonic() < deadline, "the gateway sent no abort after the stop string"
+        time.sleep(0.1)
     body = {"model": tiny_model_path, "messages": messages, "max_tokens": 5, "ignore_eos": True}
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
     assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"

@@ -32,9 +32,23 @@ from epdserve.messages import (
     AbortRequest, DecodeRequest, PrefillRequest, ServerInfo, ServerInfoRequest, TokenOutput, TokenOutputBatch,
     decode, encode,
 )
+from epdserve.models.tiny import build_tokenizer
 
 CONTEXT = 4096
 EMBED_ENDPOINTS = ["tcp://127.0.0.1:39101", "tcp://127.0.0.1:39102"]
+# The fake decode sends token ids only, as the real one does; the gateway detokenizes them with the tiny
+# checkpoint's tokenizer (the same one, built offline).
+TOKENIZER = build_tokenizer()
+
+
+def _ids(text: str) -> list[int]:
+    return TOKENIZER(text, add_special_tokens=False)["input_ids"]
+
+
+REPLY = ["The", " cat", "!"]
+REPLY_IDS = [i for piece in REPLY for i in _ids(piece)]
+assert len(REPLY_IDS) == len(REPLY), "each piece of the fake reply must be one token"
+STOP_TEXT = "The cup is blue. The table"
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -93,24 +107,32 @@ class FakeEncoder:
 
 
 def default_script(req: DecodeRequest) -> list[TokenOutputBatch]:
-    """Three tokens ("Hello", " world", "!"), cut at ``max_new_tokens``; one batch per token."""
-    pieces = [(101, "Hello"), (102, " world"), (103, "!")][: req.sampling.max_new_tokens]
-    n = len(pieces)
+    """Three tokens ("The", " cat", "!"), cut at ``max_new_tokens``; one batch per token."""
+    ids = REPLY_IDS[: req.sampling.max_new_tokens]
+    n = len(ids)
     finish = "length" if req.sampling.max_new_tokens <= 3 else "stop"
-    return [TokenOutputBatch([TokenOutput(req.rid, [tid], text, finish if i == n - 1 else None,
+    return [TokenOutputBatch([TokenOutput(req.rid, [tid], finish if i == n - 1 else None,
                                           prompt_tokens=req.prompt_len, completion_tokens=i + 1,
                                           cached_tokens=2)])
-            for i, (tid, text) in enumerate(pieces)]
+            for i, tid in enumerate(ids)]
 
 
 def hang_script(req: DecodeRequest) -> list[TokenOutputBatch]:
     """One token, then nothing: the request runs until someone aborts it."""
-    return [TokenOutputBatch([TokenOutput(req.rid, [101], "Hello")])]
+    return [TokenOutputBatch([TokenOutput(req.rid, REPLY_IDS[:1])])]
 
 
 def error_script(req: DecodeRequest) -> list[TokenOutputBatch]:
-    return [TokenOutputBatch([TokenOutput(req.rid, [101], "Hello")]),
-            TokenOutputBatch([TokenOutput(req.rid, [], "", "error", error="KV transfer failed")])]
+    return [TokenOutputBatch([TokenOutput(req.rid, REPLY_IDS[:1])]),
+            TokenOutputBatch([TokenOutput(req.rid, [], "error", error="KV transfer failed")])]
+
+
+def stop_script(req: DecodeRequest) -> list[TokenOutputBatch]:
+    """The ids of ``STOP_TEXT``, three per output, and no finish: only an abort ends the request."""
+    ids = _ids(STOP_TEXT)
+    return [TokenOutputBatch([TokenOutput(req.rid, ids[i:i + 3], prompt_tokens=req.prompt_len,
+                                          completion_tokens=min(i + 3, len(ids)), cached_tokens=2)])
+            for i in range(0, len(ids), 3)]
 
 
 class FakeStage:
@@ -377,9 +399,9 @@ def test_non_stream_with_image(gw, tiny_model_path, processor, photo_paths):
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
     assert out["model"] == tiny_model_path
     choice = out["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": "Hello world!"}
+    assert choice["message"] == {"role": "assistant", "content": "The cat!"}
     assert choice["finish_reason"] == "stop"
-    assert choice["token_ids"] == [101, 102, 103]
+    assert choice["token_ids"] == REPLY_IDS
 
     # What the stages received: decode first, then prefill, same room; ids equal the HF processor's.
     (pre,), (dec,) = prefill.messages(PrefillRequest), decode_.messages(DecodeRequest)
@@ -407,7 +429,7 @@ def test_non_stream_text_defaults(gw, tiny_model_path):
     resp = _chat(base, tiny_model_path, "Hi", max_tokens=2)  # legacy max_tokens
     assert resp.status_code == 200
     out = resp.json()
-    assert out["choices"][0]["message"]["content"] == "Hello world"
+    assert out["choices"][0]["message"]["content"] == "The cat"
     assert out["choices"][0]["finish_reason"] == "length"
     assert "token_ids" not in out["choices"][0] and "prompt_token_ids" not in out
     assert encoder.calls == []
@@ -442,8 +464,8 @@ def test_stream_shape(gw, tiny_model_path, photo_paths):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert len(chunks[0]["prompt_token_ids"]) > 100
     contents = [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]]
-    assert contents == ["Hello", " world", "!"]
-    assert [c["choices"][0]["token_ids"] for c in chunks[1:-2]] == [[101], [102], [103]]
+    assert contents == REPLY
+    assert [c["choices"][0]["token_ids"] for c in chunks[1:-2]] == [[i] for i in REPLY_IDS]
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == []
     usage = chunks[-1]["usage"]
@@ -523,7 +545,7 @@ def test_abort_on_client_disconnect(gw, tiny_model_path, stream):
     if stream:
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as resp:
             for line in resp.iter_lines():  # hang up mid-stream, after the first token
-                if "Hello" in line:
+                if '"content":"The"' in line:
                     break
     else:
         with pytest.raises(httpx.ReadTimeout):
@@ -533,10 +555,45 @@ def test_abort_on_client_disconnect(gw, tiny_model_path, stream):
         assert _wait_for(lambda: dec.rid in [m.rid for m in stage.messages(AbortRequest)]), stage.role
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_stop_string_ends_response_and_aborts_decode(gw, tiny_model_path, stream):
+    """The gateway matches stop strings: the text ends before the stop string, finish_reason is "stop", usage
+    counts the tokens up to the one that completed it, and prefill and decode get an AbortRequest (the fake decode
+    never finishes the request on its own)."""
+    base, prefill, decode_, _ = gw
+    decode_.script = stop_script
+    ids = _ids(STOP_TEXT)
+    n = next(k for k in range(1, len(ids) + 1) if "blue" in TOKENIZER.decode(ids[:k]))
+    assert n % 3 != 0  # the stop string completes inside a TokenOutput: the ids after it in that output are dropped
+    body = {"model": tiny_model_path, "messages": [{"role": "user", "content": "x"}], "stop": ["blue"],
+            "return_token_ids": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as resp:
+            events = _sse(resp)
+        assert events[-1] == "[DONE]"
+        chunks = events[1:-1]
+        finish = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+        assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "stop"
+        content = chunks[:chunks.index(finish[0])]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in content)
+        token_ids = [t for c in content for t in c["choices"][0]["token_ids"]]
+        usage = chunks[-1]["usage"]
+    else:
+        out = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30).json()
+        assert out["choices"][0]["finish_reason"] == "stop"
+        text, token_ids, usage = out["choices"][0]["message"]["content"], out["choices"][0]["token_ids"], out["usage"]
+    assert text == "The cup is "
+    assert token_ids == ids[:n] and usage["completion_tokens"] == n
+    (dec,) = decode_.messages(DecodeRequest)
+    for stage in (prefill, decode_):
+        assert _wait_for(lambda: dec.rid in [m.rid for m in stage.messages(AbortRequest)]), stage.role
+
+
 def test_concurrent_requests(gw, tiny_model_path):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: _chat(gw[0], tiny_model_path, f"q{i}"), range(8)))
-    assert all(r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello world!"
+    assert all(r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "The cat!"
                for r in results)
     assert len({r.json()["id"] for r in results}) == 8
 
@@ -547,11 +604,11 @@ def test_openai_client(gw, tiny_model_path, photo_paths):
     assert [m.id for m in client.models.list()] == [tiny_model_path]
     messages = [{"role": "user", "content": _photo_content(photo_paths["chelsea"])}]
     out = client.chat.completions.create(model=tiny_model_path, messages=messages, max_completion_tokens=16)
-    assert out.choices[0].message.content == "Hello world!" and out.usage.total_tokens > 3
+    assert out.choices[0].message.content == "The cat!" and out.usage.total_tokens > 3
     stream = client.chat.completions.create(model=tiny_model_path, messages=messages, stream=True,
                                             stream_options={"include_usage": True})
     chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello world!"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "The cat!"
     assert chunks[-1].usage.completion_tokens == 3
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=messages)
@@ -597,7 +654,7 @@ def test_health_503_until_stages_answer(tiny_model_path, processor):
             assert _wait_for(lambda: client.get("/health").status_code == 200, 30)
             r = client.post("/v1/chat/completions",
                             json={"model": tiny_model_path, "messages": [{"role": "user", "content": "hi"}]})
-            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello world!"
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "The cat!"
     finally:
         prefill.stop()
         decode_.stop()

@@ -163,13 +163,8 @@ def test_failures_become_error_transfers(runner, photo_request):
     assert _pages_accounted(sched)
 
 
-class _Tok:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i % 26) for i in ids)
-
-
 def _decode_sched(runner, **kw):
-    return DecodeScheduler(runner, _Tok(), context_length=4096, max_running_requests=kw.get("max_running", 8),
+    return DecodeScheduler(runner, context_length=4096, max_running_requests=kw.get("max_running", 8),
                            timeout_s=kw.get("timeout_s", 60.0), kv_endpoint="tcp://me")
 
 
@@ -215,3 +210,44 @@ def test_decode_times_out_without_kv(runner):
     time.sleep(0.1)
     (_, out), = dec.step()
     assert out.finish_reason == "error" and "timed out" in out.error
+
+
+def test_decode_sends_ids_only_and_a_gateway_abort_frees_pages(runner, photo_request):
+    """Stop strings are the gateway's: decode ignores them, ends on stop_token_ids, and frees a request's pages when
+    the gateway aborts it (what it does when its detokenizer matches a stop string)."""
+    from dataclasses import replace
+
+    prefill = _prefill(runner)
+    transfer = _transfer_when_done(prefill, _req(photo_request, "p", 0), _embeds(photo_request, "p"))
+    dec = _decode_sched(runner)
+    prompt_len = len(photo_request[0])
+
+    def start(rid, room, **sampling):
+        dec.add_request(DecodeRequest(rid=rid, prompt_len=prompt_len, sampling=SamplingParams(
+            temperature=0, ignore_eos=True, **sampling), bootstrap_host="h", bootstrap_port=1, bootstrap_room=room),
+            peer=b"g")
+        dec.add_transfer(replace(transfer, rid=rid, bootstrap_room=room))
+
+    every_char = [chr(c) for c in range(32, 127)] + ["\ufffd"]
+    start("s", 1, max_new_tokens=8, stop=every_char)
+    outs = [o for _, o in _run(dec, 10)]
+    assert [o.finish_reason for o in outs] == [None] * 7 + ["length"] and outs[-1].completion_tokens == 8
+    assert all(len(o.token_ids) == 1 and not hasattr(o, "text") for o in outs)
+    ids = [o.token_ids[0] for o in outs]
+
+    start("t", 2, max_new_tokens=8, stop_token_ids=[ids[3]])
+    outs = [o for _, o in _run(dec, 10)]
+    assert [t for o in outs for t in o.token_ids] == ids[:ids.index(ids[3]) + 1]
+    assert outs[-1].finish_reason == "stop"
+
+    start("a", 3, max_new_tokens=50)
+    start("b", 4, max_new_tokens=6)
+    dec.step()
+    dec.step()
+    (a,) = [s for s in dec.running if s.msg.rid == "a"]
+    free = dec.pool.num_free
+    dec.abort("a")
+    assert dec.pool.num_free == free + len(a.pages) and [s.msg.rid for s in dec.running] == ["b"]
+    outs = [o for _, o in _run(dec, 10)]
+    assert {o.rid for o in outs} == {"b"} and outs[-1].finish_reason == "length"
+    assert not dec.running and dec.pool.num_free == dec.pool.num_pages
