@@ -164,6 +164,8 @@ class EncoderPool:
             StageError: the first non-503 error, in encoder order, after every call has finished.
         """
         encs = list(groups)
+        for e in encs:
+            logger.debug("rid=%s %d image(s) -> encoder %s", rid, len(groups[e]), self.names[e])
         outs = await asyncio.gather(
             *(self.clients[e].encode(rid, [images[p] for p in groups[e]], targets) for e in encs),
             return_exceptions=True)
