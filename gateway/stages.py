@@ -44,7 +44,8 @@ class EncoderClient(Protocol):
         """Encode ``images`` and push their embeddings for ``rid`` to every endpoint in ``targets``.
 
         Raises:
-            StageError: 400 for an image the encoder rejects, 503 when it is unreachable, 500 otherwise.
+            StageError: 400 for an image the encoder rejects, 503 when it is unreachable or past a deadline (an
+                :class:`~epdserve.gateway.encoders.EncoderPool` then takes it as down), 500 otherwise.
         """
         ...
 

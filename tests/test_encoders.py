@@ -322,3 +322,28 @@ def test_two_real_encoders_route_retry_and_rejoin(tiny_model_path):
             if srv._thread.is_alive():
                 srv.stop()
         ctx.destroy(linger=0)
+
+
+# ---------------------------------------------------------------------------------------------------- launch
+
+def test_launch_starts_num_encoders_and_gives_the_gateway_all_addresses():
+    import argparse
+
+    from epdserve.config import LaunchConfig, add_config_args, config_from_args
+    from epdserve.launch import _commands, launch
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, LaunchConfig)
+    cfg = config_from_args(LaunchConfig, parser.parse_args(["--num-encoders", "3"]))
+    assert cfg.num_encoders == 3 and LaunchConfig().num_encoders == 1
+    commands, addrs = _commands(cfg, "/models/m")
+    assert sorted(n for n in commands if n.startswith("encoder")) == ["encoder0", "encoder1", "encoder2"]
+    assert len(set(addrs)) == 3
+    for name, addr in zip(["encoder0", "encoder1", "encoder2"], addrs):
+        cmd = commands[name]
+        assert "encoder" in cmd and cmd.count("--port") == 1
+        assert addr == f"127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+    gateway = commands["gateway"]
+    assert parse_encoder_addrs(gateway[gateway.index("--encoder-addr") + 1]) == addrs
+    with pytest.raises(ValueError, match="num-encoders"):
+        launch(LaunchConfig(num_encoders=0))
