@@ -76,7 +76,8 @@ class GatewayConfig:
     served_model_name: str = _f("", "model name clients send; default: the model path")
     host: str = _f("127.0.0.1", "address to bind the HTTP server to")
     port: int = _f(8000, "HTTP port")
-    encoder_addr: str = _f("127.0.0.1:50051", "encoder gRPC address host:port")
+    encoder_addr: str = _f("127.0.0.1:50051", "encoder gRPC address host:port, or several as host:port,host:port "
+                                              "(each image goes to one, chosen by its content hash)")
     prefill_addr: str = _f("tcp://127.0.0.1:30001", "prefill server ZMQ endpoint")
     decode_addr: str = _f("tcp://127.0.0.1:30002", "decode server ZMQ endpoint")
     api_key: str = _f("", "require 'Authorization: Bearer KEY' when set")
@@ -88,7 +89,7 @@ class GatewayConfig:
 
 @dataclass
 class LaunchConfig:
-    """``epdserve launch``: all four servers on this machine, with ports derived from ``--port``."""
+    """``epdserve launch``: all four servers (``--num-encoders`` encoders) on this machine, internal ports free."""
 
     model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
     served_model_name: str = _f("", "model name clients send; default: the model path")
@@ -99,6 +100,7 @@ class LaunchConfig:
     page_size: int = _f(16, "tokens per KV page")
     num_pages: int = _f(0, "KV pages per pool (prefill and decode each); 0 = automatic")
     api_key: str = _f("", "require 'Authorization: Bearer KEY' at the gateway when set")
+    num_encoders: int = _f(1, "encoder processes to start; the gateway routes each image to one by content hash")
 
 
 def _base_type(tp):

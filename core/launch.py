@@ -1,8 +1,9 @@
-"""``epdserve launch``: encoder, prefill, decode and gateway as four processes on one machine.
+"""``epdserve launch``: ``--num-encoders`` encoders, prefill, decode and gateway as processes on one machine.
 
-Internal servers bind 127.0.0.1 on free ports; only the gateway takes ``--host``/``--port``. The launcher
-waits until the gateway's ``/health`` answers 200 (the gateway knows prefill and decode by then) and the
-encoder's gRPC health says SERVING, logs one ready line, and on SIGINT/SIGTERM (or any child dying) stops all.
+Internal servers bind 127.0.0.1 on free ports; only the gateway takes ``--host``/``--port`` (it gets every
+encoder's address). The launcher waits until the gateway's ``/health`` answers 200 (the gateway knows prefill
+and decode by then) and every encoder's gRPC health says SERVING, logs one ready line, and on SIGINT/SIGTERM (or
+any child dying) stops all.
 """
 
 from __future__ import annotations
@@ -29,22 +30,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]], str]:
-    enc, pre, emb, boot, dec, kv = (free_port() for _ in range(6))
+def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]], list[str]]:
+    """The command line of every process by name (``encoder0``.., ``prefill``, ``decode``, ``gateway``), and the
+    encoders' addresses."""
+    pre, emb, boot, dec, kv = (free_port() for _ in range(5))
+    encoders = [f"{_LOCAL}:{free_port()}" for _ in range(cfg.num_encoders)]
     common = ["--model-path", model_path, "--device", cfg.device, "--dtype", cfg.dtype]
     kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages)]
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())
     exe = [sys.executable, "-m", "epdserve.cli", "--log-level", level]
-    return {
-        "encoder": [*exe, "encoder", *common, "--port", str(enc)],
+    commands = {f"encoder{i}": [*exe, "encoder", *common, "--port", addr.rsplit(":", 1)[1]]
+                for i, addr in enumerate(encoders)}
+    commands |= {
         "prefill": [*exe, "prefill", *common, *kv_pool, "--port", str(pre), "--embed-port", str(emb),
                     "--bootstrap-port", str(boot)],
         "decode": [*exe, "decode", *common, *kv_pool, "--port", str(dec), "--kv-port", str(kv)],
         "gateway": [*exe, "gateway", "--model-path", model_path, "--served-model-name", cfg.served_model_name,
-                    "--host", cfg.host, "--port", str(cfg.port), "--encoder-addr", f"{_LOCAL}:{enc}",
+                    "--host", cfg.host, "--port", str(cfg.port), "--encoder-addr", ",".join(encoders),
                     "--prefill-addr", f"tcp://{_LOCAL}:{pre}", "--decode-addr", f"tcp://{_LOCAL}:{dec}",
                     "--api-key", cfg.api_key],
-    }, f"{_LOCAL}:{enc}"
+    }
+    return commands, encoders
 
 
 def _encoder_serving(addr: str) -> bool:
@@ -72,9 +78,12 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
 
     Raises:
         FileNotFoundError: ``cfg.model_path`` is not a local checkpoint.
+        ValueError: ``cfg.num_encoders`` < 1.
     """
+    if cfg.num_encoders < 1:
+        raise ValueError(f"--num-encoders must be at least 1, got {cfg.num_encoders}")
     model_path = resolve_model_path(cfg.model_path)  # build the default model once, before the children race
-    commands, encoder_addr = _commands(cfg, model_path)
+    commands, encoder_addrs = _commands(cfg, model_path)
     procs: dict[str, subprocess.Popen] = {}
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -90,7 +99,7 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
             if dead:
                 log.error("stopping: %s exited", ", ".join(f"{n} (code {c})" for n, c in dead.items()))
                 return 1
-            if not ready and _gateway_healthy(health) and _encoder_serving(encoder_addr):
+            if not ready and _gateway_healthy(health) and all(map(_encoder_serving, encoder_addrs)):
                 ready = True
                 log.info("epdserve ready on http://%s:%d (model=%s)", cfg.host, cfg.port,
                          cfg.served_model_name or model_path)
@@ -105,7 +114,8 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
 
 def _stop(procs: dict[str, subprocess.Popen], grace_s: float = 10.0) -> None:
     # Gateway first, so no new work reaches the stages while they stop.
-    for name in ("gateway", "encoder", "prefill", "decode"):
+    order = ["gateway", *(n for n in procs if n.startswith("encoder")), "prefill", "decode"]
+    for name in order:
         if name in procs and procs[name].poll() is None:
             procs[name].send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s

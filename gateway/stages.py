@@ -44,7 +44,8 @@ class EncoderClient(Protocol):
         """Encode ``images`` and push their embeddings for ``rid`` to every endpoint in ``targets``.
 
         Raises:
-            StageError: 400 for an image the encoder rejects, 503 when it is unreachable, 500 otherwise.
+            StageError: 400 for an image the encoder rejects, 503 when it is unreachable or past a deadline (an
+                :class:`~epdserve.gateway.encoders.EncoderPool` then takes it as down), 500 otherwise.
         """
         ...
 
@@ -65,6 +66,11 @@ class GrpcEncoderClient:
         self._channel = grpc.aio.insecure_channel(addr, options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            # gRPC's default reconnect backoff grows to 120 s: an encoder that restarts would stay unreachable
+            # from this channel (and its health probes) long after it serves again.
+            ("grpc.initial_reconnect_backoff_ms", 500),
+            ("grpc.min_reconnect_backoff_ms", 500),
+            ("grpc.max_reconnect_backoff_ms", 2000),
         ])
         self._stub = encoder_pb2_grpc.EncoderStub(self._channel)
         self.addr = addr
@@ -86,12 +92,22 @@ class GrpcEncoderClient:
                 raise StageError(detail, 400) from None
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise StageError(f"encoder: {detail}", 413) from None
-            if code == grpc.StatusCode.UNAVAILABLE:
-                raise StageError(f"encoder unavailable: {detail}", 503) from None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise StageError(f"encoder {self.addr} unavailable: {detail}", 503) from None
             raise StageError(f"encoder failed ({code.name}): {detail}", 500) from None
         if len(resp.images) != len(images):
             raise StageError(f"encoder returned {len(resp.images)} results for {len(images)} images", 500)
         return [EncodedImage(r.image_hash, r.num_tokens, list(r.grid_thw)) for r in resp.images]
+
+    async def serving(self) -> bool:
+        """True when the encoder's ``grpc.health.v1`` check says SERVING within 1 s; False otherwise."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            resp = await health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except self._grpc.aio.AioRpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
         await self._channel.close()
@@ -104,7 +120,8 @@ class StageClient:
     and :meth:`generate`, then :meth:`close`. All methods run on the event loop that called :meth:`start`.
 
     Args:
-        config: addresses come from ``encoder_addr``, ``prefill_addr``, ``decode_addr``.
+        config: addresses come from ``encoder_addr`` (one or more, comma-separated: an
+            :class:`~epdserve.gateway.encoders.EncoderPool` routes between them), ``prefill_addr``, ``decode_addr``.
         encoder: an :class:`EncoderClient` to use instead of gRPC (tests).
     """
 
@@ -136,8 +153,9 @@ class StageClient:
         """Connect and handshake with prefill and decode (and the encoder), retrying until ``timeout_s``.
 
         Raises:
-            TimeoutError: a server did not answer in time.
+            TimeoutError: a server (or every encoder) did not answer in time.
             StageError: a server answered with the wrong role.
+            ValueError: no address in ``config.encoder_addr``.
         """
         deadline = time.monotonic() + timeout_s
         self._ctx = zmq.asyncio.Context()
@@ -161,12 +179,11 @@ class StageClient:
         loop = asyncio.get_running_loop()
         self._readers = [loop.create_task(self._read_loop(sock)) for sock in (self._prefill, self._decode)]
         if self.encoder is None:
-            encoder = GrpcEncoderClient(self.config.encoder_addr)
-            self.encoder = encoder
-            try:
-                await encoder.wait_ready(max(deadline - time.monotonic(), 1.0))
-            except TimeoutError:
-                raise TimeoutError(f"encoder at {self.config.encoder_addr} is not reachable") from None
+            from epdserve.gateway.encoders import EncoderPool, parse_encoder_addrs  # it imports this module
+
+            pool = EncoderPool([GrpcEncoderClient(a) for a in parse_encoder_addrs(self.config.encoder_addr)])
+            self.encoder = pool
+            await pool.wait_ready(max(deadline - time.monotonic(), 1.0))
         # Set last: `ready` must not turn true before everything above is usable.
         self.prefill_info, self.decode_info = prefill_info, decode_info
 

@@ -33,13 +33,16 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    """`epdserve launch` on a free port with the tiny model; yields (base_url, log_path)."""
+    """`epdserve launch` on a free port with the tiny model and two encoders; yields (base_url, log_path).
+
+    Two encoders, so every test here also runs through the gateway's content-hash routing between them.
+    """
     port = _free_port()
     log_path = tmp_path_factory.mktemp("launch") / "launch.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "epdserve.cli", "--log-level", "DEBUG", "launch", "--model-path", tiny_model_path,
-         "--port", str(port)],
+         "--port", str(port), "--num-encoders", "2"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
@@ -48,6 +51,7 @@ def server(tiny_model_path, tmp_path_factory):
             proc.kill()
             pytest.fail(f"launch did not get ready:\n{log_path.read_text()[-4000:]}")
         time.sleep(0.3)
+    assert len(re.findall(r"encoder ready on 127\.0\.0\.1:\d+", log_path.read_text())) == 2
     yield url, log_path
     proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the launcher stops all four servers and exits 0
     try:
@@ -190,6 +194,10 @@ def test_repeated_photo_hits_radix_and_embedding_caches(server, tiny_model_path,
     while not re.search(rf"{second['id']}.*1 from cache", log_path.read_text()):
         assert time.monotonic() < deadline, "no encoder cache hit logged for the second request"
         time.sleep(0.1)
+    # The gateway sent the photo to the same one of the two encoders both times (content-hash routing).
+    routed = [re.findall(rf"rid={r['id']} 1 image\(s\) -> encoder (\S+)", log_path.read_text())
+              for r in (first, second)]
+    assert len(routed[0]) == 1 and routed[0] == routed[1]
 
 
 def test_eight_concurrent_requests_match_their_single_outputs(server, tiny_model_path, photo_paths):

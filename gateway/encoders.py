@@ -1,0 +1,214 @@
+"""Several encoders behind one gateway: each image goes to the encoder its content hash picks.
+
+Routing is rendezvous (highest-random-weight) hashing (Thaler and Ravishankar, "A name-based mapping scheme for
+rendezvous", 1996): for an image with SHA-256 digest ``d``, every encoder ``e`` gets the score
+``blake2b(e.addr + NUL + d)`` and the image goes to the highest-scoring encoder that is up. A repeated image therefore
+always reaches the same encoder (and its embedding cache), and adding or removing an encoder moves only the
+images whose top choice it is.
+
+An encoder whose RPC fails with status 503 (UNAVAILABLE, connection refused, deadline) is marked down, its images
+are retried once on the next encoder of each image's rendezvous order, and it is probed in the background (gRPC
+health) until it is SERVING again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+from epdserve.gateway.media import run_cpu_bound
+from epdserve.gateway.prompt import EncodedImage
+from epdserve.gateway.stages import StageError
+
+logger = logging.getLogger("epdserve.gateway")
+
+PROBE_INTERVAL_S = 2.0
+
+
+class PooledEncoder(Protocol):
+    """An :class:`~epdserve.gateway.stages.EncoderClient` that the pool can name and probe."""
+
+    addr: str  # the rendezvous name: it must stay the same across gateway restarts
+
+    async def encode(self, rid: str, images: list[bytes], targets: list[str]) -> list[EncodedImage]: ...
+
+    async def serving(self) -> bool:
+        """True when the encoder answers its health check with SERVING (never raises)."""
+        ...
+
+    async def wait_ready(self, timeout_s: float) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def parse_encoder_addrs(spec: str) -> list[str]:
+    """``"host:port,host:port"`` (``GatewayConfig.encoder_addr``) -> the addresses, in order, duplicates dropped.
+
+    Raises:
+        ValueError: no address in ``spec``.
+    """
+    addrs = list(dict.fromkeys(a.strip() for a in spec.split(",") if a.strip()))
+    if not addrs:
+        raise ValueError(f"no encoder address in {spec!r}; expected host:port[,host:port...]")
+    return addrs
+
+
+def rendezvous_order(digest: bytes, names: Sequence[str]) -> list[int]:
+    """Indices of ``names``, best first, for the key ``digest`` (highest-random-weight hashing).
+
+    Args:
+        digest: the key, here the SHA-256 digest (32 bytes) of an image's bytes.
+        names: the encoders' stable names (their addresses).
+    """
+    def score(i: int) -> bytes:
+        return hashlib.blake2b(names[i].encode() + b"\0" + digest, digest_size=8).digest()
+
+    return sorted(range(len(names)), key=score, reverse=True)
+
+
+def _sha256_all(images: list[bytes]) -> list[bytes]:
+    return [hashlib.sha256(b).digest() for b in images]
+
+
+class EncoderPool:
+    """An :class:`~epdserve.gateway.stages.EncoderClient` over several encoders, routing each image by content.
+
+    A request's images that map to different encoders go to those encoders concurrently, one ``encode`` per
+    encoder with that encoder's images (same request id, same targets); results come back in the request's image
+    order. All methods run on one event loop.
+
+    Args:
+        clients: the encoders; their ``addr`` must be distinct.
+        probe_interval_s: seconds between health probes of an encoder that is down.
+    """
+
+    def __init__(self, clients: Sequence[PooledEncoder], probe_interval_s: float = PROBE_INTERVAL_S):
+        if not clients:
+            raise ValueError("an encoder pool needs at least one encoder")
+        self.clients = list(clients)
+        self.names = [c.addr for c in self.clients]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"duplicate encoder addresses in {self.names}")
+        self.probe_interval_s = probe_interval_s
+        self._probes: dict[int, asyncio.Task] = {}  # encoder index -> its probe task, while it is down
+
+    @property
+    def up(self) -> list[str]:
+        """Addresses of the encoders taken as up now."""
+        return [n for i, n in enumerate(self.names) if i not in self._probes]
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait until one encoder's channel connects, then up to ``probe_interval_s`` more for the others; those
+        still unconnected are marked down (and probed).
+
+        Raises:
+            TimeoutError: no encoder connected within ``timeout_s`` seconds.
+        """
+        waits = [asyncio.ensure_future(c.wait_ready(timeout_s)) for c in self.clients]
+
+        def connected(t: asyncio.Future) -> bool:
+            return t.done() and not t.cancelled() and t.exception() is None
+
+        try:
+            pending = set(waits)
+            while pending and not any(map(connected, waits)):
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if not any(map(connected, waits)):
+                raise TimeoutError(f"no encoder of {', '.join(self.names)} is reachable")
+            if pending:  # encoders started together connect within moments of each other
+                await asyncio.wait(pending, timeout=self.probe_interval_s)
+        finally:
+            for t in waits:
+                t.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        for i, t in enumerate(waits):
+            if not connected(t):
+                self._mark_down(i, "not reachable at startup")
+
+    async def encode(self, rid: str, images: list[bytes], targets: list[str]) -> list[EncodedImage]:
+        """See :class:`~epdserve.gateway.stages.EncoderClient`.
+
+        Raises:
+            StageError: 503 when no encoder is up (or an image's retry also failed), else the first other error
+                an encoder raised (400, 413, 500).
+        """
+        if len(self.clients) == 1:
+            orders = [[0]] * len(images)
+        else:
+            digests = await run_cpu_bound(sum(map(len, images)), _sha256_all, images)
+            orders = [rendezvous_order(d, self.names) for d in digests]
+        results: list[EncodedImage | None] = [None] * len(images)
+        todo = list(range(len(images)))
+        for attempt in range(2):  # the first try, then one retry of a down encoder's images elsewhere
+            groups: dict[int, list[int]] = {}
+            for pos in todo:
+                enc = next((i for i in orders[pos] if i not in self._probes), None)
+                if enc is None:
+                    raise StageError("encoder unavailable: every encoder is down", 503)
+                groups.setdefault(enc, []).append(pos)
+            failed = await self._encode_groups(rid, images, targets, groups, results)
+            if not failed:
+                return results
+            todo = sorted(failed)
+            logger.info("rid=%s retrying %d images on other encoders", rid, len(todo))
+        raise StageError("encoder unavailable: the retry failed too", 503)
+
+    async def _encode_groups(self, rid: str, images: list[bytes], targets: list[str], groups: dict[int, list[int]],
+                             results: list[EncodedImage | None]) -> list[int]:
+        """Run one ``encode`` per group concurrently and fill ``results``; return the positions of down encoders.
+
+        Raises:
+            StageError: the first non-503 error, in encoder order, after every call has finished.
+        """
+        encs = list(groups)
+        for e in encs:
+            logger.debug("rid=%s %d image(s) -> encoder %s", rid, len(groups[e]), self.names[e])
+        outs = await asyncio.gather(
+            *(self.clients[e].encode(rid, [images[p] for p in groups[e]], targets) for e in encs),
+            return_exceptions=True)
+        failed: list[int] = []
+        error: BaseException | None = None
+        for e, out in zip(encs, outs):
+            if isinstance(out, StageError) and out.status == 503:
+                self._mark_down(e, out.message)
+                failed += groups[e]
+            elif isinstance(out, BaseException):
+                error = error or out
+            else:
+                for p, r in zip(groups[e], out):
+                    results[p] = r
+        if error is not None:
+            raise error
+        return failed
+
+    def _mark_down(self, i: int, why: str) -> None:
+        if i in self._probes:
+            return
+        logger.warning("encoder %s is down (%s); probing it every %g s", self.names[i], why,
+                       self.probe_interval_s)
+        self._probes[i] = asyncio.get_running_loop().create_task(self._probe(i))
+
+    async def _probe(self, i: int) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                serving = await self.clients[i].serving()
+            except Exception:  # a probe must never die: the encoder would stay out forever
+                logger.exception("health probe of encoder %s failed", self.names[i])
+                serving = False
+            if serving:
+                del self._probes[i]
+                logger.info("encoder %s is serving again", self.names[i])
+                return
+
+    async def close(self) -> None:
+        """Stop the probes and close every client."""
+        probes = list(self._probes.values())
+        self._probes.clear()
+        for t in probes:
+            t.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
