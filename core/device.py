@@ -32,3 +32,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _NAMED:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_NAMED)} or 'auto'")
     return _NAMED[name]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a CPU tensor) on ``device`` without blocking the host: on CUDA through pinned memory and an
+    asynchronous copy (a plain ``.to("cuda")`` of pageable memory waits for the whole stream, which would stall a
+    step that is meant to overlap the GPU's work). Torch's pinned allocator keeps the block until the copy ran."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from epdserve.device import to_device
 from epdserve.messages import SamplingParams
 
 
@@ -33,14 +34,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         if params[i].temperature < 0 or not 0 < params[i].top_p <= 1:
             raise ValueError(f"bad sampling params {params[i]}")
     dev = logits.device
-    sel = torch.tensor(rows, device=dev)
-    temps = torch.tensor([params[i].temperature for i in rows], device=dev, dtype=torch.float32)
+    # Every per-row parameter goes over in one asynchronous copy: a blocking copy would stall the overlapped
+    # decode loop (see epdserve.device.to_device).
+    sel = to_device(torch.tensor(rows), dev)
+    knobs = to_device(torch.tensor([[params[i].temperature, params[i].top_p,
+                                     params[i].top_k if 0 < params[i].top_k < V else V] for i in rows]), dev)
+    temps, top_p, ks = knobs[:, 0], knobs[:, 1], knobs[:, 2]
     scaled = logits[sel] / temps[:, None]
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(V, device=dev)[None, :]
-    ks = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in (params[i] for i in rows)], device=dev)
     sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
-    top_p = torch.tensor([params[i].top_p for i in rows], device=dev, dtype=torch.float32)
     probs = sorted_logits.softmax(dim=-1)
     # A token is dropped when the mass before it already reaches top_p; rank 0 never is (mass before it is 0).
     drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (ranks > 0) & (top_p[:, None] < 1)
@@ -49,7 +52,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     picks = torch.empty(len(rows), dtype=torch.int64, device=dev)
     shared = [j for j, i in enumerate(rows) if generators[i] is None]
     if shared:
-        picks[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
+        shared_t = to_device(torch.tensor(shared), dev)
+        picks[shared_t] = torch.multinomial(probs[shared_t], 1).squeeze(1)
     for j, i in enumerate(rows):
         g = generators[i]
         if g is not None:

@@ -4,6 +4,14 @@ forwards, as in Orca, Yu et al., OSDI 2022, and vLLM/SGLang).
 
 Pages for the whole output (prompt + ``max_new_tokens``, capped at the context) are reserved at admission, so a
 running request never runs out of KV space and no preemption is needed.
+
+Overlap (SGLang's overlap scheduler, mini-sglang ``scheduler.py``): one decode step stays in flight on the GPU
+while the host builds the next one and handles the previous one's tokens. Step N+1 takes its input ids straight
+from step N's sampled ids on the device (no host round trip), so each step costs one device-to-host copy (the
+new ids) whose wait overlaps the next step's GPU work. The price is that a request whose last token (EOS, stop
+id) is only seen on the host after step N+1 was launched gets one wasted row in step N+1; its result is dropped.
+Freeing such a request's pages at once is safe: all KV work runs on one CUDA stream, so whatever reuses them runs
+after step N+1.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from epdserve.device import to_device
 from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.messages import DecodeRequest, KVRegister, KVTransfer, TokenOutput
@@ -36,11 +45,30 @@ class _Seq:
     generator: torch.Generator | None = None
     cached_tokens: int = 0  # prompt tokens whose KV the prefill server took from its radix cache
     mrope_delta: int = 0
+    max_out: int = 0  # output tokens allowed: max_new_tokens, capped by the context length
+    launched: int = 0  # output tokens sampled or being sampled on the device (>= len(output_ids))
+    row: int = -1  # this request's row in the newest launched step
+    done: bool = False  # finished or aborted: results still in flight for it are dropped
 
-    @property
-    def kv_len(self) -> int:
-        """Tokens with KV in the pages: the prompt plus every output token but the last."""
-        return self.msg.prompt_len + len(self.output_ids) - 1
+
+class _Step:
+    """A launched decode step: its requests (row order) and sampled ids ``[B]`` int64 on the device, with their
+    copy to pinned host memory already queued behind them."""
+
+    def __init__(self, seqs: list[_Seq], tokens: torch.Tensor):
+        self.seqs, self.tokens = seqs, tokens
+        self._host, self._ready = tokens, None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def host_tokens(self) -> list[int]:
+        """The sampled ids as a list, waiting for the device if it is not done yet."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 class DecodeScheduler:
@@ -66,6 +94,7 @@ class DecodeScheduler:
         self.pending: dict[int, _Seq] = {}  # room -> request waiting for its KV
         self.ready: deque[_Seq] = deque()  # KV arrived, waiting for pages
         self.running: list[_Seq] = []
+        self.inflight: _Step | None = None  # the launched step whose sampled ids the host has not read yet
         self.outputs: list[tuple[bytes, TokenOutput]] = []
 
     # ---- inputs -------------------------------------------------------------------------------------------
@@ -101,17 +130,21 @@ class DecodeScheduler:
         for seq in [s for s in self.running if s.msg.rid == rid]:
             self.running.remove(seq)
             self.pool.free(seq.pages)
+            seq.done = True
 
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.running) or bool(self.ready)
+        return bool(self.running) or bool(self.ready) or self.inflight is not None
 
     def step(self) -> list[tuple[bytes, TokenOutput]]:
-        """Expire, admit, run one decode forward; return the outputs to send as ``(gateway peer, output)``."""
+        """Expire, admit, launch one decode step, then read the previous step's tokens; return the outputs to
+        send as ``(gateway peer, output)``."""
         self._expire()
         self._admit()
-        if self.running:
-            self._forward()
+        launched = self._launch() if any(s.launched < s.max_out for s in self.running) else None
+        if self.inflight is not None:
+            self._collect(self.inflight)
+        self.inflight = launched
         out, self.outputs = self.outputs, []
         return out
 
@@ -119,8 +152,10 @@ class DecodeScheduler:
         """After a failed forward: end every running request with ``error`` and free its pages."""
         for seq in self.running:
             self.pool.free(seq.pages)
+            seq.done = True
             self._emit(seq, "error", error=error)
         self.running = []
+        self.inflight = None
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _check_kv(self, seq: _Seq, msg: KVTransfer) -> str | None:
@@ -158,19 +193,29 @@ class DecodeScheduler:
             slots = torch.tensor(self.pool.slots(seq.pages, 0, seq.msg.prompt_len), dtype=torch.int64)
             self.runner.write_kv(slots, transfer.kv)
             seq.cached_tokens, seq.mrope_delta = transfer.cached_tokens, transfer.mrope_position_delta
+            seq.max_out, seq.launched = total - seq.msg.prompt_len, 1
             if seq.msg.sampling.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.msg.sampling.seed)
             self.running.append(seq)
             log.debug("rid=%s admitted (batch of %d)", seq.msg.rid, len(self.running))
             self._append_token(seq, transfer.first_token_id)
 
-    def _forward(self) -> None:
-        seqs = self.running
-        idx = [s.kv_len for s in seqs]  # sequence index of each request's newest token
-        # Built on the CPU: the model runner moves them over in one asynchronous copy.
+    def _launch(self) -> _Step:
+        """Build and launch one decode step over the running requests that may still need a token; returns it
+        without waiting for the device."""
+        seqs = [s for s in self.running if s.launched < s.max_out]
+        prev, dev = self.inflight, self.runner.device
+        idx = [s.msg.prompt_len + s.launched - 1 for s in seqs]  # sequence index of each input token
+        # A request whose newest token is still on the device takes it from the previous step's output.
+        rows = [s.row if s.launched > len(s.output_ids) else -1 for s in seqs]
+        input_ids = torch.tensor([s.output_ids[-1] if r < 0 else 0 for s, r in zip(seqs, rows)], dtype=torch.int64)
+        if prev is not None and any(r >= 0 for r in rows):
+            rows_t = to_device(torch.tensor(rows, dtype=torch.int64), dev)
+            input_ids = torch.where(rows_t >= 0, prev.tokens[rows_t.clamp(min=0)], to_device(input_ids, dev))
+        # The rest is built on the CPU: the model runner moves it over in one asynchronous copy.
         batch = ForwardBatch(
             is_decode=True,
-            input_ids=torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64),
+            input_ids=input_ids,
             positions=decode_positions(torch.tensor(idx, dtype=torch.int64),
                                        torch.tensor([s.mrope_delta for s in seqs], dtype=torch.int64)),
             out_slots=torch.tensor([self.pool.slots(s.pages, i, i + 1)[0] for s, i in zip(seqs, idx)],
@@ -180,9 +225,16 @@ class DecodeScheduler:
             page_table=[s.pages for s in seqs],
         )
         logits = self.runner.forward(batch)
-        tokens = sample(logits, [s.msg.sampling for s in seqs], [s.generator for s in seqs]).tolist()
-        for seq, tok in zip(list(seqs), tokens):
-            self._append_token(seq, tok)
+        tokens = sample(logits, [s.msg.sampling for s in seqs], [s.generator for s in seqs])
+        for row, seq in enumerate(seqs):
+            seq.row, seq.launched = row, seq.launched + 1
+        return _Step(seqs, tokens)
+
+    def _collect(self, step: _Step) -> None:
+        """Wait for ``step``'s sampled ids and append them (finished or aborted requests' rows are dropped)."""
+        for seq, tok in zip(step.seqs, step.host_tokens()):
+            if not seq.done:
+                self._append_token(seq, tok)
 
     def _append_token(self, seq: _Seq, tok: int) -> None:
         sp = seq.msg.sampling
@@ -195,7 +247,7 @@ class DecodeScheduler:
         if finish is not None:
             self.running.remove(seq)
             self.pool.free(seq.pages)
-            seq.pages = []
+            seq.pages, seq.done = [], True
         self._emit(seq, finish, token_ids=[tok])
 
     def _emit(self, seq: _Seq, finish: str | None, *, token_ids: list[int] = (), error=None) -> None:
