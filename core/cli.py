@@ -8,6 +8,7 @@ import sys
 
 from epdserve.config import (DecodeConfig, EncoderConfig, GatewayConfig, LaunchConfig, PrefillConfig,
                              add_config_args, config_from_args)
+from epdserve.models.tiny import PRESETS, SIZES
 
 _SERVERS = {
     "encoder": (EncoderConfig, "the encoder (gRPC): images -> embeddings, pushed to prefill TP ranks"),
@@ -53,18 +54,31 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, help_) in _SERVERS.items():
         add_config_args(sub.add_parser(name, help=help_, description=cls.__doc__), cls)
-    tiny = sub.add_parser("make-tiny-model", help="write the small random-weight test checkpoint to DIR")
+    tiny = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint to DIR (a test model, or a "
+                                                  "released model's shapes with --preset)")
     tiny.add_argument("dir")
-    tiny.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2_vl"])
+    tiny.add_argument("--arch", choices=["qwen2_5_vl", "qwen2_vl"], help="for --size (default qwen2_5_vl)")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--size", default="tiny", choices=["tiny", "small"], help="tiny for CPU tests, small for GPUs")
+    shape = tiny.add_mutually_exclusive_group()
+    shape.add_argument("--size", choices=sorted(SIZES), help="tiny for CPU tests, small for GPUs (default tiny)")
+    shape.add_argument("--preset", choices=sorted(PRESETS),
+                       help="a released model's shapes, bf16 random weights, sharded (GBs: see make_preset_model)")
+    tiny.add_argument("--device", help="where --preset weights are drawn (cpu, cuda; default cpu)")
     sub.add_parser("bench", help="the serving benchmark (see `epdserve bench --help`)")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     if args.command == "make-tiny-model":
-        from epdserve.models.tiny import make_tiny_model
+        from epdserve.models import tiny as tiny_models
 
-        print(make_tiny_model(args.dir, arch=args.arch, seed=args.seed, size=args.size))
+        if args.preset:
+            if args.arch:
+                tiny.error("--arch applies to --size only (a preset fixes the architecture)")
+            print(tiny_models.make_preset_model(args.dir, args.preset, seed=args.seed, device=args.device or "cpu"))
+            return 0
+        if args.device:
+            tiny.error("--device applies to --preset only")
+        print(tiny_models.make_tiny_model(args.dir, arch=args.arch or "qwen2_5_vl", seed=args.seed,
+                                          size=args.size or "tiny"))
         return 0
     cls, _ = _SERVERS[args.command]
     return _run_server(args.command, config_from_args(cls, args))

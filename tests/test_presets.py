@@ -1,0 +1,194 @@
+"""Real-shape random-weight presets (``make_preset_model``), checked on scaled-down copies (1 layer, 1 block)
+so the suite stays fast: loaders of transformers and epdserve, shapes, determinism, readable greedy output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from epdserve.models.tiny import PRESETS, SPECIAL_TOKENS, make_preset_model
+
+SHRINK = {"text": {"num_hidden_layers": 1}, "vision": {"depth": 1}}
+
+
+def _visible(text: str) -> bool:
+    return bool(text.strip()) and "\ufffd" not in text and all(c.isprintable() or c.isspace() for c in text)
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for file in sorted(set(index.values())):
+        with safe_open(str(path / file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    assert set(out) == set(index)
+    return out
+
+
+@pytest.fixture(scope="module")
+def preset3b(tmp_path_factory) -> Path:
+    return make_preset_model(tmp_path_factory.mktemp("qwen2.5-vl-3b-1layer"), "qwen2.5-vl-3b", overrides=SHRINK)
+
+
+@pytest.fixture(scope="module")
+def preset2b(tmp_path_factory) -> Path:
+    return make_preset_model(tmp_path_factory.mktemp("qwen2-vl-2b-1layer"), "qwen2-vl-2b", overrides=SHRINK)
+
+
+def _greedy(model_cls, path: Path, steps: int = 16) -> list[int]:
+    from transformers import AutoProcessor
+
+    model, info = model_cls.from_pretrained(path, dtype=torch.bfloat16, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    processor = AutoProcessor.from_pretrained(path)
+    chat = processor.apply_chat_template([{"role": "user", "content": "Describe the picture."}],
+                                         add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[chat], return_tensors="pt")
+    with torch.no_grad():
+        out = model.eval().generate(**inputs, max_new_tokens=steps, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_preset_3b_config_and_transformers_load(preset3b):
+    from transformers import AutoConfig, AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    spec = PRESETS["qwen2.5-vl-3b"]
+    cfg = AutoConfig.from_pretrained(preset3b)
+    text, vision = cfg.text_config, cfg.vision_config
+    assert cfg.model_type == "qwen2_5_vl" and cfg.tie_word_embeddings is False
+    for key, value in spec["text"].items():
+        expected = 1 if key == "num_hidden_layers" else value
+        assert getattr(text, key) == expected, key
+    assert text.rope_parameters["mrope_section"] == [16, 24, 24] and text.rope_parameters["rope_theta"] == 1e6
+    assert text.rms_norm_eps == 1e-6
+    for key, value in spec["vision"].items():
+        assert getattr(vision, key) == (1 if key == "depth" else value), key
+    assert (vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size) == (14, 2, 2)
+    assert AutoProcessor.from_pretrained(preset3b).tokenizer.chat_template
+
+    ids = _greedy(Qwen2_5_VLForConditionalGeneration, preset3b)
+    tok = AutoProcessor.from_pretrained(preset3b).tokenizer
+    assert len(ids) == 16  # EOS's head row is 0, so generation runs to the limit
+    assert not set(ids) & set(tok.all_special_ids)
+    assert all(_visible(tok.decode([i])) for i in ids), [tok.decode([i]) for i in ids]
+
+
+def test_preset_3b_weights(preset3b):
+    from transformers import AutoTokenizer
+
+    tensors = _tensors(preset3b)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    head, embed = tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
+    assert head.shape == embed.shape == (151936, 2048)
+    assert tensors["model.layers.0.mlp.gate_proj.weight"].shape == (11008, 2048)
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 128, 2048)
+    assert tensors["visual.blocks.0.mlp.gate_proj.weight"].shape == (3420, 1280)
+    assert tensors["visual.merger.mlp.2.weight"].shape == (2048, 5120)
+    assert not any(k.startswith("visual.blocks.1.") or k.startswith("model.layers.1.") for k in tensors)
+    # transformers' init rules: N(0, 0.02) matrices, unit norms, zero biases, zero padding row
+    assert abs(tensors["model.layers.0.mlp.up_proj.weight"].float().std().item() - 0.02) < 1e-3
+    assert torch.all(tensors["model.layers.0.input_layernorm.weight"] == 1)
+    assert torch.all(tensors["model.layers.0.self_attn.q_proj.bias"] == 0)
+    assert torch.all(embed[0] == 0) and embed[1].abs().sum() > 0  # <|endoftext|> is the pad id
+    # readable output: head rows are 0 exactly for ids that do not decode to visible text
+    tok = AutoTokenizer.from_pretrained(preset3b)
+    zero = (head == 0).all(dim=1)
+    visible = torch.tensor([i < len(tok) and _visible(tok.decode([i], skip_special_tokens=True))
+                            for i in range(head.shape[0])])
+    assert torch.equal(zero, ~visible)
+    assert zero[len(tok):].all() and all(zero[tok.convert_tokens_to_ids(t)] for t in SPECIAL_TOKENS)
+    assert int(zero.sum()) > 151936 - len(tok) and int((~zero).sum()) > 200
+    note = json.loads((preset3b / "epdserve_preset.json").read_text())
+    assert note["preset"] == "qwen2.5-vl-3b" and note["seed"] == 0
+    assert note["zeroed_lm_head_rows"] == int(zero.sum())
+    assert note["num_parameters"] == sum(t.numel() for t in tensors.values())
+
+
+def test_preset_3b_epdserve_loaders(preset3b):
+    from PIL import Image
+
+    from epdserve.encoder.vision import VisionEncoder
+    from epdserve.model_runner import ModelRunner
+
+    runner = ModelRunner(str(preset3b), device=torch.device("cpu"), dtype=torch.bfloat16, num_pages=64, page_size=16)
+    c = runner.config
+    assert (c.model_type, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers) == (
+        "qwen2_5_vl", 151936, 2048, 11008, 1)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.tie_word_embeddings) == (16, 2, 128, False)
+    assert c.max_position_embeddings == 128000 and tuple(c.mrope_section) == (16, 24, 24)
+    enc = VisionEncoder(preset3b, torch.device("cpu"), torch.bfloat16)
+    [(emb, grid)] = enc.encode([Image.new("RGB", (112, 84), (200, 40, 40))])
+    assert grid == [1, 6, 8] and emb.shape == (12, 2048) and emb.dtype == torch.bfloat16
+
+
+def test_preset_processor_image_tokens(preset3b):
+    """The released processor's pixel bounds: a 1280x720 image is resized to 1288x728, 1196 image tokens."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    ip = AutoProcessor.from_pretrained(preset3b).image_processor
+    grid = ip(images=[Image.new("RGB", (1280, 720))], return_tensors="pt")["image_grid_thw"][0].tolist()
+    assert grid == [1, 52, 92] and grid[0] * grid[1] * grid[2] // 4 == 1196
+    assert (ip.size["shortest_edge"], ip.size["longest_edge"]) == (3136, 12845056)  # min_pixels, max_pixels
+
+
+def test_preset_tied_2b(preset2b):
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    from epdserve.model_runner import ModelRunner
+
+    tensors = _tensors(preset2b)
+    assert "lm_head.weight" not in tensors  # tied: the embedding is the head
+    embed = tensors["model.embed_tokens.weight"]
+    assert embed.shape == (151936, 1536)
+    assert tensors["visual.blocks.0.mlp.fc1.weight"].shape == (4 * 1280, 1280)
+    tok = AutoTokenizer.from_pretrained(preset2b)
+    special = [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]
+    pad = tok.convert_tokens_to_ids("<|endoftext|>")
+    # prompts' special tokens keep their input embeddings (the pad row is 0 by transformers' init)
+    assert all(embed[i].abs().sum() > 0 for i in special if i != pad)
+    assert (embed[len(tok):] == 0).all()
+    ids = _greedy(Qwen2VLForConditionalGeneration, preset2b)
+    assert ids and all(i not in special for i in ids)
+    assert all(_visible(tok.decode([i])) for i in ids), [tok.decode([i]) for i in ids]
+    runner = ModelRunner(str(preset2b), device=torch.device("cpu"), dtype=torch.bfloat16, num_pages=64, page_size=16)
+    assert (runner.config.hidden_size, runner.config.num_heads, runner.config.tie_word_embeddings) == (1536, 12, True)
+
+
+def test_preset_deterministic(tmp_path):
+    small = {"text": {"num_hidden_layers": 1, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
+                      "num_attention_heads": 2, "num_key_value_heads": 1},
+             "vision": {"depth": 1, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2,
+                        "out_hidden_size": 256}}
+    a = make_preset_model(tmp_path / "a", "qwen2.5-vl-7b", seed=3, overrides=small)
+    b = make_preset_model(tmp_path / "b", "qwen2.5-vl-7b", seed=3, overrides=small)
+    c = make_preset_model(tmp_path / "c", "qwen2.5-vl-7b", seed=4, overrides=small)
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir()) and "model.safetensors.index.json" in files
+    for name in files:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    shard = "model-00001-of-00001.safetensors"
+    assert (a / shard).read_bytes() != (c / shard).read_bytes()
+    with pytest.raises(ValueError, match="unknown preset"):
+        make_preset_model(tmp_path / "d", "qwen3-vl")
+
+
+def test_cli_preset(tmp_path, monkeypatch, capsys):
+    import epdserve.models.tiny as tiny
+    from epdserve.cli import main
+
+    calls = []
+    monkeypatch.setattr(tiny, "make_preset_model", lambda d, p, **kw: calls.append((d, p, kw)) or Path(d))
+    assert main(["make-tiny-model", str(tmp_path), "--preset", "qwen2.5-vl-3b", "--device", "cuda",
+                 "--seed", "7"]) == 0
+    assert calls == [(str(tmp_path), "qwen2.5-vl-3b", {"seed": 7, "device": "cuda"})]
+    assert capsys.readouterr().out.strip() == str(tmp_path)
+    for bad in (["--preset", "qwen2-vl-2b", "--size", "small"], ["--preset", "qwen2-vl-2b", "--arch", "qwen2_vl"],
+                ["--device", "cuda"], ["--preset", "llava"]):
+        with pytest.raises(SystemExit) as e:
+            main(["make-tiny-model", str(tmp_path), *bad])
+        assert e.value.code == 2
