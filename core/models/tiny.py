@@ -384,6 +384,8 @@ def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device
         old.unlink()
 
     dev = torch.device(device)
+    # Older transformers 5 releases keep initializer_range only in the sub-configs.
+    std = getattr(config, "initializer_range", None) or config.text_config.initializer_range
     total_bytes = sum(nbytes.values())
     weight_map = {}
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"{preset} weights") as bar:
@@ -393,7 +395,7 @@ def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device
             for saved, name, shape, kind, padding_idx in shard:
                 gen = torch.Generator(device=dev).manual_seed(_tensor_seed(seed, saved))
                 if kind == "normal":
-                    t = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, config.initializer_range,
+                    t = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, std,
                                                                                      generator=gen)
                     if padding_idx is not None:
                         t[padding_idx] = 0
