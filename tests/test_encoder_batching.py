@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -280,3 +281,20 @@ def test_cuda_preprocessing_batches_like_alone(tiny_model_path):
         assert grid == grid_alone == grid_cpu and emb.device.type == "cpu"
         torch.testing.assert_close(emb, alone, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(emb, ref, atol=5e-2, rtol=5e-2)
+
+
+def test_encoder_benchmark_smoke(tiny_model_path, tmp_path, capsys):
+    from epdserve.bench.encoder import main
+
+    out = tmp_path / "enc.json"
+    assert main(["--model-path", tiny_model_path, "--image-sizes", "56x56", "64x48", "--batch", "1", "4",
+                 "--num-images", "6", "--warmup", "1", "--device", "cpu", "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["image_size"], r["batch"]) for r in rows] == [("56x56", 1), ("56x56", 4), ("64x48", 1), ("64x48", 4)]
+    for r in rows:
+        assert r["num_images"] == 6 and r["images_per_s"] > 0 and r["tokens_per_image"] == 4
+        assert 1 <= r["tower_calls"] <= 6
+        if r["batch"] == 1:  # one request at a time: every image is its own tower call
+            assert r["tower_calls"] == 6
+    table = capsys.readouterr().out
+    assert "images/s" in table and "64x48" in table
