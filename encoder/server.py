@@ -1,8 +1,9 @@
 """The encoder server: gRPC ``epdserve.v1.Encoder/Encode`` in front of the vision tower and the embedding cache.
 
-A request's images are hashed, looked up in the cache, and the missing ones are decoded and encoded in ONE tower
-call on a single worker thread (the event loop keeps answering health checks meanwhile). An image already being
-encoded for another request is awaited, not encoded again. With ``targets`` the embeddings are pushed over ZMQ to
+A request's images are hashed and looked up in the cache; each missing one is decoded on a worker thread and
+queued to the batcher, which encodes the pending images of all concurrent requests together in one tower call on
+a single tower thread (the event loop keeps answering health checks meanwhile). An image already being encoded
+for another request is awaited, not encoded again. With ``targets`` the embeddings are pushed over ZMQ to
 every TP rank of one prefill server before the response is sent; without, they come back in the response.
 
 Run it with ``python -m epdserve.encoder.server --port 50051`` (flags: :class:`epdserve.config.EncoderConfig`).
@@ -28,6 +29,7 @@ from PIL import Image
 
 from epdserve.config import EncoderConfig
 from epdserve.device import resolve_device, resolve_dtype
+from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.cache import EmbeddingCache
 from epdserve.encoder.vision import ImageDecodeError, VisionEncoder, decode_image
 from epdserve.messages import ImageEmbeddings, encode, tensor_bytes, tensor_from_bytes
@@ -88,14 +90,9 @@ def _sha256_all(datas: list[bytes]) -> list[str]:
     return [hashlib.sha256(d).hexdigest() for d in datas]
 
 
-def _decode_each(datas: list[bytes], max_pixels: int) -> list[Image.Image | ImageDecodeError]:
-    out: list[Image.Image | ImageDecodeError] = []
-    for d in datas:
-        try:
-            out.append(decode_image(d, max_pixels))
-        except ImageDecodeError as e:
-            out.append(e)
-    return out
+def _decode_one(encoder: VisionEncoder, data: bytes, max_pixels: int) -> tuple[Image.Image, int]:
+    image = decode_image(data, max_pixels)
+    return image, encoder.num_patches(image)
 
 
 def _consume_exception(fut: asyncio.Future) -> None:
@@ -177,16 +174,17 @@ class EmbeddingPusher:
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     """``epdserve.v1.Encoder``: Encode answers UNAVAILABLE until ``encoder`` is set (the model is loaded).
 
-    Cache, in-flight map and tasks are touched only from the event loop; the tower runs on ``tower``, a
-    single-thread executor, so there is never more than one tower call at a time.
+    Cache, in-flight map and tasks are touched only from the event loop. Each image missing from the cache is
+    decoded on its own worker thread, then handed to ``batcher``, which encodes it together with the other
+    requests' pending images (see :mod:`epdserve.encoder.batcher`).
     """
 
-    def __init__(self, cache: EmbeddingCache, pusher: EmbeddingPusher, tower: ThreadPoolExecutor,
+    def __init__(self, cache: EmbeddingCache, pusher: EmbeddingPusher, batcher: EncodeBatcher,
                  max_image_pixels: int) -> None:
         self.encoder: VisionEncoder | None = None
         self.cache = cache
         self._pusher = pusher
-        self._tower = tower
+        self._batcher = batcher
         self._max_pixels = max_image_pixels
         # image hash -> future of (embedding, grid_thw) for images being encoded now, shared by all requests.
         self._inflight: dict[str, asyncio.Future] = {}
@@ -244,7 +242,6 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         """``hash -> (embedding, grid_thw, cache_hit)`` for every distinct image of a request."""
         out: dict[str, tuple[torch.Tensor, list[int], bool]] = {}
         pending: dict[str, asyncio.Future] = {}
-        new: list[tuple[str, bytes]] = []
         loop = asyncio.get_running_loop()
         for i, h in enumerate(hashes):
             if h in out or h in pending:
@@ -258,14 +255,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 fut = loop.create_future()
                 fut.add_done_callback(_consume_exception)
                 self._inflight[h] = fut
-                new.append((h, datas[i]))
+                # A task, not an inline await: if this request is cancelled, the encode still finishes for the
+                # other requests waiting on the same image, and its result still lands in the cache.
+                task = asyncio.create_task(self._produce(encoder, h, datas[i], fut))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
             pending[h] = fut
-        if new:
-            # A task, not an inline await: if this request is cancelled, the encode still finishes for the
-            # other requests waiting on the same images, and its result still lands in the cache.
-            task = asyncio.create_task(self._produce(encoder, new, {h: pending[h] for h, _ in new}))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
         outcomes = await asyncio.gather(*(asyncio.shield(f) for f in pending.values()), return_exceptions=True)
         done = dict(zip(pending, outcomes))
         for i, h in enumerate(hashes):  # report the first bad image in request order
@@ -277,44 +272,33 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             out[h] = (res[0], res[1], False)
         return out
 
-    async def _produce(self, encoder: VisionEncoder, items: list[tuple[str, bytes]],
-                       futures: dict[str, asyncio.Future]) -> None:
-        """Decode ``items`` and run the tower once on the decodable ones; resolve their futures, fill the cache.
+    async def _produce(self, encoder: VisionEncoder, h: str, data: bytes, fut: asyncio.Future) -> None:
+        """Decode one image off the loop, encode it in the batcher's next batch; resolve ``fut``, fill the cache.
 
-        Each future's outcome depends only on its own bytes (or a tower failure), so requests sharing an image
-        never get another request's decode error.
+        The outcome depends only on this image's bytes (or a failure of the tower call it joined), so a request
+        never gets another request's decode error.
         """
         try:
-            decoded = await asyncio.to_thread(_decode_each, [d for _, d in items], self._max_pixels)
-            good: list[tuple[str, Image.Image]] = []
-            for (h, _), img in zip(items, decoded):
-                if isinstance(img, ImageDecodeError):
-                    futures[h].set_exception(img)
-                else:
-                    good.append((h, img))
-            if good:
-                loop = asyncio.get_running_loop()
-                encoded = await loop.run_in_executor(self._tower, encoder.encode, [img for _, img in good])
-                for (h, _), (emb, grid) in zip(good, encoded):
-                    self.cache.put(h, emb, grid)
-                    futures[h].set_result((emb, grid))
+            image, patches = await asyncio.to_thread(_decode_one, encoder, data, self._max_pixels)
+            emb, grid = await self._batcher.submit(encoder, image, patches)
+            self.cache.put(h, emb, grid)
+            fut.set_result((emb, grid))
         except BaseException as e:
             err = e if isinstance(e, Exception) else RuntimeError("encoding was cancelled (server stopping)")
-            for f in futures.values():
-                if not f.done():
-                    f.set_exception(err)
+            if not fut.done():
+                fut.set_exception(err)
             if not isinstance(e, Exception):
                 raise
         finally:
-            for h, f in futures.items():
-                if self._inflight.get(h) is f:
-                    del self._inflight[h]
+            if self._inflight.get(h) is fut:
+                del self._inflight[h]
 
     async def aclose(self) -> None:
         """Cancel encodes still running (their waiters get an error) and wait for them to unwind."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._batcher.aclose()
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -344,7 +328,8 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
     tower = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epdserve-vision")
     zmq_ctx = zmq.asyncio.Context()
     pusher = EmbeddingPusher(zmq_ctx)
-    servicer = EncoderServicer(EmbeddingCache(config.cache_size_mb * MIB), pusher, tower, config.max_image_pixels)
+    batcher = EncodeBatcher(tower, config.batch_wait_ms, config.max_batch_patches)
+    servicer = EncoderServicer(EmbeddingCache(config.cache_size_mb * MIB), pusher, batcher, config.max_image_pixels)
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -23,7 +23,8 @@ _VISUAL_PREFIXES = ("model.visual.", "visual.")
 
 
 class ImageDecodeError(ValueError):
-    """The bytes are not a decodable image, or the image is larger than allowed."""
+    """The bytes are not a decodable image, the image is larger than allowed, or its shape is one the image
+    processor rejects (an aspect ratio over 200)."""
 
 
 def decode_image(data: bytes, max_pixels: int) -> Image.Image:
@@ -169,9 +170,27 @@ class VisionEncoder:
         t, h, w = grid_thw
         return t * h * w // self.merge_size**2
 
+    def num_patches(self, image: Image.Image) -> int:
+        """Patches (before the spatial merge) the image processor makes of ``image``: ``t*h*w`` of its grid.
+
+        Thread-safe (pure arithmetic on the processor's settings), so it can run beside :meth:`encode`.
+
+        Raises:
+            ImageDecodeError: the processor rejects the image's shape (aspect ratio over 200), so that such an
+                image fails its own request up front instead of the whole batch it would join.
+        """
+        try:
+            return self.image_processor.get_number_of_image_patches(image.height, image.width, {})
+        except ValueError as e:
+            raise ImageDecodeError(f"unsupported image shape {image.width}x{image.height}: {e}") from e
+
     @torch.inference_mode()
     def encode(self, images: list[Image.Image]) -> list[tuple[torch.Tensor, list[int]]]:
         """Run the image processor and the vision tower on ``images`` in one batch.
+
+        The tower takes the concatenated ``pixel_values`` with one ``image_grid_thw`` row per image and attends
+        within each image only (``cu_seqlens``), as transformers' ``get_image_features`` does for several images.
+        On CUDA the processor itself runs on the GPU (its torchvision backend's ``device`` argument).
 
         Args:
             images: decoded RGB images (see :func:`decode_image`).
@@ -183,7 +202,8 @@ class VisionEncoder:
         """
         if not images:
             return []
-        inputs = self.image_processor(images=images, return_tensors="pt")
+        on_gpu = {"device": self.device} if self.device.type == "cuda" else {}  # CPU: exactly the reference call
+        inputs = self.image_processor(images=images, return_tensors="pt", **on_gpu)
         grid = inputs["image_grid_thw"]
         # Same cast as transformers' get_image_features, so the outputs match it exactly.
         pixels = inputs["pixel_values"].to(self.device).type(self.dtype)

@@ -24,6 +24,7 @@ from PIL import Image
 
 from epdserve.config import EncoderConfig
 from epdserve.encoder import server as server_mod
+from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.cache import EmbeddingCache
 from epdserve.encoder.server import (EmbeddingPusher, EncoderServicer, serve, tensor_from_proto,
                                      tensor_to_proto)
@@ -353,6 +354,9 @@ class _CountingEncoder:
     def num_tokens(self, grid):
         return grid[0] * grid[1] * grid[2] // 4
 
+    def num_patches(self, image):
+        return 16
+
     def encode(self, images):
         self.calls.append(len(images))
         time.sleep(0.2)
@@ -369,7 +373,7 @@ def test_concurrent_requests_share_one_encode(photos):
 
         tower = ThreadPoolExecutor(1)
         ctx = zmq.asyncio.Context()
-        servicer = EncoderServicer(EmbeddingCache(1 << 20), EmbeddingPusher(ctx), tower, MAX_PIXELS)
+        servicer = EncoderServicer(EmbeddingCache(1 << 20), EmbeddingPusher(ctx), EncodeBatcher(tower), MAX_PIXELS)
         servicer.encoder = _CountingEncoder()
         a = _request("a", [photos["chelsea"], photos["rocket"], photos["chelsea"]])
         b = _request("b", [photos["rocket"]])
@@ -406,7 +410,7 @@ def test_unexpected_error_is_internal_and_server_recovers(photos):
 
         tower = ThreadPoolExecutor(1)
         ctx = zmq.asyncio.Context()
-        servicer = EncoderServicer(EmbeddingCache(1 << 20), EmbeddingPusher(ctx), tower, MAX_PIXELS)
+        servicer = EncoderServicer(EmbeddingCache(1 << 20), EmbeddingPusher(ctx), EncodeBatcher(tower), MAX_PIXELS)
         servicer.encoder = _FailingEncoder()
         failed = Context()
         with pytest.raises(grpc.aio.AbortError):

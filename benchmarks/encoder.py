@@ -1,0 +1,144 @@
+"""``python -m epdserve.bench.encoder``: throughput of the encoder stage alone (no gateway, prefill or decode).
+
+    python -m epdserve.bench.encoder --model-path DIR --image-sizes 448x448 1280x720 --batch 1 32 \\
+        --num-images 256 [--device cuda] [--output-json out.json]
+
+For each image size and each ``--batch`` level B, ``--num-images`` requests of one image each are sent by B
+concurrent clients straight to the encoder's gRPC servicer (``EncoderServicer.Encode`` in this process, with the
+server's own batcher; no gRPC transport, embeddings returned in the response as without ``targets``). Every
+image is distinct random noise (seeded), JPEG-encoded, and the embedding cache is off, so each request hashes,
+decodes, preprocesses and runs the tower: B=1 is one request at a time, B=32 shows cross-request batching.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import zmq.asyncio
+from PIL import Image
+
+from epdserve.device import resolve_device, resolve_dtype
+from epdserve.encoder.batcher import EncodeBatcher
+from epdserve.encoder.cache import EmbeddingCache
+from epdserve.encoder.server import EmbeddingPusher, EncoderServicer
+from epdserve.encoder.vision import VisionEncoder
+from epdserve.models.tiny import resolve_model_path
+from epdserve.proto import encoder_pb2
+
+from .synth import parse_size, random_image
+
+
+class _Context:
+    async def abort(self, code, message):
+        raise RuntimeError(f"encode failed: {code.name}: {message}")
+
+
+def _jpegs(rng: np.random.Generator, width: int, height: int, n: int) -> list[bytes]:
+    out = []
+    for _ in range(n):
+        buf = io.BytesIO()
+        random_image(rng, width, height).save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+async def _measure(servicer: EncoderServicer, images: list[bytes], concurrency: int) -> dict:
+    """Encode ``images`` (one per request) with ``concurrency`` clients; wall time and per-request latencies."""
+    todo = iter(enumerate(images))
+    latencies: list[float] = []
+
+    async def client() -> None:
+        for i, data in todo:  # the clients share one iterator: each image is sent once
+            request = encoder_pb2.EncodeRequest(request_id=f"b{i}", images=[encoder_pb2.Image(data=data)])
+            t0 = time.perf_counter()
+            await servicer.Encode(request, _Context())
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return {"seconds": time.perf_counter() - t0, "latencies": latencies}
+
+
+async def run(args: argparse.Namespace) -> list[dict]:
+    """One result row per (image size, batch level); see the module docstring."""
+    device = resolve_device(args.device)
+    encoder = VisionEncoder(resolve_model_path(args.model_path), device, resolve_dtype(args.dtype, device))
+    tower = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-vision")
+    zmq_ctx = zmq.asyncio.Context()
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    try:
+        for size in args.image_sizes:
+            width, height = parse_size(size)
+            patches = encoder.num_patches(Image.new("RGB", (width, height)))
+            for batch in args.batch:
+                batcher = EncodeBatcher(tower, args.batch_wait_ms, args.max_batch_patches)
+                servicer = EncoderServicer(EmbeddingCache(0), EmbeddingPusher(zmq_ctx), batcher, 1 << 40)
+                servicer.encoder = encoder
+                await _measure(servicer, _jpegs(rng, width, height, args.warmup), min(batch, args.warmup))
+                calls0 = batcher.calls
+                m = await _measure(servicer, _jpegs(rng, width, height, args.num_images), batch)
+                calls = batcher.calls - calls0
+                lat_ms = np.array(m["latencies"]) * 1000
+                rows.append({"image_size": size, "batch": batch, "num_images": args.num_images,
+                             "images_per_s": args.num_images / m["seconds"], "seconds": m["seconds"],
+                             "mean_latency_ms": float(lat_ms.mean()),
+                             "p99_latency_ms": float(np.percentile(lat_ms, 99)),
+                             "tower_calls": calls, "mean_images_per_call": args.num_images / calls,
+                             "patches_per_image": patches, "tokens_per_image": patches // encoder.merge_size**2})
+                await servicer.aclose()
+    finally:
+        tower.shutdown()
+        zmq_ctx.term()
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    head = (f"{'image':>10} {'batch':>5} {'images/s':>9} {'mean ms':>8} {'p99 ms':>8} {'calls':>6} {'img/call':>8} "
+            f"{'tokens':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['image_size']:>10} {r['batch']:>5} {r['images_per_s']:>9.1f} {r['mean_latency_ms']:>8.1f} "
+                     f"{r['p99_latency_ms']:>8.1f} {r['tower_calls']:>6} {r['mean_images_per_call']:>8.2f} "
+                     f"{r['tokens_per_image']:>6}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, run every (size, batch) configuration, print a table; exit status 0 (2 for bad flags)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model-path", default="", help="local checkpoint directory (default: the tiny model)")
+    p.add_argument("--image-sizes", nargs="+", default=["448x448"], help="WIDTHxHEIGHT per configuration")
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 32], help="concurrent single-image requests")
+    p.add_argument("--num-images", type=int, default=256, help="measured images per configuration")
+    p.add_argument("--warmup", type=int, default=8, help="unmeasured images before each configuration")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    p.add_argument("--batch-wait-ms", type=float, default=2.0, help="the encoder's --batch-wait-ms")
+    p.add_argument("--max-batch-patches", type=int, default=16384, help="the encoder's --max-batch-patches")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random images")
+    p.add_argument("--output-json", help="also write the config and the rows here")
+    args = p.parse_args(argv)
+    for size in args.image_sizes:
+        try:
+            parse_size(size)
+        except ValueError as e:
+            p.error(str(e))
+    if min(args.batch) < 1 or args.num_images < 1 or args.warmup < 1:
+        p.error("--batch, --num-images and --warmup must be >= 1")
+    rows = asyncio.run(run(args))
+    print(_table(rows))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"config": vars(args), "results": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
