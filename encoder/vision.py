@@ -157,8 +157,13 @@ class VisionEncoder:
 
         # Every weight is overwritten from the checkpoint, so random initialization would be wasted time
         # (seconds for a real tower); the device context builds the tower in place, without a host copy.
+        attn = {}
+        if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
+            from epdserve.encoder.varlen_attention import register
+
+            attn = dict(attn_implementation=register())  # one packed kernel per layer, not one per window
         with no_init_weights(), torch.device(self.device):
-            model = vision_cls._from_config(config.vision_config, dtype=self.dtype)
+            model = vision_cls._from_config(config.vision_config, dtype=self.dtype, **attn)
         missing, unexpected = model.load_state_dict(load_vision_state_dict(self.model_path), strict=False)
         if missing or unexpected:
             raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "

@@ -298,3 +298,20 @@ def test_encoder_benchmark_smoke(tiny_model_path, tmp_path, capsys):
             assert r["tower_calls"] == 6
     table = capsys.readouterr().out
     assert "images/s" in table and "64x48" in table
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_tower_uses_packed_attention_and_matches_cpu(tiny_model_path):
+    # On CUDA in bf16 the tower runs PyTorch's FlashAttention-2 varlen kernel once per layer instead of SDPA once
+    # per window; embeddings stay close to the float32 CPU reference.
+    from epdserve.encoder.varlen_attention import NAME
+
+    gpu = VisionEncoder(tiny_model_path, "cuda", "bfloat16")
+    cpu = VisionEncoder(tiny_model_path, "cpu", "float32")
+    assert gpu.model.config._attn_implementation == NAME
+    images = [_image(_png(90 + i, w, h)) for i, (w, h) in enumerate([(300, 120), (448, 448)])]
+    for (emb, grid), (ref, grid_cpu) in zip(gpu.encode(images), cpu.encode(images)):
+        assert grid == grid_cpu
+        cos = torch.nn.functional.cosine_similarity(emb.float().flatten(), ref.flatten(), dim=0)
+        assert cos > 0.99, f"bf16 packed-attention embeddings drifted from the CPU reference (cosine {cos:.4f})"
