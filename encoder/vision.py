@@ -157,13 +157,14 @@ class VisionEncoder:
 
         # Every weight is overwritten from the checkpoint, so random initialization would be wasted time
         # (seconds for a real tower); the device context builds the tower in place, without a host copy.
-        attn = {}
+        with no_init_weights(), torch.device(self.device):
+            model = vision_cls._from_config(config.vision_config, dtype=self.dtype)
         if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
             from epdserve.encoder.varlen_attention import register
 
-            attn = dict(attn_implementation=register())  # one packed kernel per layer, not one per window
-        with no_init_weights(), torch.device(self.device):
-            model = vision_cls._from_config(config.vision_config, dtype=self.dtype, **attn)
+            # One packed kernel per layer, not one per window. Set after construction: at construction
+            # transformers would look for a "flash" implementation on its kernel hub.
+            model.config._attn_implementation = register()
         missing, unexpected = model.load_state_dict(load_vision_state_dict(self.model_path), strict=False)
         if missing or unexpected:
             raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "
