@@ -6,8 +6,8 @@ Per batch size it fills B requests' KV pages with random values at ``--context``
 ``--steps`` decode steps the way the decode server runs them (inputs built on the host from Python lists,
 ``runner.forward``, ``argmax``, one ``.tolist()``), wall clock per step. The roofline is the bytes one step must
 read (every LM weight once, the embedding table aside, plus every request's KV) over the device-to-device copy
-bandwidth measured in the same run (bytes read + written). The server's TPOT over this step time is the server's
-own overhead.
+bandwidth measured in the same run (bytes read + written). "GPU ms" is the replayed graph alone (no host work):
+the floor an overlapped server step can reach. The server's TPOT over these is the server's own overhead.
 """
 
 from __future__ import annotations
@@ -73,6 +73,23 @@ def time_steps(runner: ModelRunner, batch_size: int, context: int, steps: int) -
     return out
 
 
+def graph_gpu_time(runner: ModelRunner, batch_size: int, reps: int = 30) -> float | None:
+    """Seconds of GPU time of one replay of the CUDA graph that serves ``batch_size`` (back-to-back replays timed
+    with CUDA events, so no host work is counted); None without graphs. Call right after :func:`time_steps`: the
+    replays reuse its last plan."""
+    if runner.graphs is None or batch_size > runner.graphs.max_bs:
+        return None
+    graph = runner.graphs.graphs[next(s for s in runner.graphs.sizes if s >= batch_size)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; prints a table and optionally writes ``--output-json``. Returns 0."""
     ap = argparse.ArgumentParser(prog="python -m epdserve.bench.step", description=__doc__,
@@ -93,16 +110,19 @@ def main(argv: list[str] | None = None) -> int:
     for bs in args.batch_sizes:
         times = time_steps(runner, bs, args.context, args.steps)[4:]  # the first steps warm caches up
         median = statistics.median(times)
+        gpu = graph_gpu_time(runner, bs)
         kv_tokens = bs * (args.context + args.steps // 2)
         roof = step_bytes(runner, kv_tokens) / bw
-        rows.append(dict(batch_size=bs, context=args.context, step_ms=median * 1e3, roofline_ms=roof * 1e3,
+        rows.append(dict(batch_size=bs, context=args.context, step_ms=median * 1e3,
+                         graph_gpu_ms=None if gpu is None else gpu * 1e3, roofline_ms=roof * 1e3,
                          roofline_fraction=roof / median, tokens_per_s=bs / median,
                          cuda_graph=runner.graphs is not None))
     print(f"device: {torch.cuda.get_device_name(dev)}; copy bandwidth {bw / 1e12:.2f} TB/s (read + write); "
           f"CUDA graphs: {'on' if runner.graphs is not None else 'off'}")
-    print(f"{'batch':>6} {'step ms':>9} {'roofline ms':>12} {'of roofline':>12} {'tok/s':>10}")
+    print(f"{'batch':>6} {'step ms':>9} {'GPU ms':>8} {'roofline ms':>12} {'of roofline':>12} {'tok/s':>10}")
     for r in rows:
-        print(f"{r['batch_size']:>6} {r['step_ms']:>9.3f} {r['roofline_ms']:>12.3f} "
+        gpu = "-" if r["graph_gpu_ms"] is None else f"{r['graph_gpu_ms']:.3f}"
+        print(f"{r['batch_size']:>6} {r['step_ms']:>9.3f} {gpu:>8} {r['roofline_ms']:>12.3f} "
               f"{100 * r['roofline_fraction']:>11.1f}% {r['tokens_per_s']:>10.0f}")
     if args.output_json:
         with open(args.output_json, "w") as f:
