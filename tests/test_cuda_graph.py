@@ -59,26 +59,6 @@ def _model_paths(tmp_path_factory) -> list[str]:
     return paths + [p for p in os.environ.get("EPDSERVE_GPU_TEST_MODELS", "").split(",") if p]
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_cuda_graph_decode_matches_eager(tmp_path_factory):
-    pytest.importorskip("flashinfer")
-    for path in _model_paths(tmp_path_factory):
-        kw = dict(device=torch.device("cuda"), dtype=torch.bfloat16, num_pages=2048, page_size=16)
-        eager = ModelRunner(path, **kw)
-        graphed = ModelRunner(path, cuda_graph_max_bs=16, **kw)
-        assert eager.graphs is None and graphed.graphs is not None
-        gen = torch.Generator().manual_seed(0)
-        vocab = min(eager.config.vocab_size, 1000)  # the small checkpoint's tokenizer has fewer than 1000 ids
-        for n in (1, 16):
-            prompts = [torch.randint(10, vocab, (int(L),), generator=gen).tolist()
-                       for L in torch.randint(5, 300, (n,), generator=gen)]
-            want, got = greedy(eager, prompts, 64), greedy(graphed, prompts, 64)
-            assert got == want, f"{path}: batch {n}: graph replay diverged from eager decoding"
-        del eager, graphed
-        torch.cuda.empty_cache()
-
-
 def overlapped(runner: ModelRunner, eager: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
     """Greedy outputs through the decode server's scheduler (overlap on, ``runner``'s CUDA graphs), from prompt KV
     that ``eager`` prefilled and hands over as :class:`KVTransfer` s."""
@@ -111,19 +91,23 @@ def overlapped(runner: ModelRunner, eager: ModelRunner, prompts: list[list[int]]
 
 @pytest.mark.gpu
 @needs_cuda
-def test_overlapped_graph_decode_matches_eager(tmp_path_factory):
+def test_graph_and_overlapped_decode_match_eager(tmp_path_factory):
+    """64 greedy tokens at batch 1 and 16: graph replays equal eager steps, and so does the decode scheduler
+    (overlap on) over the graphs."""
     pytest.importorskip("flashinfer")
     for path in _model_paths(tmp_path_factory):
         kw = dict(device=torch.device("cuda"), dtype=torch.bfloat16, num_pages=2048, page_size=16)
         eager = ModelRunner(path, **kw)
         graphed = ModelRunner(path, cuda_graph_max_bs=16, **kw)
-        gen = torch.Generator().manual_seed(1)
-        vocab = min(eager.config.vocab_size, 1000)
+        assert eager.graphs is None and graphed.graphs is not None
+        gen = torch.Generator().manual_seed(0)
+        vocab = min(eager.config.vocab_size, 1000)  # the small checkpoint's tokenizer has fewer than 1000 ids
         for n in (1, 16):
             prompts = [torch.randint(10, vocab, (int(L),), generator=gen).tolist()
                        for L in torch.randint(5, 300, (n,), generator=gen)]
             want = greedy(eager, prompts, 64)
-            assert overlapped(graphed, eager, prompts, 64) == want, f"{path}: batch {n}"
+            assert greedy(graphed, prompts, 64) == want, f"{path}: batch {n}: graph replay diverged from eager"
+            assert overlapped(graphed, eager, prompts, 64) == want, f"{path}: batch {n}: overlap diverged"
         del eager, graphed
         torch.cuda.empty_cache()
 

@@ -26,17 +26,14 @@ _WORKSPACE_BYTES = 256 * 1024 * 1024
 class FlashInferBackend(AttentionBackend):
     """flashinfer paged prefill (extend batches, causal) and decode (decode batches) over the NHD KV pool.
 
-    Args:
-        kv_pool: the KV pool (on CUDA).
-        num_qo_heads: query heads.
-        decode_tensor_cores: run decode attention on flashinfer's tensor-core (prefill) kernels. Off by
-            default: at 1-128 requests and 8 query heads per KV head, the CUDA-core decode kernel with split-KV
-            measured faster on an H100 (docs/performance.md); None means that default.
+    Decode uses flashinfer's CUDA-core decode kernel, not its tensor-core variant: with 8 query heads per KV head
+    at 512 tokens of context on an H100, the tensor-core one took 24 vs 27 us per layer at 1 request but 43 vs 27
+    at 32 and 174 vs 57 at 128 (docs/performance.md).
     """
 
     uses_flashinfer = True
 
-    def __init__(self, kv_pool: KVPool, num_qo_heads: int, *, decode_tensor_cores: bool | None = None):
+    def __init__(self, kv_pool: KVPool, num_qo_heads: int):
         """Allocate the shared float workspace and both wrappers on the pool's CUDA device.
 
         Raises:
@@ -45,12 +42,10 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(kv_pool, num_qo_heads)
         if kv_pool.device.type != "cuda":
             raise ValueError("FlashInferBackend needs a CUDA KV pool")
-        self._tensor_cores = bool(decode_tensor_cores)
         # Prefill and decode never run at the same time, so they can share one float workspace.
         self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, kv_layout="NHD", use_tensor_cores=self._tensor_cores)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
         self._graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self._wrapper = None
         self._out_slots: torch.Tensor | None = None
@@ -64,8 +59,7 @@ class FlashInferBackend(AttentionBackend):
         last = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         for bs in batch_sizes:
             self._graph_decode[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
-                paged_kv_indptr_buffer=indptr[:bs + 1], paged_kv_indices_buffer=indices,
+                self._workspace, kv_layout="NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr[:bs + 1], paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last[:bs])
 
     def prepare(self, batch: ForwardBatch, *, cuda_graph: bool = False) -> None:

@@ -69,18 +69,22 @@ def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, section: tupl
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[T, 1, head_dim]`` for positions ``[3, T]``: frequency band ``i`` of the ``mrope_section`` split
     takes its angle from axis ``i % 3`` (t, h, w), then the half is duplicated for rotate-half."""
-    freqs = positions[..., None].float() * inv_freq.float()  # [3, T, D/2]
-    freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(freqs.split(list(section), dim=-1))], dim=-1)
+    freqs = _mrope_angles(positions, inv_freq, section)
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _mrope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, section: tuple[int, int, int]) -> torch.Tensor:
+    """float32 ``[T, head_dim / 2]`` rotary angles: frequency band ``i`` of ``section`` from axis ``i % 3``."""
+    freqs = positions[..., None].float() * inv_freq.float()  # [3, T, D/2]
+    return torch.cat([chunk[i % 3] for i, chunk in enumerate(freqs.split(list(section), dim=-1))], dim=-1)
 
 
 def mrope_cos_sin_table(positions: torch.Tensor, inv_freq: torch.Tensor,
                         section: tuple[int, int, int]) -> torch.Tensor:
     """The same angles as :func:`mrope_cos_sin` as one float32 ``[T, head_dim]`` table, ``cos`` of the
     ``head_dim / 2`` frequencies then their ``sin``: the ``cos_sin_cache`` layout of flashinfer's RoPE kernel."""
-    freqs = positions[..., None].float() * inv_freq.float()
-    freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(freqs.split(list(section), dim=-1))], dim=-1)
+    freqs = _mrope_angles(positions, inv_freq, section)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
