@@ -192,3 +192,26 @@ def test_cli_preset(tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit) as e:
             main(["make-tiny-model", str(tmp_path), *bad])
         assert e.value.code == 2
+
+
+def test_default_model_answers_a_photo_in_readable_text(tmp_path, monkeypatch, photo_paths):
+    # What a newcomer sees first (the quickstart serves this model): greedy text about a real photo has no U+FFFD
+    # from lone bytes and no invisible characters. The test checkpoints stay unzeroed.
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from epdserve.models.tiny import default_model_path
+
+    monkeypatch.setenv("EPDSERVE_CACHE", str(tmp_path))
+    path = default_model_path()
+    assert path.name == "tiny-qwen2.5-vl-readable" and default_model_path() == path
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[prompt], images=[Image.open(photo_paths["chelsea"]).convert("RGB")], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=48, do_sample=False)
+    text = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert len(text.strip()) > 10 and "\ufffd" not in text
+    assert all(c.isprintable() or c.isspace() for c in text), repr(text)

@@ -198,7 +198,7 @@ def _write_generation_and_processor(out: Path, tokenizer, processor_cls, *, min_
 
 
 def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int = 0, max_pixels: int = 512 * 28 * 28,
-                    size: str = "tiny") -> Path:
+                    size: str = "tiny", readable: bool = False) -> Path:
     """Write a ~1M-parameter Qwen-VL checkpoint to ``out_dir`` and return its path.
 
     Weights are fp32, from transformers' own initialization under ``torch.manual_seed(seed)``. For checkpoints
@@ -211,6 +211,9 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
         seed: seed of the random weights.
         max_pixels: image processor ``longest_edge`` in pixels; bounds image tokens per image to
             ``max_pixels / 28**2``.
+        readable: zero the LM-head rows of ids that do not decode to visible text (as the presets do), so greedy
+            answers are readable gibberish rather than lone bytes shown as U+FFFD; EOS is then never picked.
+            The default served model (:func:`default_model_path`) is made this way; the test checkpoints are not.
 
     Raises:
         ValueError: unknown ``arch`` or ``size``.
@@ -236,6 +239,9 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
                                                      tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
+    if readable:
+        with torch.no_grad():
+            model.lm_head.weight[_invisible_ids(tokenizer, config.text_config.vocab_size)] = 0
     model.save_pretrained(out, safe_serialization=True)
     _write_generation_and_processor(out, tokenizer, processor_cls, min_pixels=56 * 56, max_pixels=max_pixels)
     return out
@@ -245,6 +251,15 @@ def _is_visible_text(text: str) -> bool:
     """Non-empty, no U+FFFD (a lone UTF-8 byte), only printable characters or whitespace, and not all whitespace."""
     return (bool(text.strip()) and "\ufffd" not in text
             and all(c.isprintable() or c.isspace() for c in text))
+
+
+def _invisible_ids(tokenizer, vocab: int, keep: set[int] = frozenset()) -> list[int]:
+    """Ids below ``vocab`` that are past the tokenizer or do not decode (``skip_special_tokens=True``) to visible
+    text, except those in ``keep``: the LM-head rows to zero so that greedy output stays readable (a zero row's
+    logit is exactly 0, below the top of the random rows)."""
+    visible = {i for i in range(min(len(tokenizer), vocab))
+               if _is_visible_text(tokenizer.decode([i], skip_special_tokens=True))}
+    return sorted(set(range(vocab)) - visible - set(keep))
 
 
 def _tensor_seed(seed: int, name: str) -> int:
@@ -364,11 +379,9 @@ def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device
     del meta_model
 
     vocab = config.text_config.vocab_size
-    keep = {i for i in range(min(len(tokenizer), vocab))
-            if _is_visible_text(tokenizer.decode([i], skip_special_tokens=True))}
-    if tie:  # the head is the input embedding: prompts' special tokens must keep their rows
-        keep |= {tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    zero_rows = torch.tensor(sorted(set(range(vocab)) - keep), dtype=torch.long)
+    # In a tied model the head is the input embedding: prompts' special tokens must keep their rows.
+    keep = {tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS} if tie else set()
+    zero_rows = torch.tensor(_invisible_ids(tokenizer, vocab, keep), dtype=torch.long)
 
     # Shards in model order, each at most _MAX_SHARD_BYTES (a larger single tensor gets its own shard).
     nbytes = {entry[0]: 2 * int(torch.Size(entry[2]).numel()) for entry in plan}  # bf16: 2 bytes a value
@@ -427,7 +440,8 @@ def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device
 
 
 def default_model_path() -> Path:
-    """The tiny Qwen2.5-VL checkpoint used when no ``--model-path`` is given, created once.
+    """The tiny Qwen2.5-VL checkpoint used when no ``--model-path`` is given, created once, with readable
+    greedy answers (``make_tiny_model(readable=True)``).
 
     It lives in ``$EPDSERVE_CACHE`` (default ``~/.cache/epdserve``). Concurrent first calls are safe: each
     writes to a private temporary directory and the first rename wins.
@@ -437,12 +451,12 @@ def default_model_path() -> Path:
     import tempfile
 
     root = Path(os.environ.get("EPDSERVE_CACHE", Path.home() / ".cache" / "epdserve"))
-    target = root / "tiny-qwen2.5-vl"
+    target = root / "tiny-qwen2.5-vl-readable"  # a new name: caches of the older, unreadable default stay unused
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-"))
-    make_tiny_model(tmp)
+    make_tiny_model(tmp, readable=True)
     try:
         tmp.rename(target)
     except OSError:  # another process won the race
