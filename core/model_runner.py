@@ -61,7 +61,6 @@ class ModelRunner:
         if cuda_graph_max_bs > 0 and self.backend.uses_flashinfer:
             from epdserve.cuda_graph import CudaGraphRunner
 
-            self.warmup()  # JIT builds and cuBLAS handles before capture
             self.graphs = CudaGraphRunner(self.model, self.backend, vocab_size=cfg.vocab_size,
                                           max_bs=cuda_graph_max_bs, scratch_page=num_pages, page_size=page_size)
 

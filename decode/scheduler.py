@@ -242,7 +242,7 @@ class DecodeScheduler:
         finish = None
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
             finish = "stop"
-        elif len(seq.output_ids) >= sp.max_new_tokens or seq.msg.prompt_len + len(seq.output_ids) >= self.context_length:
+        elif len(seq.output_ids) >= seq.max_out:  # max_new_tokens, or the context is full
             finish = "length"
         if finish is not None:
             self.running.remove(seq)

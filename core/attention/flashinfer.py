@@ -17,6 +17,7 @@ import flashinfer
 import torch
 
 from epdserve.attention.base import AttentionBackend
+from epdserve.device import to_device
 from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
 
@@ -59,8 +60,8 @@ class FlashInferBackend(AttentionBackend):
         last = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         for bs in batch_sizes:
             self._graph_decode[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, kv_layout="NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr[:bs + 1], paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last[:bs])
+                self._workspace, kv_layout="NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr[:bs + 1],
+                paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last[:bs])
 
     def prepare(self, batch: ForwardBatch, *, cuda_graph: bool = False) -> None:
         """Plan the prefill or decode wrapper for ``batch`` (``cuda_graph``: the graph-mode decode wrapper of
@@ -80,8 +81,7 @@ class FlashInferBackend(AttentionBackend):
             counts.append(n)
             last.append(L - (n - 1) * ps)
         kv_indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        # Pinned, so the copy is asynchronous; torch's pinned allocator keeps the block until the copy is done.
-        kv_indices = torch.tensor(indices, dtype=torch.int32).pin_memory().to(dev, non_blocking=True)
+        kv_indices = to_device(torch.tensor(indices, dtype=torch.int32), dev)
         last_len = torch.tensor(last, dtype=torch.int32)
         pool, dtype = self.kv_pool, self.kv_pool.dtype
         if batch.is_decode:
