@@ -114,6 +114,32 @@ class ServerInfo:
 
 
 @dataclass
+class LoadRequest:
+    """Any client -> prefill/decode: ask for a ``Load`` reply on the same socket."""
+
+
+@dataclass
+class Load:
+    """prefill/decode -> client: what the server holds right now (accounting for health details, metrics and
+    SGLang-style ``/loads``).
+
+    Counts are requests or KV pages. ``kv_pages_used`` includes ``kv_pages_cached`` (prefill: pages held only by
+    the radix cache, evictable; 0 on decode). ``rooms`` counts bootstrap rooms with state (prefill: decode
+    registrations and finished KV waiting for one; decode: requests waiting for their KV). ``embeddings``
+    counts requests whose image embeddings the prefill server holds.
+    """
+
+    role: str
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_pages_used: int
+    kv_pages_total: int
+    kv_pages_cached: int = 0
+    rooms: int = 0
+    embeddings: int = 0
+
+
+@dataclass
 class ImageEmbeddings:
     """encoder -> prefill (every TP rank): vision tower output for the images of ``rid``.
 
@@ -208,6 +234,7 @@ _KINDS: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         SamplingParams, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest, ServerInfoRequest, ServerInfo,
+        LoadRequest, Load,
         ImageEmbeddings, KVRegister, KVTransfer, TokenOutput, TokenOutputBatch,
     )
 }

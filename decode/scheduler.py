@@ -26,7 +26,7 @@ import torch
 from epdserve.device import to_device
 from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
-from epdserve.messages import DecodeRequest, KVRegister, KVTransfer, TokenOutput
+from epdserve.messages import DecodeRequest, KVRegister, KVTransfer, Load, TokenOutput
 from epdserve.model_runner import ModelRunner
 from epdserve.models.mrope import decode_positions
 from epdserve.sampling import sample
@@ -131,6 +131,12 @@ class DecodeScheduler:
             self.running.remove(seq)
             self.pool.free(seq.pages)
             seq.done = True
+
+    def load(self) -> Load:
+        """What this scheduler holds now; with no request in flight every page is free and no room is held."""
+        return Load(role="decode", num_running_reqs=len(self.running), num_waiting_reqs=len(self.ready),
+                    kv_pages_used=self.pool.num_pages - self.pool.num_free, kv_pages_total=self.pool.num_pages,
+                    rooms=len(self.pending))
 
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -1,8 +1,8 @@
 """The decode server process: sockets in, :class:`DecodeScheduler` in the middle, tokens out to gateways.
 
 Sockets (bound on ``config.host``):
-- ``port`` (ROUTER): ``DecodeRequest``, ``AbortRequest``, ``ServerInfoRequest`` from gateways; token outputs
-  go back to the same peer as ``TokenOutputBatch`` (one message per gateway per step).
+- ``port`` (ROUTER): ``DecodeRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from gateways;
+  token outputs go back to the same peer as ``TokenOutputBatch`` (one message per gateway per step).
 - ``kv_port`` (PULL): ``KVTransfer`` from prefill servers.
 Out: one PUSH socket per prefill bootstrap address, carrying ``KVRegister``.
 """
@@ -18,7 +18,8 @@ import zmq
 from epdserve import transport
 from epdserve.config import DecodeConfig
 from epdserve.decode.scheduler import DecodeScheduler
-from epdserve.messages import AbortRequest, DecodeRequest, KVTransfer, ServerInfo, ServerInfoRequest, TokenOutputBatch
+from epdserve.messages import (AbortRequest, DecodeRequest, KVTransfer, LoadRequest, ServerInfo, ServerInfoRequest,
+                               TokenOutputBatch)
 from epdserve.model_runner import runner_from_config
 
 log = logging.getLogger("epdserve.decode")
@@ -66,6 +67,8 @@ def serve(config: DecodeConfig) -> None:
                     sched.abort(msg.rid)
                 elif isinstance(msg, ServerInfoRequest):
                     transport.send(requests, info, identity=peer)
+                elif isinstance(msg, LoadRequest):
+                    transport.send(requests, sched.load(), identity=peer)
             while (msg := transport.recv(kv_in)) is not None:
                 if isinstance(msg, KVTransfer):
                     sched.add_transfer(msg)

@@ -17,7 +17,7 @@ import torch
 from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.radix_cache import RadixCache
-from epdserve.messages import ImageEmbeddings, KVRegister, KVTransfer, PrefillRequest
+from epdserve.messages import ImageEmbeddings, KVRegister, KVTransfer, Load, PrefillRequest
 from epdserve.model_runner import ModelRunner
 from epdserve.models.mrope import mrope_positions
 from epdserve.sampling import sample
@@ -109,6 +109,13 @@ class PrefillScheduler:
             if t.rid == rid:
                 del self.finished[room]
                 self.registered.pop(room, None)
+
+    def load(self) -> Load:
+        """What this scheduler holds now; with no request in flight, ``kv_pages_used == kv_pages_cached``."""
+        used = self.pool.num_pages - self.pool.num_free
+        return Load(role="prefill", num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+                    kv_pages_used=used, kv_pages_total=self.pool.num_pages, kv_pages_cached=self.radix.num_pages,
+                    rooms=len(self.registered.keys() | self.finished.keys()), embeddings=len(self.embeds))
 
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:

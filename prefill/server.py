@@ -1,7 +1,8 @@
 """The prefill server process: sockets in, :class:`PrefillScheduler` in the middle, KV transfers out.
 
 Sockets (all bound on ``config.host``):
-- ``port`` (ROUTER): ``PrefillRequest``, ``AbortRequest``, ``ServerInfoRequest`` from gateways.
+- ``port`` (ROUTER): ``PrefillRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from
+  gateways.
 - ``embed_port + r`` (PULL): ``ImageEmbeddings`` from encoders for TP rank ``r`` (one rank today).
 - ``bootstrap_port`` (PULL): ``KVRegister`` from decode servers (SGLang-style bootstrap rendezvous).
 Out: one PUSH socket per decode KV endpoint, carrying ``KVTransfer``.
@@ -17,7 +18,7 @@ import zmq
 from epdserve import transport
 from epdserve.config import PrefillConfig
 from epdserve.messages import (AbortRequest, ImageEmbeddings, KVRegister, PrefillRequest, ServerInfo,
-                               ServerInfoRequest)
+                               LoadRequest, ServerInfoRequest)
 from epdserve.model_runner import runner_from_config
 from epdserve.prefill.scheduler import PrefillScheduler
 
@@ -65,6 +66,8 @@ def serve(config: PrefillConfig) -> None:
                     sched.abort(msg.rid)
                 elif isinstance(msg, ServerInfoRequest):
                     transport.send(requests, info, identity=peer)
+                elif isinstance(msg, LoadRequest):
+                    transport.send(requests, sched.load(), identity=peer)
             while (msg := transport.recv(embeds)) is not None:
                 if isinstance(msg, ImageEmbeddings):
                     sched.add_embeddings(msg)

@@ -11,7 +11,7 @@ from transformers import AutoProcessor
 
 from epdserve.decode.scheduler import DecodeScheduler
 from epdserve.encoder.vision import VisionEncoder
-from epdserve.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, KVRegister, PrefillRequest,
+from epdserve.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, KVRegister, Load, PrefillRequest,
                                SamplingParams)
 from epdserve.model_runner import ModelRunner
 from epdserve.prefill.scheduler import PrefillScheduler
@@ -68,7 +68,10 @@ def _run(sched, steps=50):
 
 
 def _pages_accounted(sched) -> bool:
-    return sched.pool.num_free + sched.radix.num_pages == sched.pool.num_pages
+    load = sched.load()
+    assert load.kv_pages_used == sched.pool.num_pages - sched.pool.num_free
+    return sched.pool.num_free + sched.radix.num_pages == sched.pool.num_pages and \
+        load.kv_pages_used == load.kv_pages_cached
 
 
 def test_embeddings_and_registration_in_any_order(runner, photo_request):
@@ -190,8 +193,11 @@ def test_decode_batches_frees_pages_and_reports_errors(runner, photo_request):
     assert finished["r1"].completion_tokens == 6
     tokens = {rid: [t for o in outs if o.rid == rid for t in o.token_ids] for rid in ("r0", "r1", "r2")}
     assert tokens["r1"] == tokens["r2"] == tokens["r0"][:6]  # same prompt, greedy: batching does not mix them
+    assert dec.load().num_running_reqs == 1 and dec.load().kv_pages_used > 0
     dec.abort("r0")
     assert not dec.running and dec.pool.num_free == dec.pool.num_pages
+    assert dec.load() == Load(role="decode", num_running_reqs=0, num_waiting_reqs=0, kv_pages_used=0,
+                              kv_pages_total=dec.pool.num_pages)
     # An error from prefill ends the request with finish_reason "error"; a transfer for an unknown room is dropped.
     dec.add_request(DecodeRequest(rid="e", prompt_len=3, sampling=SamplingParams(), bootstrap_host="h",
                                   bootstrap_port=1, bootstrap_room=99), peer=b"g")
