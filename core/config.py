@@ -61,6 +61,9 @@ class PrefillConfig(LMServerConfig):
     embed_port: int = _f(30101, "ZMQ port receiving image embeddings; TP rank r listens on embed_port + r")
     bootstrap_port: int = _f(8998, "ZMQ port where decode servers register for a request's KV (bootstrap)")
     max_prefill_tokens: int = _f(8192, "new tokens computed in one prefill forward (several requests batch)")
+    chunked_prefill_size: int = _f(2048, "most new tokens of one request in one prefill forward: a longer prompt is "
+                                         "prefilled in chunks over several forwards, beside other requests' "
+                                         "chunks, so it does not stall them; 0 = up to --max-prefill-tokens")
 
 
 @dataclass

@@ -60,17 +60,21 @@ class PrefillScheduler:
     Args:
         runner: the model runner (its KV pool has ``runner.num_pages`` pages of ``runner.page_size`` tokens).
         context_length: longest prompt accepted, in tokens (a prompt must leave room for one output token).
-        max_prefill_tokens: new tokens computed per forward, summed over the batch (chunked prefill bound).
+        max_prefill_tokens: new tokens computed per forward, summed over the batch.
+        chunked_prefill_size: new tokens of one request per forward (chunked prefill, as in Sarathi, Agrawal et
+            al., OSDI 2024, and SGLang's ``--chunked-prefill-size``); 0 = no bound but ``max_prefill_tokens``.
         timeout_s: seconds a request waits for embeddings, or its KV waits for a decode registration.
     """
 
-    def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float):
+    def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float,
+                 chunked_prefill_size: int = 0):
         self.runner = runner
         self.cfg = runner.config
         self.pool = PagePool(runner.num_pages, runner.page_size)
         self.radix = RadixCache(runner.page_size)
         self.context_length = context_length
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunk = chunked_prefill_size if chunked_prefill_size > 0 else max_prefill_tokens
         self.timeout_s = timeout_s
         self.waiting: dict[str, _Req] = {}  # rid -> request waiting for embeddings or pages
         self.running: list[_Req] = []  # requests with pages, partly prefilled (chunked)
@@ -265,7 +269,7 @@ class PrefillScheduler:
         for req in self.running:
             if budget <= 0:
                 break
-            take = min(req.n - req.computed, budget)
+            take = min(req.n - req.computed, budget, self.chunk)
             batch_reqs.append(req)
             chunks.append((req.computed, req.computed + take))
             budget -= take

@@ -37,7 +37,8 @@ def serve(config: PrefillConfig) -> None:
     share = shares_kv(config.kv_transfer, resolve_device(config.device))
     model_path, runner, context_length = runner_from_config(config, share_kv=share)
     sched = PrefillScheduler(runner, context_length=context_length,
-                             max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s)
+                             max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,
+                             chunked_prefill_size=config.chunked_prefill_size)
     info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages,
                       embed_endpoints=[f"tcp://{config.host}:{config.embed_port}"],

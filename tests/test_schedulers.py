@@ -46,7 +46,7 @@ def photo_request(tiny_model_path, photo_paths):
 
 def _prefill(runner, **kw):
     return PrefillScheduler(runner, context_length=4096, max_prefill_tokens=kw.get("max_prefill_tokens", 8192),
-                            timeout_s=kw.get("timeout_s", 60.0))
+                            timeout_s=kw.get("timeout_s", 60.0), chunked_prefill_size=kw.get("chunk", 0))
 
 
 def _req(photo_request, rid, room, **sampling):
@@ -109,6 +109,26 @@ def test_chunked_prefill_equals_one_shot(runner, photo_request):
     chunked = _transfer_when_done(sched, _req(photo_request, "b", 2), _embeds(photo_request, "b"))
     assert chunked.first_token_id == one.first_token_id
     torch.testing.assert_close(chunked.kv, one.kv, rtol=1e-5, atol=1e-5)
+    assert _pages_accounted(sched)
+
+
+def test_chunked_prefill_size_lets_a_short_prompt_pass_a_long_one(runner, photo_request):
+    one = _transfer_when_done(_prefill(runner), _req(photo_request, "a", 1), _embeds(photo_request, "a"))
+    sched = _prefill(runner, chunk=16)
+    sched.add_request(_req(photo_request, "long", 1))
+    sched.add_embeddings(_embeds(photo_request, "long"))
+    sched.register(KVRegister(rid="long", bootstrap_room=1, kv_endpoint="tcp://d"))
+    sched.step()  # the long prompt's first chunk
+    short = PrefillRequest(rid="short", input_ids=photo_request[0][:10], images=[],
+                           sampling=SamplingParams(temperature=0), bootstrap_room=2)
+    sched.add_request(short)
+    sched.register(KVRegister(rid="short", bootstrap_room=2, kv_endpoint="tcp://d"))
+    order = [t.rid for _ in range(40) for _, t in sched.step()]
+    assert order == ["short", "long"]  # the short prompt rode along the long one's second chunk
+    assert len(photo_request[0]) > 3 * 16
+    long = _transfer_when_done(_prefill(runner, chunk=16), _req(photo_request, "b", 3), _embeds(photo_request, "b"))
+    assert long.first_token_id == one.first_token_id
+    torch.testing.assert_close(long.kv, one.kv, rtol=1e-5, atol=1e-5)
     assert _pages_accounted(sched)
 
 
