@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 
 from epdserve.config import (DecodeConfig, EncoderConfig, GatewayConfig, LaunchConfig, PrefillConfig,
@@ -29,6 +31,8 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def _run_server(name: str, config) -> int:
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr: how to see where a stuck server waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if name == "encoder":
         from epdserve.encoder.server import main
     elif name == "prefill":

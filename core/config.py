@@ -48,9 +48,10 @@ class LMServerConfig:
     context_length: int = _f(0, "longest prompt + output in tokens; 0 = the model's max_position_embeddings")
     attention_backend: str = _f("auto", "sdpa, flashinfer, or auto (flashinfer on cuda)")
     request_timeout_s: float = _f(120.0, "drop a request whose inputs (embeddings, KV, registration) never come")
-    kv_transfer: str = _f("auto", "prefill->decode KV path: 'shared' (decode maps the prefill KV pool when both run "
-                                  "on this machine and copies pages device to device: CUDA IPC, or /dev/shm on CPU), "
-                                  "'zmq' (through host memory and ZeroMQ), or 'auto' (shared on CUDA, else zmq)")
+    kv_transfer: str = _f("zmq", "prefill->decode KV path: 'zmq' (through host memory and ZeroMQ) or 'shared' "
+                                 "(decode maps the prefill KV pool when both run on this machine and copies pages "
+                                 "device to device: CUDA IPC, or /dev/shm on CPU; experimental on CUDA, see "
+                                 "docs/performance.md)")
 
 
 @dataclass
@@ -111,7 +112,7 @@ class LaunchConfig:
     num_pages: int = _f(0, "KV pages per pool (prefill and decode each); 0 = automatic")
     api_key: str = _f("", "require 'Authorization: Bearer KEY' at the gateway when set")
     num_encoders: int = _f(1, "encoder processes to start; the gateway routes each image to one by content hash")
-    kv_transfer: str = _f("auto", "prefill->decode KV path: shared, zmq or auto (see `epdserve prefill --help`)")
+    kv_transfer: str = _f("zmq", "prefill->decode KV path: zmq or shared (see `epdserve prefill --help`)")
 
 
 def _base_type(tp):

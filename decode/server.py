@@ -35,7 +35,7 @@ def serve(config: DecodeConfig) -> None:
     """
     graph_bs = 0 if config.disable_cuda_graph else min(config.cuda_graph_max_bs, config.max_running_requests)
     model_path, runner, context_length = runner_from_config(config, cuda_graph_max_bs=graph_bs)
-    share = shares_kv(config.kv_transfer, runner.device)
+    share = shares_kv(config.kv_transfer)
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
     sched = DecodeScheduler(runner, context_length=context_length, max_running_requests=config.max_running_requests,
                             timeout_s=config.request_timeout_s, kv_endpoint=kv_endpoint, accept_shared=share)

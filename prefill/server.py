@@ -17,7 +17,6 @@ import zmq
 
 from epdserve import transport
 from epdserve.config import PrefillConfig
-from epdserve.device import resolve_device
 from epdserve.kvcache.kv_share import shares_kv
 from epdserve.messages import (AbortRequest, ImageEmbeddings, KVAck, KVRegister, LoadRequest, PrefillRequest,
                                ServerInfo, ServerInfoRequest)
@@ -34,7 +33,7 @@ def serve(config: PrefillConfig) -> None:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
         zmq.ZMQError: a port is taken.
     """
-    share = shares_kv(config.kv_transfer, resolve_device(config.device))
+    share = shares_kv(config.kv_transfer)
     model_path, runner, context_length = runner_from_config(config, share_kv=share)
     sched = PrefillScheduler(runner, context_length=context_length,
                              max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,

@@ -24,19 +24,21 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-KV_TRANSFER_MODES = ("auto", "shared", "zmq")
+KV_TRANSFER_MODES = ("zmq", "shared")
 
 
-def shares_kv(mode: str, device: torch.device) -> bool:
-    """Whether a server with ``--kv-transfer mode`` on ``device`` shares its KV pool (prefill) or maps a peer's
-    (decode): ``shared`` always, ``auto`` on CUDA, ``zmq`` never.
+def shares_kv(mode: str) -> bool:
+    """Whether a server with ``--kv-transfer mode`` shares its KV pool (prefill) or maps a peer's (decode).
+
+    ``zmq`` is the default everywhere: on the H100 the shared path's CUDA IPC copies made the decode server's
+    GPU work stop completing under 32 concurrent requests (docs/performance.md), cause not yet found.
 
     Raises:
         ValueError: an unknown mode.
     """
     if mode not in KV_TRANSFER_MODES:
         raise ValueError(f"--kv-transfer must be one of {KV_TRANSFER_MODES}, got {mode!r}")
-    return mode == "shared" or (mode == "auto" and device.type == "cuda")
+    return mode == "shared"
 
 
 def host_id() -> str:
