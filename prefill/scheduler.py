@@ -18,6 +18,7 @@ from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.radix_cache import RadixCache
 from epdserve.messages import ImageEmbeddings, KVRegister, KVTransfer, Load, PrefillRequest
+from epdserve.metrics import PrefillMetrics
 from epdserve.model_runner import ModelRunner
 from epdserve.models.mrope import mrope_positions
 from epdserve.sampling import sample
@@ -35,6 +36,7 @@ def image_pad_id(image_hash: str) -> int:
 class _Req:
     msg: PrefillRequest
     deadline: float
+    arrival: float = 0.0  # time.monotonic() when the request arrived (queue time, time in prefill)
     positions: torch.Tensor | None = None  # [3, n] int64
     mrope_delta: int = 0
     key: list[int] = field(default_factory=list)
@@ -56,9 +58,11 @@ class PrefillScheduler:
         context_length: longest prompt accepted, in tokens (a prompt must leave room for one output token).
         max_prefill_tokens: new tokens computed per forward, summed over the batch (chunked prefill bound).
         timeout_s: seconds a request waits for embeddings, or its KV waits for a decode registration.
+        metrics: where to record (the server's; a fresh one by default).
     """
 
-    def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float):
+    def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float,
+                 metrics: PrefillMetrics | None = None):
         self.runner = runner
         self.cfg = runner.config
         self.pool = PagePool(runner.num_pages, runner.page_size)
@@ -71,6 +75,7 @@ class PrefillScheduler:
         self.embeds: dict[str, tuple[float, dict[str, torch.Tensor]]] = {}  # rid -> (deadline, hash -> [n, h])
         self.registered: dict[int, tuple[float, str]] = {}  # room -> (deadline, decode KV endpoint)
         self.finished: dict[int, tuple[float, KVTransfer]] = {}  # room -> (deadline, transfer)
+        self.metrics = metrics if metrics is not None else PrefillMetrics()
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def add_request(self, msg: PrefillRequest) -> None:
@@ -79,9 +84,10 @@ class PrefillScheduler:
         err = self._validate(msg)
         if err:
             log.warning("rid=%s rejected: %s", msg.rid, err)
+            self.metrics.on_error("invalid_request")
             self._finish_error(msg, err)
             return
-        self.waiting[msg.rid] = _Req(msg, deadline=now + self.timeout_s)
+        self.waiting[msg.rid] = _Req(msg, deadline=now + self.timeout_s, arrival=now)
         log.debug("rid=%s request received (%d tokens)", msg.rid, len(msg.input_ids))
 
     def add_embeddings(self, msg: ImageEmbeddings) -> None:
@@ -133,6 +139,7 @@ class PrefillScheduler:
         for room in [room for room in self.finished if room in self.registered]:
             _, transfer = self.finished.pop(room)
             _, endpoint = self.registered.pop(room)
+            self.metrics.on_kv_sent(transfer)
             out.append((endpoint, transfer))
         return out
 
@@ -176,6 +183,7 @@ class PrefillScheduler:
             if req.deadline < now:
                 del self.waiting[rid]
                 log.warning("rid=%s timed out waiting for image embeddings", rid)
+                self.metrics.on_error("embeddings_timeout")
                 self._finish_error(req.msg, "timed out waiting for image embeddings")
         # Embeddings whose request never came, registrations whose request never came, KV nobody asked for.
         active_rids = set(self.waiting) | {r.msg.rid for r in self.running}
@@ -183,6 +191,8 @@ class PrefillScheduler:
         for table, active in ((self.embeds, active_rids), (self.registered, active_rooms), (self.finished, ())):
             for key in [k for k, v in table.items() if v[0] < now and k not in active]:
                 del table[key]
+                if table is self.finished:  # KV that no decode server asked for in time
+                    self.metrics.on_kv_failure("no_registration")
 
     def _admit(self) -> None:
         for rid, req in list(self.waiting.items()):
@@ -191,15 +201,18 @@ class PrefillScheduler:
             err = self._check_embeds(req)
             if err:
                 del self.waiting[rid]
+                self.metrics.on_error("bad_embeddings")
                 self._finish_error(req.msg, err)
                 continue
             if not self._allocate(req):
                 if not self.running:  # nothing will free pages: it can never fit
                     del self.waiting[rid]
+                    self.metrics.on_error("kv_pool_too_small")
                     self._finish_error(req.msg, f"prompt of {req.n} tokens needs more KV pages than the pool has")
                 break  # first come, first served: later requests wait behind it
             del self.waiting[rid]
             self.running.append(req)
+            self.metrics.on_admit(req.arrival)
             log.debug("rid=%s admitted (%d of %d tokens cached)", rid, req.cached, req.n)
 
     def _check_embeds(self, req: _Req) -> str | None:
@@ -268,6 +281,7 @@ class PrefillScheduler:
             mm_mask=torch.cat(mask).to(dev) if mm else None,
         )
         logits = self.runner.forward(batch)
+        self.metrics.on_forward(len(batch_reqs))
         done = [i for i, (req, (_, e)) in enumerate(zip(batch_reqs, chunks)) if e == req.n]
         for req, (_, e) in zip(batch_reqs, chunks):
             req.computed = e
@@ -288,6 +302,7 @@ class PrefillScheduler:
             self._release(req, insert=True)
             self.embeds.pop(req.msg.rid, None)
             self.finished[req.msg.bootstrap_room] = (time.monotonic() + self.timeout_s, transfer)
+            self.metrics.on_prefilled(req.arrival, req.n, req.cached, req.msg.images)
             log.debug("rid=%s prefilled %d tokens (%d cached)", req.msg.rid, req.n, req.cached)
 
     def _release(self, req: _Req, *, insert: bool) -> None:
@@ -310,5 +325,6 @@ class PrefillScheduler:
         """After a failed forward: end every running request with ``error`` and free its pages."""
         for req in self.running:
             self._release(req, insert=False)
+            self.metrics.on_error("forward_failed")
             self._finish_error(req.msg, error)
         self.running = []

@@ -19,6 +19,7 @@ from epdserve import transport
 from epdserve.config import PrefillConfig
 from epdserve.messages import (AbortRequest, ImageEmbeddings, KVRegister, PrefillRequest, ServerInfo,
                                LoadRequest, ServerInfoRequest)
+from epdserve.metrics import PrefillMetrics, start_metrics_server
 from epdserve.model_runner import runner_from_config
 from epdserve.prefill.scheduler import PrefillScheduler
 
@@ -33,13 +34,16 @@ def serve(config: PrefillConfig) -> None:
         zmq.ZMQError: a port is taken.
     """
     model_path, runner, context_length = runner_from_config(config)
+    metrics = PrefillMetrics()
     sched = PrefillScheduler(runner, context_length=context_length,
-                             max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s)
+                             max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,
+                             metrics=metrics)
     info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages,
                       embed_endpoints=[f"tcp://{config.host}:{config.embed_port}"],
                       bootstrap_host=config.host, bootstrap_port=config.bootstrap_port)
 
+    metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port, "prefill")
     ctx = zmq.Context()
     requests = transport.bind(ctx, zmq.ROUTER, config.host, config.port)
     embeds = transport.bind(ctx, zmq.PULL, config.host, config.embed_port)
@@ -52,12 +56,13 @@ def serve(config: PrefillConfig) -> None:
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
-    log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages)",
-             config.host, config.port, info.embed_endpoints[0], config.host, config.bootstrap_port, model_path,
-             runner.device, runner.num_pages)
+    log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages, "
+             "metrics=%s)", config.host, config.port, info.embed_endpoints[0], config.host, config.bootstrap_port,
+             model_path, runner.device, runner.num_pages, metrics_server.url)
     try:
         while not stopping:
             poller.poll(0 if sched.has_work() else 20)
+            metrics.update_load(sched.load)
             while (got := transport.recv_routed(requests)) is not None:
                 peer, msg = got
                 if isinstance(msg, PrefillRequest):
@@ -86,3 +91,4 @@ def serve(config: PrefillConfig) -> None:
                 transport.send(to_decode[endpoint], transfer)
     finally:
         ctx.destroy(linger=0)
+        metrics_server.close()
