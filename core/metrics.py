@@ -21,12 +21,13 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PREFIX = "epdserve:"
 STAGES = ("gateway", "encoder", "prefill", "decode")
@@ -341,14 +342,19 @@ class GatewayMetrics(StageMetrics):
                                               "encoder(s) per request with images, seconds", LATENCY_BUCKETS)
         self.running = self._gauge("num_running_reqs", "Chat completion requests in progress")
 
+    def on_failed(self, kind: str, outcome: str = "error") -> None:
+        """A request failed (``kind`` as in :meth:`on_error`): counts the error and the request's ``outcome``."""
+        self.on_error(kind)
+        self.on_request_done(outcome)
+
     def trace(self) -> RequestTrace:
         """Start timing one request (now is its arrival)."""
         return RequestTrace(self)
 
 
 class RequestTrace:
-    """The timings of one chat completion at the gateway; :meth:`output` per ``TokenOutput``, :meth:`finish`
-    once. Used from one event loop."""
+    """The timings of one chat completion at the gateway: :meth:`output` per ``TokenOutput``, then :meth:`finish`
+    (or :meth:`fail`) once. Used from one event loop."""
 
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
@@ -357,12 +363,16 @@ class RequestTrace:
         self.last: float | None = None
         self.done = False
 
-    def encoded(self, started: float) -> None:
-        """The encoder(s) answered for a request whose encode began at ``started`` (monotonic)."""
-        self.metrics.encode_latency.observe(time.monotonic() - started)
+    async def encode(self, work: Awaitable[T]) -> T:
+        """Await ``work`` (the request's encode) and observe how long the gateway waited for it."""
+        start = time.monotonic()
+        try:
+            return await work
+        finally:
+            self.metrics.encode_latency.observe(time.monotonic() - start)
 
     def output(self, num_tokens: int) -> None:
-        """An output with ``num_tokens`` new token ids reached the gateway."""
+        """An output with ``num_tokens`` new token ids reached the gateway (TTFT at the first, ITL after)."""
         if num_tokens <= 0:
             return
         now = time.monotonic()
@@ -373,19 +383,27 @@ class RequestTrace:
             self.metrics.itl.observe(now - self.last)
         self.last = now
 
-    def finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
-        """The response is complete with this usage; counts tokens and observes E2E and TPOT (once)."""
+    def finish(self, finish_reason: str, usage: Any) -> None:
+        """The response is complete with ``usage`` (the response's ``Usage``): counts its tokens, observes E2E and
+        TPOT. Only the first :meth:`finish` or :meth:`fail` counts."""
         if self.done:
             return
         self.done = True
         m, now = self.metrics, time.monotonic()
-        m.prompt_tokens.inc(prompt_tokens)
-        m.generation_tokens.inc(completion_tokens)
-        m.cached_tokens.inc(cached_tokens)
+        m.prompt_tokens.inc(usage.prompt_tokens)
+        m.generation_tokens.inc(usage.completion_tokens)
+        m.cached_tokens.inc(usage.prompt_tokens_details.cached_tokens)
         m.e2e.observe(now - self.arrival)
-        if self.first is not None and completion_tokens > 1:
-            m.tpot.observe((now - self.first) / (completion_tokens - 1))
+        if self.first is not None and usage.completion_tokens > 1:
+            m.tpot.observe((now - self.first) / (usage.completion_tokens - 1))
         m.on_request_done(finish_reason)
+
+    def fail(self, kind: str, outcome: str = "error") -> None:
+        """The request ended without a complete response (``kind``: generation_failed, client_disconnected, ...)."""
+        if self.done:
+            return
+        self.done = True
+        self.metrics.on_failed(kind, outcome)
 
 
 def exposition_registry(registry: CollectorRegistry) -> CollectorRegistry:
