@@ -71,7 +71,8 @@ class StageMetrics:
         return c if labels else c.labels(stage=self.stage)
 
     def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()):
-        g = Gauge(PREFIX + name, doc, ("stage", *labels), registry=self.registry)
+        # One process writes each gauge (TP rank 0), so under multiprocess mode the latest value is the value.
+        g = Gauge(PREFIX + name, doc, ("stage", *labels), registry=self.registry, multiprocess_mode="mostrecent")
         return g if labels else g.labels(stage=self.stage)
 
     def _histogram(self, name: str, doc: str, buckets: Iterable[float]):

@@ -169,6 +169,7 @@ class DecodeScheduler:
         """After a failed forward: end every running request with ``error`` and free its pages."""
         self.metrics.on_error("forward_failed")
         for seq in self.running:
+            log.debug("rid=%s failed: %s", seq.msg.rid, error)
             self.pool.free(seq.pages)
             seq.done = True
             self._emit(seq, "error", error=error)

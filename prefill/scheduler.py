@@ -173,6 +173,7 @@ class PrefillScheduler:
         return self.embeds.get(rid, (0.0, {}))[1]
 
     def _finish_error(self, msg: PrefillRequest, error: str) -> None:
+        log.debug("rid=%s failed: %s", msg.rid, error)
         self.embeds.pop(msg.rid, None)
         transfer = KVTransfer(rid=msg.rid, bootstrap_room=msg.bootstrap_room, error=error)
         self.finished[msg.bootstrap_room] = (time.monotonic() + self.timeout_s, transfer)

@@ -291,3 +291,26 @@ def test_separate_registries_and_request_trace():
     assert one.value("epdserve:inter_token_latency_seconds_count") == 1
     assert one.value("epdserve:errors_total", kind="client_disconnected") == 0
     assert b'epdserve:time_to_first_token_seconds_count{stage="gateway"} 1.0' in generate_latest(one.registry)
+
+
+def test_multiprocess_mode_adds_up_processes(tmp_path):
+    """Under PROMETHEUS_MULTIPROC_DIR, the exposition of one process adds up the counters of all (TP ranks)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    record = ("from epdserve.metrics import PrefillMetrics; m = PrefillMetrics(); m.prompt_tokens.inc(5); "
+              "m.on_error('x'); m.cache_hit_rate.set(0.5)")
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", record], env=env, check=True, timeout=60)
+    expose = ("from epdserve.metrics import PrefillMetrics, exposition_registry; "
+              "from prometheus_client import generate_latest; "
+              "print(generate_latest(exposition_registry(PrefillMetrics().registry)).decode())")
+    text = subprocess.run([sys.executable, "-c", expose], env=env, check=True, timeout=60, capture_output=True,
+                          text=True).stdout
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("epdserve:prompt_tokens_total", (("stage", "prefill"),))] == 10
+    assert samples[("epdserve:errors_total", (("kind", "x"), ("stage", "prefill")))] == 2
+    assert samples[("epdserve:cache_hit_rate", (("stage", "prefill"),))] == 0.5
