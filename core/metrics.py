@@ -70,9 +70,10 @@ class StageMetrics:
         c = Counter(PREFIX + name, doc, ("stage", *labels), registry=self.registry)
         return c if labels else c.labels(stage=self.stage)
 
-    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()):
-        # One process writes each gauge (TP rank 0), so under multiprocess mode the latest value is the value.
-        g = Gauge(PREFIX + name, doc, ("stage", *labels), registry=self.registry, multiprocess_mode="mostrecent")
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = (), mode: str = "mostrecent"):
+        # Under multiprocess mode: one process sets each gauge (TP rank 0), so its latest value is the value;
+        # gauges moved with inc/dec need "livesum" (prometheus-client refuses inc on "mostrecent").
+        g = Gauge(PREFIX + name, doc, ("stage", *labels), registry=self.registry, multiprocess_mode=mode)
         return g if labels else g.labels(stage=self.stage)
 
     def _histogram(self, name: str, doc: str, buckets: Iterable[float]):
@@ -277,7 +278,7 @@ class EncoderMetrics(StageMetrics):
                                              LATENCY_BUCKETS)
         self.bytes_sent = self._counter("embedding_bytes_sent", "Embedding bytes pushed to prefill ranks (each "
                                         "target counted)")
-        self.running = self._gauge("num_running_reqs", "Encode requests in progress")
+        self.running = self._gauge("num_running_reqs", "Encode requests in progress", mode="livesum")
         self.queued = self._gauge("num_queue_reqs", "Images waiting for a vision tower call")
         self.cache_bytes = self._gauge("embedding_cache_bytes", "Bytes of embeddings in the cache")
         self.cache_entries = self._gauge("embedding_cache_entries", "Images in the embedding cache")
