@@ -2,9 +2,9 @@
 
 Internal servers bind 127.0.0.1 on free ports (their ``/metrics`` ports too); only the gateway takes
 ``--host``/``--port`` (it gets every encoder's address) and serves its ``/metrics`` there. Children log in the
-launcher's ``--log-level`` and ``--log-format``. The launcher waits until the gateway's ``/health`` answers 200 (the gateway knows prefill
-and decode by then) and every encoder's gRPC health says SERVING, logs one ready line, and on SIGINT/SIGTERM (or
-any child dying) stops all.
+launcher's ``--log-level`` and ``--log-format``. The launcher waits until the gateway's ``/health`` answers 200
+(the gateway knows prefill and decode by then) and every encoder's gRPC health says SERVING, logs one ready line
+and one line of every process's ``/metrics`` URL, and on SIGINT/SIGTERM (or any child dying) stops all.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
     metrics_ports = {name: free_port() for name in [f"encoder{i}" for i in range(cfg.num_encoders)] +
                      ["prefill", "decode"]}
     common = ["--model-path", model_path, "--device", cfg.device, "--dtype", cfg.dtype]
-    kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages)]
+    kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages), "--kv-transfer", cfg.kv_transfer]
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())
     exe = [sys.executable, "-m", "epdserve.cli", "--log-level", level, "--log-format", active_format()]
     commands = {f"encoder{i}": [*exe, "encoder", *common, "--port", addr.rsplit(":", 1)[1],

@@ -112,6 +112,21 @@ class _LoadGauges:
                                                  "waiting for one; decode: requests waiting for their KV)")
 
 
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+def kv_transfer_bytes(transfer: Any) -> int:
+    """Bytes of KV a ``KVTransfer`` hands off: its ``kv`` tensor (host path), or the whole pages it lends from the
+    prefill pool (shared path: ``kv_pages`` of the ``pool`` handle's page size); 0 for an error."""
+    if transfer.kv is not None:
+        return transfer.kv.numel() * transfer.kv.element_size()
+    pool = getattr(transfer, "pool", None)
+    if pool is None or not transfer.kv_pages:
+        return 0
+    layers, kv, _, page_size, heads, head_dim = pool.shape
+    return len(transfer.kv_pages) * layers * kv * page_size * heads * head_dim * _ITEMSIZE.get(pool.dtype, 2)
+
+
 class LMStageMetrics(StageMetrics):
     """What the prefill and decode servers share: scheduler gauges, queue time, KV hand-off, batch sizes."""
 
@@ -205,10 +220,9 @@ class PrefillMetrics(LMStageMetrics):
 
     def on_kv_sent(self, transfer: Any) -> None:
         """A ``KVTransfer`` leaves for decode: stamp ``sent_at`` (wall clock, for decode's hand-off latency) and
-        count its bytes."""
+        count its bytes (:func:`kv_transfer_bytes`)."""
         transfer.sent_at = time.time()
-        if transfer.kv is not None:
-            self.kv_bytes.inc(transfer.kv.numel() * transfer.kv.element_size())
+        self.kv_bytes.inc(kv_transfer_bytes(transfer))
 
 
 class DecodeMetrics(LMStageMetrics):
@@ -225,9 +239,9 @@ class DecodeMetrics(LMStageMetrics):
                                           LATENCY_BUCKETS)
 
     def on_kv_received(self, transfer: Any) -> None:
-        """A ``KVTransfer`` arrived: count its bytes and the hand-off latency (errors are counted elsewhere)."""
-        if transfer.kv is not None:
-            self.kv_bytes.inc(transfer.kv.numel() * transfer.kv.element_size())
+        """A ``KVTransfer`` arrived: count its bytes (:func:`kv_transfer_bytes`) and the hand-off latency (errors
+        are counted elsewhere)."""
+        self.kv_bytes.inc(kv_transfer_bytes(transfer))
         if getattr(transfer, "sent_at", 0.0) > 0:
             self.kv_latency.observe(max(0.0, time.time() - transfer.sent_at))
 

@@ -48,8 +48,10 @@ def server(tiny_model_path, tmp_path_factory):
     """`epdserve launch` on a free port with the tiny model and two encoders, DEBUG logs as JSON lines; yields
     (base_url, log_path). Launched once per session: the tests using it send requests one test at a time.
 
-    Two encoders, so every test using it also runs through the gateway's content-hash routing between them.
-    At the end, Ctrl-C must stop all four servers cleanly.
+    Two encoders, so every test using it also runs through the gateway's content-hash routing between them; and
+    the shared KV hand-off (on the CPU the prefill pool in /dev/shm, which decode maps and copies from), so the
+    protocol the GPU's CUDA IPC path uses is checked against transformers too. At the end, Ctrl-C must stop all
+    four servers cleanly.
     """
     from epdserve.launch import free_port
 
@@ -58,7 +60,7 @@ def server(tiny_model_path, tmp_path_factory):
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "epdserve.cli", "--log-level", "DEBUG", "--log-format", "json", "launch",
-         "--model-path", tiny_model_path, "--port", str(port), "--num-encoders", "2"],
+         "--model-path", tiny_model_path, "--port", str(port), "--num-encoders", "2", "--kv-transfer", "shared"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240

@@ -113,6 +113,16 @@ def test_greedy_parity_with_transformers(server, hf, tiny_model_path, photo_path
     assert resp["usage"]["prompt_tokens"] == len(ref_prompt)
 
 
+def test_kv_took_the_shared_path(server):
+    """Runs after the parity cases: every one of them had its KV copied out of the mapped prefill pool and
+    acknowledged (the prefill server released the pages only then)."""
+    _, log_path = server
+    log = log_path.read_text()
+    assert "mapped a prefill KV pool (shm" in log
+    assert log.count("KV copied by decode, pages released") >= len(CASES)
+    assert "KV transfer has shape" not in log
+
+
 def test_openai_client_stream_and_not(server, hf, tiny_model_path, photo_paths):
     openai = pytest.importorskip("openai")
     url, _ = server
