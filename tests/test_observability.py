@@ -314,3 +314,16 @@ def test_multiprocess_mode_adds_up_processes(tmp_path):
     assert samples[("epdserve:prompt_tokens_total", (("stage", "prefill"),))] == 10
     assert samples[("epdserve:errors_total", (("kind", "x"), ("stage", "prefill")))] == 2
     assert samples[("epdserve:cache_hit_rate", (("stage", "prefill"),))] == 0.5
+
+
+def test_log_format_flag_before_or_after_the_subcommand(monkeypatch):
+    import epdserve.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_run_server", lambda name, config: 0)
+    monkeypatch.setattr(cli, "setup_logging", lambda level, fmt: seen.append(fmt))
+    for argv in (["prefill"], ["--log-format", "json", "decode"], ["encoder", "--log-format", "json"]):
+        assert cli.main(argv) == 0
+    assert seen == ["text", "json", "json"]
+    with pytest.raises(SystemExit):
+        cli.main(["gateway", "--log-format", "yaml"])
