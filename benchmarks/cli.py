@@ -25,6 +25,7 @@ from .metrics import parse_slo, summarize
 from .plot import plot_run, plot_sweep
 from .report import format_summary, format_sweep, run_payload, sweep_payload, write_json
 from .runner import BenchmarkError, LoadConfig, run_benchmark
+from .server_metrics import format_server_figures, parse_urls, scrape, server_figures
 from .synth import parse_size
 
 
@@ -98,6 +99,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-text", action="store_true", help="keep generated text in the JSON records")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     g.add_argument("--label", default="", help="title for tables and plots")
+    g.add_argument("--scrape-metrics", metavar="URL[,URL...]", help="Prometheus /metrics URLs of the servers "
+                   "(epdserve: the gateway's and each stage's, see `epdserve launch`'s log) to scrape before and "
+                   "after the measured requests; their figures are printed beside the client's and saved under "
+                   "summary.server_metrics")
 
 
 def build_parser(sweep: bool = False) -> argparse.ArgumentParser:
@@ -200,12 +205,18 @@ def _one_run(args, model: str, url: str, headers: dict[str, str], rate: float, s
                            extra_body=args.extra_body) for r in requests]
     load = LoadConfig(request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                       duration_s=args.duration, warmup=args.warmup, seed=seed, timeout_s=args.timeout)
+    metrics_urls = parse_urls(args.scrape_metrics)
+    scraped: list = []
     result = run_benchmark(url, bodies, requests, load, headers=headers, show_progress=not args.disable_tqdm,
-                           keep_text=args.save_text)
+                           keep_text=args.save_text,
+                           before_measured=(lambda: scraped.append(scrape(metrics_urls))) if metrics_urls else None)
     summary = summarize(result, load, slo)
     title = " ".join(x for x in ("Serving Benchmark Result", args.label,
                                  f"@ {rate:g} req/s" if getattr(args, "request_rates", None) else "") if x)
     print(format_summary(summary, title))
+    if metrics_urls:
+        summary["server_metrics"] = server_figures(scraped[0], scrape(metrics_urls))
+        print(format_server_figures(summary["server_metrics"], summary))
     # No secrets in result files: the API key is dropped and header values (often tokens) are left out.
     config = _jsonable({**{k: v for k, v in vars(args).items() if k != "api_key"}, "model": model, "url": url,
                         "header": [h.partition("=")[0] for h in args.header],

@@ -12,6 +12,7 @@ import contextlib
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -85,11 +86,15 @@ def run_benchmark(
     headers: dict[str, str] | None = None,
     show_progress: bool = True,
     keep_text: bool = False,
+    before_measured: Callable[[], None] | None = None,
 ) -> RunResult:
     """Run one benchmark (blocking). ``bodies[i]`` is the serialized body of ``requests[i]``; the first
-    ``load.warmup`` of them are the warm-up. Raises :class:`BenchmarkError` when every warm-up request failed."""
+    ``load.warmup`` of them are the warm-up. ``before_measured()`` runs (blocking) between the warm-up and the
+    measured requests, with nothing in flight (``--scrape-metrics`` scrapes there). Raises
+    :class:`BenchmarkError` when every warm-up request failed."""
     return asyncio.run(
-        _run(url, bodies, requests, load, headers=headers or {}, show_progress=show_progress, keep_text=keep_text)
+        _run(url, bodies, requests, load, headers=headers or {}, show_progress=show_progress, keep_text=keep_text,
+             before_measured=before_measured)
     )
 
 
@@ -107,7 +112,8 @@ class _Phase:
             self.bar.set_postfix(failed=self.failed)
 
 
-async def _run(url, bodies, requests, load: LoadConfig, *, headers, show_progress, keep_text) -> RunResult:
+async def _run(url, bodies, requests, load: LoadConfig, *, headers, show_progress, keep_text,
+               before_measured=None) -> RunResult:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # trust_env=False: a benchmark measures the server, not an HTTP proxy picked up from the environment.
     # httpx's own timeouts are off: stream_chat bounds each whole request with load.timeout_s instead.
@@ -143,6 +149,8 @@ async def _run(url, bodies, requests, load: LoadConfig, *, headers, show_progres
                 top = Counter(r.error for r in warmup_records).most_common(1)[0][0]
                 raise BenchmarkError(f"all {load.warmup} warm-up requests failed, e.g. {top}")
 
+        if before_measured is not None:
+            before_measured()
         n = len(bodies) - load.warmup
         offsets = arrival_offsets(n, load.request_rate, load.burstiness, load.seed)
         lag: list[float] = []

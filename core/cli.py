@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import logging
 import signal
 import sys
 
 from epdserve.config import (DecodeConfig, EncoderConfig, GatewayConfig, LaunchConfig, PrefillConfig,
                              add_config_args, config_from_args)
+from epdserve.logging_setup import FORMATS, configure_logging
 from epdserve.models.tiny import PRESETS, SIZES
 
 _SERVERS = {
@@ -21,13 +21,10 @@ _SERVERS = {
 }
 
 
-def setup_logging(level: str = "INFO") -> None:
-    """One line per event, ``time level logger: message``; third-party libraries only above WARNING."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    logging.getLogger("epdserve").setLevel(level)
-    for noisy in ("transformers", "httpx", "uvicorn.access"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """One line per event (``text``: ``time level logger: message``; ``json``: one object per line), with the
+    request id; third-party libraries only above WARNING. See :mod:`epdserve.logging_setup`."""
+    configure_logging(level, fmt)
 
 
 def _run_server(name: str, config) -> int:
@@ -55,9 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="epdserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="log level of epdserve's own loggers")
+    log_format_help = "log lines as text (default) or JSON objects, one per line"
+    parser.add_argument("--log-format", choices=FORMATS, default="text", help=log_format_help)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, help_) in _SERVERS.items():
-        add_config_args(sub.add_parser(name, help=help_, description=cls.__doc__), cls)
+        server = sub.add_parser(name, help=help_, description=cls.__doc__)
+        add_config_args(server, cls)
+        # Also after the subcommand (`epdserve prefill --log-format json`); SUPPRESS keeps the global value.
+        server.add_argument("--log-format", choices=FORMATS, default=argparse.SUPPRESS, help=log_format_help)
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint to DIR (a test model, or a "
                                                   "released model's shapes with --preset)")
     tiny.add_argument("dir")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--device", help="where --preset weights are drawn (cpu, cuda; default cpu)")
     sub.add_parser("bench", help="the serving benchmark (see `epdserve bench --help`)")
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     if args.command == "make-tiny-model":
         from epdserve.models import tiny as tiny_models
 

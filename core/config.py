@@ -32,6 +32,8 @@ class EncoderConfig:
                                    "call while the tower is idle, in ms; 0 = run as soon as the tower is free")
     max_batch_patches: int = _f(16384, "most patches (before the 2x2 merge) in one tower call; a larger image "
                                        "runs alone")
+    metrics_port: int = _f(50151, "HTTP port of /metrics (Prometheus text format) next to the gRPC port; 0 = a "
+                                  "free port")
 
 
 @dataclass
@@ -65,6 +67,7 @@ class PrefillConfig(LMServerConfig):
     chunked_prefill_size: int = _f(2048, "most new tokens of one request in one prefill forward: a longer prompt is "
                                          "prefilled in chunks over several forwards, beside other requests' "
                                          "chunks, so it does not stall them; 0 = up to --max-prefill-tokens")
+    metrics_port: int = _f(30301, "HTTP port of /metrics (Prometheus text format); 0 = a free port")
 
 
 @dataclass
@@ -77,6 +80,7 @@ class DecodeConfig(LMServerConfig):
     cuda_graph_max_bs: int = _f(256, "largest decode batch replayed from a CUDA graph (capped at "
                                      "--max-running-requests); larger batches run eagerly")
     disable_cuda_graph: bool = _f(False, "run every decode step eagerly (CUDA graphs need the flashinfer backend)")
+    metrics_port: int = _f(30302, "HTTP port of /metrics (Prometheus text format); 0 = a free port")
 
 
 @dataclass

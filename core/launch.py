@@ -1,9 +1,10 @@
 """``epdserve launch``: ``--num-encoders`` encoders, prefill, decode and gateway as processes on one machine.
 
-Internal servers bind 127.0.0.1 on free ports; only the gateway takes ``--host``/``--port`` (it gets every
-encoder's address). The launcher waits until the gateway's ``/health`` answers 200 (the gateway knows prefill
-and decode by then) and every encoder's gRPC health says SERVING, logs one ready line, and on SIGINT/SIGTERM (or
-any child dying) stops all.
+Internal servers bind 127.0.0.1 on free ports (their ``/metrics`` ports too); only the gateway takes
+``--host``/``--port`` (it gets every encoder's address) and serves its ``/metrics`` there. Children log in the
+launcher's ``--log-level`` and ``--log-format``. The launcher waits until the gateway's ``/health`` answers 200
+(the gateway knows prefill and decode by then) and every encoder's gRPC health says SERVING, logs one ready line
+and one line of every process's ``/metrics`` URL, and on SIGINT/SIGTERM (or any child dying) stops all.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import urllib.request
 
 from epdserve.config import LaunchConfig
+from epdserve.logging_setup import active_format
 from epdserve.models.tiny import resolve_model_path
 
 log = logging.getLogger("epdserve.launch")
@@ -30,27 +32,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]], list[str]]:
-    """The command line of every process by name (``encoder0``.., ``prefill``, ``decode``, ``gateway``), and the
-    encoders' addresses."""
+def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]], list[str], dict[str, str]]:
+    """The command line of every process by name (``encoder0``.., ``prefill``, ``decode``, ``gateway``), the
+    encoders' addresses, and every process's ``/metrics`` URL by name."""
     pre, emb, boot, dec, kv = (free_port() for _ in range(5))
     encoders = [f"{_LOCAL}:{free_port()}" for _ in range(cfg.num_encoders)]
+    metrics_ports = {name: free_port() for name in [f"encoder{i}" for i in range(cfg.num_encoders)] +
+                     ["prefill", "decode"]}
     common = ["--model-path", model_path, "--device", cfg.device, "--dtype", cfg.dtype]
     kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages), "--kv-transfer", cfg.kv_transfer]
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())
-    exe = [sys.executable, "-m", "epdserve.cli", "--log-level", level]
-    commands = {f"encoder{i}": [*exe, "encoder", *common, "--port", addr.rsplit(":", 1)[1]]
+    exe = [sys.executable, "-m", "epdserve.cli", "--log-level", level, "--log-format", active_format()]
+    commands = {f"encoder{i}": [*exe, "encoder", *common, "--port", addr.rsplit(":", 1)[1],
+                                "--metrics-port", str(metrics_ports[f"encoder{i}"])]
                 for i, addr in enumerate(encoders)}
     commands |= {
         "prefill": [*exe, "prefill", *common, *kv_pool, "--port", str(pre), "--embed-port", str(emb),
-                    "--bootstrap-port", str(boot)],
-        "decode": [*exe, "decode", *common, *kv_pool, "--port", str(dec), "--kv-port", str(kv)],
+                    "--bootstrap-port", str(boot), "--metrics-port", str(metrics_ports["prefill"])],
+        "decode": [*exe, "decode", *common, *kv_pool, "--port", str(dec), "--kv-port", str(kv),
+                   "--metrics-port", str(metrics_ports["decode"])],
         "gateway": [*exe, "gateway", "--model-path", model_path, "--served-model-name", cfg.served_model_name,
                     "--host", cfg.host, "--port", str(cfg.port), "--encoder-addr", ",".join(encoders),
                     "--prefill-addr", f"tcp://{_LOCAL}:{pre}", "--decode-addr", f"tcp://{_LOCAL}:{dec}",
                     "--api-key", cfg.api_key],
     }
-    return commands, encoders
+    gateway_host = _LOCAL if cfg.host in ("0.0.0.0", "::") else cfg.host
+    metrics = {"gateway": f"http://{gateway_host}:{cfg.port}/metrics"}
+    metrics |= {name: f"http://{_LOCAL}:{port}/metrics" for name, port in metrics_ports.items()}
+    return commands, encoders, metrics
 
 
 def _encoder_serving(addr: str) -> bool:
@@ -83,7 +92,7 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
     if cfg.num_encoders < 1:
         raise ValueError(f"--num-encoders must be at least 1, got {cfg.num_encoders}")
     model_path = resolve_model_path(cfg.model_path)  # build the default model once, before the children race
-    commands, encoder_addrs = _commands(cfg, model_path)
+    commands, encoder_addrs, metrics_urls = _commands(cfg, model_path)
     procs: dict[str, subprocess.Popen] = {}
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -103,6 +112,7 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
                 ready = True
                 log.info("epdserve ready on http://%s:%d (model=%s)", cfg.host, cfg.port,
                          cfg.served_model_name or model_path)
+                log.info("metrics: %s", " ".join(f"{n}={u}" for n, u in metrics_urls.items()))
             if not ready and time.monotonic() > deadline:
                 log.error("servers not ready after %.0f s", ready_timeout_s)
                 return 1

@@ -198,7 +198,8 @@ class KVTransfer:
 
     ``kv`` is ``[num_layers, 2, prompt_len, num_kv_heads, head_dim]`` in the model dtype (K at index 0, V at 1),
     gathered token-major from the prefill server's KV pages. ``mrope_position_delta`` is the M-RoPE offset that
-    decode positions add to the token index. On failure ``error`` is set and ``kv`` is None.
+    decode positions add to the token index. On failure ``error`` is set and ``kv`` is None. ``sent_at`` is the
+    sender's wall clock (``time.time()``) when it was sent, for decode's hand-off latency metric (0 = unknown).
 
     Shared path (same machine): ``kv`` is None and the KV stays in the prefill pool that ``pool`` maps, in pages
     ``kv_pages`` of ``pool.shape[3]`` tokens each (token ``i`` at page ``kv_pages[i // page_size]``); the decode
@@ -214,6 +215,7 @@ class KVTransfer:
     pool: KVPoolHandle | None = None
     kv_pages: list[int] = field(default_factory=list)
     error: str | None = None
+    sent_at: float = 0.0
 
 
 @dataclass

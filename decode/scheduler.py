@@ -28,6 +28,7 @@ from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.kv_share import PeerPools, host_id
 from epdserve.messages import DecodeRequest, KVAck, KVRegister, KVTransfer, Load, TokenOutput
+from epdserve.metrics import DecodeMetrics
 from epdserve.model_runner import ModelRunner
 from epdserve.models.mrope import decode_positions
 from epdserve.sampling import sample
@@ -50,6 +51,9 @@ class _Seq:
     launched: int = 0  # output tokens sampled or being sampled on the device (>= len(output_ids))
     row: int = -1  # this request's row in the newest launched step
     done: bool = False  # finished or aborted: results still in flight for it are dropped
+    arrival: float = 0.0  # time.monotonic() of the request's arrival, its KV's arrival, its admission (metrics)
+    kv_at: float = 0.0
+    admitted: float | None = None
 
 
 class _Step:
@@ -83,10 +87,12 @@ class DecodeScheduler:
         kv_endpoint: this server's KV receive endpoint, sent to prefill servers when registering.
         accept_shared: map the KV pools of prefill servers on this machine and copy KV pages out of them (the
             shared hand-off path, :mod:`epdserve.kvcache.kv_share`) instead of receiving the KV in the message.
+        metrics: where to record (the server's; a fresh one by default).
     """
 
     def __init__(self, runner: ModelRunner, *, context_length: int, max_running_requests: int,
-                 timeout_s: float, kv_endpoint: str, accept_shared: bool = False):
+                 timeout_s: float, kv_endpoint: str, accept_shared: bool = False,
+                 metrics: DecodeMetrics | None = None):
         self.runner = runner
         self.pool = PagePool(runner.num_pages, runner.page_size)
         self.context_length = context_length
@@ -99,6 +105,7 @@ class DecodeScheduler:
         self.running: list[_Seq] = []
         self.inflight: _Step | None = None  # the launched step whose sampled ids the host has not read yet
         self.outputs: list[tuple[bytes, TokenOutput]] = []
+        self.metrics = metrics if metrics is not None else DecodeMetrics()
         self.accept_shared, self.host_id, self.peer_pools = accept_shared, host_id(), PeerPools()
         # KV copied out of prefill pools, acknowledged once the copy ran: (done event or None, bootstrap, ack).
         self._acks: list[tuple[torch.cuda.Event | None, str, KVAck]] = []
@@ -106,7 +113,8 @@ class DecodeScheduler:
     # ---- inputs -------------------------------------------------------------------------------------------
     def add_request(self, msg: DecodeRequest, peer: bytes) -> tuple[str, KVRegister]:
         """Track a request; returns ``(bootstrap endpoint, KVRegister)`` for the server to send."""
-        self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=time.monotonic() + self.timeout_s)
+        now = time.monotonic()
+        self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=now + self.timeout_s, arrival=now)
         log.debug("rid=%s request received", msg.rid)
         return _bootstrap(msg), KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room,
                                            kv_endpoint=self.kv_endpoint, host_id=self.host_id,
@@ -118,16 +126,20 @@ class DecodeScheduler:
         if seq is None:
             log.debug("rid=%s KV for unknown room dropped", msg.rid)
             return
+        self.metrics.on_kv_received(msg)
         if msg.error is None:
             err = self._check_kv(seq, msg)
             if err:
+                self.metrics.on_kv_failure("bad_kv")
                 msg = KVTransfer(rid=msg.rid, bootstrap_room=msg.bootstrap_room, error=err)
+        else:
+            self.metrics.on_kv_failure("prefill_error")
         if msg.error is not None:
             if msg.pool is not None:  # the prefill server holds pages for it: let them go
                 self._acks.append((None, _bootstrap(seq.msg), KVAck(rid=msg.rid, bootstrap_room=msg.bootstrap_room)))
             self._emit(seq, "error", error=msg.error)
             return
-        seq.transfer = msg
+        seq.transfer, seq.kv_at = msg, time.monotonic()
         self.ready.append(seq)
         log.debug("rid=%s KV received", msg.rid)
 
@@ -173,7 +185,9 @@ class DecodeScheduler:
 
     def fail_running(self, error: str) -> None:
         """After a failed forward: end every running request with ``error`` and free its pages."""
+        self.metrics.on_error("forward_failed")
         for seq in self.running:
+            log.debug("rid=%s failed: %s", seq.msg.rid, error)
             self.pool.free(seq.pages)
             seq.done = True
             self._emit(seq, "error", error=error)
@@ -207,6 +221,7 @@ class DecodeScheduler:
             if seq.deadline < now:
                 del self.pending[room]
                 log.warning("rid=%s timed out waiting for KV", seq.msg.rid)
+                self.metrics.on_kv_failure("timeout")
                 self._emit(seq, "error", error="timed out waiting for KV from the prefill server")
 
     def _admit(self) -> None:
@@ -216,6 +231,7 @@ class DecodeScheduler:
             need = self.pool.pages_for(total)
             if need > self.pool.num_pages:
                 self.ready.popleft()
+                self.metrics.on_error("kv_pool_too_small")
                 self._emit(seq, "error", error=f"{total} tokens need more KV pages than the pool has")
                 continue
             if need > self.pool.num_free:
@@ -227,6 +243,7 @@ class DecodeScheduler:
             if transfer.pool is not None:
                 err = self._copy_shared_kv(seq, transfer, slots)
                 if err:
+                    self.metrics.on_kv_failure("shared_copy")
                     self.pool.free(seq.pages)
                     self._emit(seq, "error", error=err)
                     continue
@@ -237,6 +254,8 @@ class DecodeScheduler:
             if seq.msg.sampling.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.msg.sampling.seed)
             self.running.append(seq)
+            seq.admitted = time.monotonic()
+            self.metrics.on_admit(seq.kv_at)
             log.debug("rid=%s admitted (batch of %d)", seq.msg.rid, len(self.running))
             self._append_token(seq, transfer.first_token_id)
 
@@ -286,6 +305,7 @@ class DecodeScheduler:
             page_table=[s.pages for s in seqs],
         )
         logits = self.runner.forward(batch)
+        self.metrics.on_step(len(seqs))
         tokens = sample(logits, [s.msg.sampling for s in seqs], [s.generator for s in seqs])
         for row, seq in enumerate(seqs):
             seq.row, seq.launched = row, seq.launched + 1
@@ -312,6 +332,9 @@ class DecodeScheduler:
         self._emit(seq, finish, token_ids=[tok])
 
     def _emit(self, seq: _Seq, finish: str | None, *, token_ids: list[int] = (), error=None) -> None:
+        self.metrics.on_tokens(len(token_ids))
+        if finish is not None:
+            self.metrics.on_finish(finish, seq.arrival, seq.admitted, len(seq.output_ids))
         self.outputs.append((seq.peer, TokenOutput(
             rid=seq.msg.rid, token_ids=list(token_ids), finish_reason=finish,
             prompt_tokens=seq.msg.prompt_len, completion_tokens=len(seq.output_ids),

@@ -21,6 +21,7 @@ from epdserve.decode.scheduler import DecodeScheduler
 from epdserve.kvcache.kv_share import shares_kv
 from epdserve.messages import (AbortRequest, DecodeRequest, KVTransfer, LoadRequest, ServerInfo, ServerInfoRequest,
                                TokenOutputBatch)
+from epdserve.metrics import DecodeMetrics, start_metrics_server
 from epdserve.model_runner import runner_from_config
 
 log = logging.getLogger("epdserve.decode")
@@ -37,11 +38,14 @@ def serve(config: DecodeConfig) -> None:
     model_path, runner, context_length = runner_from_config(config, cuda_graph_max_bs=graph_bs)
     share = shares_kv(config.kv_transfer)
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
+    metrics = DecodeMetrics()
     sched = DecodeScheduler(runner, context_length=context_length, max_running_requests=config.max_running_requests,
-                            timeout_s=config.request_timeout_s, kv_endpoint=kv_endpoint, accept_shared=share)
+                            timeout_s=config.request_timeout_s, kv_endpoint=kv_endpoint, accept_shared=share,
+                            metrics=metrics)
     info = ServerInfo(role="decode", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages)
 
+    metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port, "decode")
     ctx = zmq.Context()
     requests = transport.bind(ctx, zmq.ROUTER, config.host, config.port)
     kv_in = transport.bind(ctx, zmq.PULL, config.host, config.kv_port)
@@ -53,12 +57,13 @@ def serve(config: DecodeConfig) -> None:
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
-    log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages, KV hand-off %s)",
-             config.host, config.port, kv_endpoint, model_path, runner.device, runner.num_pages,
-             "shared or zmq" if share else "zmq")
+    log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages, KV hand-off %s, "
+             "metrics=%s)", config.host, config.port, kv_endpoint, model_path, runner.device, runner.num_pages,
+             "shared or zmq" if share else "zmq", metrics_server.url)
     try:
         while not stopping:
             poller.poll(0 if sched.has_work() else 20)
+            metrics.update_load(sched.load)
             while (got := transport.recv_routed(requests)) is not None:
                 peer, msg = got
                 if isinstance(msg, DecodeRequest):
@@ -92,3 +97,4 @@ def serve(config: DecodeConfig) -> None:
                 transport.send(requests, TokenOutputBatch(outputs=outs), identity=peer)
     finally:
         ctx.destroy(linger=0)
+        metrics_server.close()

@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 from PIL import Image
 
+from epdserve.metrics import EncoderMetrics
+
 
 class ImageEncoder(Protocol):
     """What the batcher needs of :class:`epdserve.encoder.vision.VisionEncoder`."""
@@ -45,13 +47,15 @@ class EncodeBatcher:
         calls: tower calls made so far (one per batch).
     """
 
-    def __init__(self, tower: Executor, batch_wait_ms: float = 2.0, max_batch_patches: int = 16384) -> None:
+    def __init__(self, tower: Executor, batch_wait_ms: float = 2.0, max_batch_patches: int = 16384,
+                 metrics: EncoderMetrics | None = None) -> None:
         """Args:
             tower: the executor ``encode`` runs on (single-threaded: VisionEncoder is not thread-safe).
             batch_wait_ms: how long the oldest pending image may wait for others while the tower is idle, in
                 milliseconds; 0 runs a batch as soon as the tower is free.
             max_batch_patches: budget of one batch in patches before the spatial merge (an image's ``t*h*w``);
                 an image larger than the budget runs alone.
+            metrics: where each tower call is recorded (batch size, queue times, duration); optional.
 
         Raises:
             ValueError: ``batch_wait_ms < 0`` or ``max_batch_patches < 1``.
@@ -68,6 +72,12 @@ class EncodeBatcher:
         self._full = asyncio.Event()  # the queue holds a whole budget: stop waiting for the window
         self._runner: asyncio.Task | None = None
         self.calls = 0
+        self._metrics = metrics
+
+    @property
+    def queued(self) -> int:
+        """Images waiting for a tower call now."""
+        return len(self._queue)
 
     def submit(self, encoder: ImageEncoder, image: Image.Image, patches: int) -> asyncio.Future:
         """Queue ``image`` (``patches`` = its ``t*h*w`` grid size) for ``encoder``; must be called on the loop.
@@ -120,6 +130,7 @@ class EncodeBatcher:
                 if not batch:
                     continue
                 self.calls += 1
+                started = loop.time()
                 try:
                     outs = await loop.run_in_executor(self._tower, batch[0].encoder.encode,
                                                       [item.image for item in batch])
@@ -133,6 +144,9 @@ class EncodeBatcher:
                     for item, out in zip(batch, outs):
                         if not item.future.done():
                             item.future.set_result(out)
+                    if self._metrics is not None:
+                        self._metrics.on_batch([started - item.arrival for item in batch],
+                                               sum(item.patches for item in batch), loop.time() - started)
                 batch = []
         finally:
             # Reached at the end of the queue, or on cancellation (aclose): nothing may be left waiting.

@@ -31,8 +31,11 @@ from epdserve.config import EncoderConfig
 from epdserve.device import resolve_device, resolve_dtype
 from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.cache import EmbeddingCache
+from epdserve.encoder.info import model_info, server_info
 from epdserve.encoder.vision import ImageDecodeError, VisionEncoder, decode_image
+from epdserve.logging_setup import request_context
 from epdserve.messages import ImageEmbeddings, encode, tensor_bytes, tensor_from_bytes
+from epdserve.metrics import EncoderMetrics, start_metrics_server
 from epdserve.models.tiny import resolve_model_path
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
 
@@ -180,8 +183,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     """
 
     def __init__(self, cache: EmbeddingCache, pusher: EmbeddingPusher, batcher: EncodeBatcher,
-                 max_image_pixels: int) -> None:
+                 max_image_pixels: int, metrics: EncoderMetrics | None = None,
+                 config: EncoderConfig | None = None) -> None:
         self.encoder: VisionEncoder | None = None
+        self.metrics = metrics if metrics is not None else EncoderMetrics()
+        self.metrics.watch(cache, batcher)
+        self.config = config  # reported by GetServerInfo
+        self.metrics_port = 0  # set by serve() once the /metrics server listens
         self.cache = cache
         self._pusher = pusher
         self._batcher = batcher
@@ -189,6 +197,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         # image hash -> future of (embedding, grid_thw) for images being encoded now, shared by all requests.
         self._inflight: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def batcher(self) -> EncodeBatcher:
+        """The batcher this servicer queues images to."""
+        return self._batcher
 
     async def Encode(self, request: encoder_pb2.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> encoder_pb2.EncodeResponse:
@@ -199,15 +212,29 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         (anything unexpected; the server keeps serving).
         """
         rid = request.request_id
-        try:
-            return await self._encode(request)
-        except RequestError as e:
-            code, message = e.code, str(e)
-            log.log(e.log_level, "rid=%s %s: %s", rid, code.name, message)
-        except Exception as e:
-            log.exception("rid=%s encode failed", rid)
-            code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
-        await context.abort(code, message)
+        with request_context(rid or None), self.metrics.track_request():
+            try:
+                return await self._encode(request)
+            except RequestError as e:
+                code, message = e.code, str(e)
+                log.log(e.log_level, "rid=%s %s: %s", rid, code.name, message)
+            except Exception as e:
+                log.exception("rid=%s encode failed", rid)
+                code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+            self.metrics.on_error(code.name)
+            await context.abort(code, message)
+
+    async def GetModelInfo(self, request: encoder_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> encoder_pb2.GetModelInfoResponse:
+        """The served vision model (path, type, device, dtype, patch geometry); UNAVAILABLE while it loads."""
+        if self.encoder is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the vision model is still loading")
+        return model_info(self.encoder)
+
+    async def GetServerInfo(self, request: encoder_pb2.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> encoder_pb2.GetServerInfoResponse:
+        """Flags, readiness, metrics port, embedding cache and batcher state (answers while loading too)."""
+        return server_info(self)
 
     async def _encode(self, request: encoder_pb2.EncodeRequest) -> encoder_pb2.EncodeResponse:
         rid = request.request_id
@@ -221,11 +248,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required when targets are given")
         self._pusher.connect(targets)  # a malformed target fails the request before any encoding
         datas = [im.data for im in request.images]
+        self.metrics.images.inc(len(datas))
         hashes = await asyncio.to_thread(_sha256_all, datas)  # 100 MB takes ~0.2 s: keep it off the loop
         results = await self._embeddings(encoder, datas, hashes)
         if targets:
             msg = ImageEmbeddings(rid=rid, image_hashes=hashes, embeddings=[results[h][0] for h in hashes])
-            await self._pusher.push(targets, encode(msg))
+            frames = encode(msg)
+            await self._pusher.push(targets, frames)
+            self.metrics.on_pushed(sum(memoryview(f).nbytes for f in frames), len(targets))
         response = encoder_pb2.EncodeResponse(request_id=rid)
         for h in hashes:
             emb, grid, hit = results[h]
@@ -247,6 +277,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             if h in out or h in pending:
                 continue
             entry = self.cache.get(h)
+            self.metrics.on_cache_lookup(entry is not None)
             if entry is not None:
                 out[h] = (entry.embedding, entry.grid_thw, True)
                 continue
@@ -328,8 +359,10 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
     tower = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epdserve-vision")
     zmq_ctx = zmq.asyncio.Context()
     pusher = EmbeddingPusher(zmq_ctx)
-    batcher = EncodeBatcher(tower, config.batch_wait_ms, config.max_batch_patches)
-    servicer = EncoderServicer(EmbeddingCache(config.cache_size_mb * MIB), pusher, batcher, config.max_image_pixels)
+    metrics = EncoderMetrics()
+    batcher = EncodeBatcher(tower, config.batch_wait_ms, config.max_batch_patches, metrics=metrics)
+    servicer = EncoderServicer(EmbeddingCache(config.cache_size_mb * MIB), pusher, batcher, config.max_image_pixels,
+                               metrics, config)
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -341,14 +374,18 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
         cleanup.push_async_callback(server.stop, 1.0)
         cleanup.push_async_callback(health_servicer.enter_graceful_shutdown)
         port = server.add_insecure_port(_bind_address(config.host, config.port))
+        metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port, "encoder")
+        cleanup.callback(metrics_server.close)
+        servicer.metrics_port = metrics_server.port
         await server.start()
         loop = asyncio.get_running_loop()
         model_path = await loop.run_in_executor(tower, resolve_model_path, config.model_path)
         servicer.encoder = await loop.run_in_executor(tower, VisionEncoder, model_path, device, dtype)
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("encoder ready on %s (model=%s, device=%s, dtype=%s)", _bind_address(config.host, port),
-                 model_path, device, str(dtype).removeprefix("torch."))
+        log.info("encoder ready on %s (model=%s, device=%s, dtype=%s, metrics=%s)",
+                 _bind_address(config.host, port), model_path, device, str(dtype).removeprefix("torch."),
+                 metrics_server.url)
         if ready is not None:
             ready.set()
         # Shielded: cancelling wait_for_termination() itself leaves grpc's shutdown future cancelled, and the

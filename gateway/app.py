@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front end: routes, auth, errors, client-disconnect handling, and ``main``.
 
 Endpoints: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (200 once the processor is loaded
-and prefill and decode have answered, else 503). Every error is OpenAI error JSON; schema errors and malformed
+and prefill and decode have answered, else 503), and ``GET /metrics``, ``/get_model_info``, ``/get_server_info``
+(:mod:`epdserve.gateway.observability`). Every error is OpenAI error JSON; schema errors and malformed
 JSON are 400 (not FastAPI's 422).
 """
 
@@ -11,7 +12,6 @@ import asyncio
 import hmac
 import logging
 import sys
-import uuid
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -19,16 +19,19 @@ from typing import TypeVar
 import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.config import GatewayConfig
 from epdserve.gateway.chat import APIError, ChatService
 from epdserve.gateway.media import MediaPolicy
+from epdserve.gateway.observability import ClosingStreamingResponse, RequestIds, add_observability_routes
 from epdserve.gateway.prompt import PromptBuilder
 from epdserve.gateway.protocol import ChatCompletionRequest, ModelCard, ModelList
 from epdserve.gateway.stages import StageClient
+from epdserve.logging_setup import set_request_context
+from epdserve.metrics import GatewayMetrics
 from epdserve.models.tiny import resolve_model_path
 
 logger = logging.getLogger("epdserve.gateway")
@@ -56,6 +59,8 @@ class Gateway:
         self.chat: ChatService | None = None
         self.startup_error: BaseException | None = None
         self._http: httpx.AsyncClient | None = None
+        self.metrics = GatewayMetrics()
+        self.requests = RequestIds(self.metrics)
 
     @property
     def ready(self) -> bool:
@@ -75,7 +80,7 @@ class Gateway:
             media = MediaPolicy(max_bytes=self.config.max_image_bytes, allow_remote=self.config.allow_remote_images,
                                 local_root=self.config.allowed_local_media_path)
             self.chat = ChatService(self.stages, builder, self.model_name, media, self.config.max_tokens_default,
-                                    self._http)
+                                    self._http, self.metrics)
         except Exception as e:
             self.startup_error = e
             logger.error("gateway startup failed: %s", e)
@@ -152,20 +157,32 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
                          max_model_len=gw.stages.context_length if gw.ready else None)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
+    add_observability_routes(app, gw, authorize)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Response:
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = request.state.rid = gw.requests.open(request.headers.get("x-request-id"))
+        set_request_context(rid)  # this task serves one request: its log lines all name it
+        streaming = False  # a stream's response releases the id itself, once it is over
         try:
-            return await _chat(request, rid)
+            response = await _chat(request, rid)
+            streaming = isinstance(response, ClosingStreamingResponse)
+            return response
         except APIError as e:
             logger.info("rid=%s -> %d: %s", rid, e.status, e.message)
+            gw.metrics.on_failed(f"http_{e.status}")
             raise
         except _ClientGone:
             logger.info("rid=%s client disconnected", rid)
+            gw.metrics.on_failed("client_disconnected", "abort")
             return Response(status_code=499)
         except Exception as e:  # keep serving: one bad request must not take the gateway down
             logger.exception("rid=%s internal error", rid)
+            gw.metrics.on_failed("internal")
             raise APIError(500, f"internal error: {e}") from None
+        finally:
+            if not streaming:
+                gw.requests.close(rid)
 
     async def _chat(request: Request, rid: str) -> Response:
         try:
@@ -183,10 +200,15 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
         prepared = await _until_disconnect(request, chat.prepare(rid, req))
         if req.stream:
             # Starlette cancels the body iterator when the client disconnects; ChatService.stream aborts then.
-            return StreamingResponse(chat.stream(prepared), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return ClosingStreamingResponse(chat.stream(prepared), media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                            on_close=lambda: _stream_closed(prepared))
         response = await _until_disconnect(request, chat.complete(prepared))
         return JSONResponse(response.model_dump())
+
+    def _stream_closed(prepared) -> None:
+        gw.requests.close(prepared.rid)
+        prepared.trace.fail("client_disconnected", "abort")  # a no-op when the stream got to its end
 
     return app
 

@@ -28,6 +28,7 @@ from epdserve.gateway.protocol import (
 )
 from epdserve.gateway.stages import StageClient, StageError
 from epdserve.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenOutput
+from epdserve.metrics import GatewayMetrics, RequestTrace
 
 logger = logging.getLogger("epdserve.gateway")
 
@@ -61,6 +62,7 @@ class PreparedChat:
     prompt: Prompt
     prefill: PrefillRequest
     decode: DecodeRequest
+    trace: RequestTrace  # its timings and usage, recorded in the gateway's metrics
 
 
 class ChatService:
@@ -72,10 +74,13 @@ class ChatService:
         model_name: the served model name put in responses.
         media: image URL policy.
         max_tokens_default: completion budget when the request gives none (0 = up to the context length).
+        metrics: the gateway's metrics (a fresh one by default).
     """
 
     def __init__(self, stages: StageClient, builder: PromptBuilder, model_name: str, media: MediaPolicy,
-                 max_tokens_default: int = 0, http: httpx.AsyncClient | None = None):
+                 max_tokens_default: int = 0, http: httpx.AsyncClient | None = None,
+                 metrics: GatewayMetrics | None = None):
+        self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.stages = stages
         self.builder = builder
         self.model_name = model_name
@@ -98,6 +103,7 @@ class ChatService:
             APIError: 400/413 for bad images or prompts, the encoder's status for encoder failures, 503 when the
                 stages are not ready.
         """
+        trace = self.metrics.trace()
         hf_messages, urls = to_hf_messages(req.messages)
         logger.debug("rid=%s received (%d images)", rid, len(urls))
         try:
@@ -108,7 +114,7 @@ class ChatService:
         pieces = asyncio.get_running_loop().run_in_executor(self._executor, self.builder.tokenize_template,
                                                             hf_messages)
         try:
-            encoded = await self.stages.encode(rid, images) if images else []
+            encoded = await trace.encode(self.stages.encode(rid, images)) if images else []
             logger.debug("rid=%s encoder answered", rid)
             prompt = self.builder.splice(await pieces, encoded)
             max_new = self._max_new_tokens(req, len(prompt.input_ids))
@@ -141,7 +147,7 @@ class ChatService:
                                bootstrap_room=room)
         logger.debug("rid=%s prompt_tokens=%d images=%d max_new_tokens=%d", rid, len(prompt.input_ids),
                      len(images), max_new)
-        return PreparedChat(rid, req, prompt, prefill, decode)
+        return PreparedChat(rid, req, prompt, prefill, decode, trace)
 
     def _max_new_tokens(self, req: ChatCompletionRequest, prompt_len: int) -> int:
         context = self.stages.context_length
@@ -174,6 +180,7 @@ class ChatService:
         async with aclosing(self.stages.generate(chat.prefill, chat.decode)) as outputs:
             async for out in outputs:
                 text, final = _detokenize(detok, out)
+                chat.trace.output(len(final.token_ids))
                 texts.append(text)
                 token_ids.extend(final.token_ids)
                 if final.finish_reason is not None:
@@ -182,6 +189,7 @@ class ChatService:
             logger.warning("rid=%s failed: %s", chat.rid, final.error)
             raise APIError(500, final.error or "generation failed")
         usage = self._usage(chat, final, len(token_ids))
+        chat.trace.finish(final.finish_reason, usage)
         logger.debug("rid=%s finished (%s): %d+%d tokens in %.3f s", chat.rid, final.finish_reason,
                      usage.prompt_tokens, usage.completion_tokens, time.monotonic() - t0)
         rti = chat.request.return_token_ids
@@ -220,8 +228,10 @@ class ChatService:
                 async for out in outputs:
                     text, final = _detokenize(detok, out)
                     n_tokens += len(final.token_ids)
+                    chat.trace.output(len(final.token_ids))
                     if final.finish_reason == "error":
                         logger.warning("rid=%s failed: %s", chat.rid, final.error)
+                        chat.trace.fail("generation_failed")
                         err = APIError(500, final.error or "generation failed")
                         yield f"data: {err.body().model_dump_json()}\n\n"
                         yield "data: [DONE]\n\n"
@@ -234,10 +244,12 @@ class ChatService:
                         break  # on a stop string: leaving the iterator aborts the request at prefill and decode
         except Exception as e:  # the response has started: the only way left to report is an error event
             logger.exception("rid=%s stream failed", chat.rid)
+            chat.trace.fail("internal")
             yield f"data: {APIError(500, f'internal error: {e}').body().model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"
             return
         usage = self._usage(chat, final, n_tokens)
+        chat.trace.finish(final.finish_reason, usage)
         if include_usage:
             yield event([], usage=usage)
         logger.debug("rid=%s finished (%s): %d+%d tokens in %.3f s", chat.rid, final.finish_reason,

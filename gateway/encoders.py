@@ -14,6 +14,7 @@ health) until it is SERVING again.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -189,7 +190,9 @@ class EncoderPool:
             return
         logger.warning("encoder %s is down (%s); probing it every %g s", self.names[i], why,
                        self.probe_interval_s)
-        self._probes[i] = asyncio.get_running_loop().create_task(self._probe(i))
+        # A fresh context: the probe outlives the request that found the encoder down, and its log lines are
+        # not about that request.
+        self._probes[i] = asyncio.get_running_loop().create_task(self._probe(i), context=contextvars.Context())
 
     async def _probe(self, i: int) -> None:
         while True:

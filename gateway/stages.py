@@ -109,6 +109,20 @@ class GrpcEncoderClient:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
+    async def server_info(self) -> dict:
+        """The encoder's ``GetServerInfo`` as a dict (proto field names; every field, zeros included).
+
+        Raises:
+            grpc.aio.AioRpcError: the call failed.
+        """
+        from google.protobuf.json_format import MessageToDict
+
+        resp = await self._stub.GetServerInfo(self._pb2.GetServerInfoRequest(), timeout=5)
+        out = MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        # proto3's JSON mapping writes int64 as strings; this answer is for people and dashboards.
+        int64 = {f.name for f in resp.DESCRIPTOR.fields if f.cpp_type == f.CPPTYPE_INT64}
+        return {k: int(v) if k in int64 else v for k, v in out.items()}
+
     async def close(self) -> None:
         await self._channel.close()
 

@@ -23,6 +23,7 @@ from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.radix_cache import RadixCache
 from epdserve.kvcache.kv_share import host_id
 from epdserve.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest
+from epdserve.metrics import PrefillMetrics
 from epdserve.model_runner import ModelRunner
 from epdserve.models.mrope import mrope_positions
 from epdserve.sampling import sample
@@ -40,6 +41,7 @@ def image_pad_id(image_hash: str) -> int:
 class _Req:
     msg: PrefillRequest
     deadline: float
+    arrival: float = 0.0  # time.monotonic() when the request arrived (queue time, time in prefill)
     positions: torch.Tensor | None = None  # [3, n] int64
     mrope_delta: int = 0
     key: list[int] = field(default_factory=list)
@@ -64,10 +66,11 @@ class PrefillScheduler:
         chunked_prefill_size: new tokens of one request per forward (chunked prefill, as in Sarathi, Agrawal et
             al., OSDI 2024, and SGLang's ``--chunked-prefill-size``); 0 = no bound but ``max_prefill_tokens``.
         timeout_s: seconds a request waits for embeddings, or its KV waits for a decode registration.
+        metrics: where to record (the server's; a fresh one by default).
     """
 
     def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float,
-                 chunked_prefill_size: int = 0):
+                 chunked_prefill_size: int = 0, metrics: PrefillMetrics | None = None):
         self.runner = runner
         self.cfg = runner.config
         self.pool = PagePool(runner.num_pages, runner.page_size)
@@ -86,6 +89,7 @@ class PrefillScheduler:
         self.lent: dict[int, tuple[float, _Req]] = {}  # room -> request whose pages a decode server copies
         self.pool_handle = runner.kv_handle()  # None: this pool is not shared, KV goes through host memory
         self.host_id = host_id()
+        self.metrics = metrics if metrics is not None else PrefillMetrics()
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def add_request(self, msg: PrefillRequest) -> None:
@@ -94,9 +98,10 @@ class PrefillScheduler:
         err = self._validate(msg)
         if err:
             log.warning("rid=%s rejected: %s", msg.rid, err)
+            self.metrics.on_error("invalid_request")
             self._finish_error(msg, err)
             return
-        self.waiting[msg.rid] = _Req(msg, deadline=now + self.timeout_s)
+        self.waiting[msg.rid] = _Req(msg, deadline=now + self.timeout_s, arrival=now)
         log.debug("rid=%s request received (%d tokens)", msg.rid, len(msg.input_ids))
 
     def add_embeddings(self, msg: ImageEmbeddings) -> None:
@@ -159,7 +164,9 @@ class PrefillScheduler:
         for room in [room for room in self.finished if room in self.registered]:
             _, item = self.finished.pop(room)
             _, reg = self.registered.pop(room)
-            out.append((reg.kv_endpoint, self._hand_off(item, reg) if isinstance(item, _Req) else item))
+            transfer = self._hand_off(item, reg) if isinstance(item, _Req) else item
+            self.metrics.on_kv_sent(transfer)
+            out.append((reg.kv_endpoint, transfer))
         return out
 
     # ---- internals ----------------------------------------------------------------------------------------
@@ -192,6 +199,7 @@ class PrefillScheduler:
         return self.embeds.get(rid, (0.0, {}))[1]
 
     def _finish_error(self, msg: PrefillRequest, error: str) -> None:
+        log.debug("rid=%s failed: %s", msg.rid, error)
         self.embeds.pop(msg.rid, None)
         transfer = KVTransfer(rid=msg.rid, bootstrap_room=msg.bootstrap_room, error=error)
         self.finished[msg.bootstrap_room] = (time.monotonic() + self.timeout_s, transfer)
@@ -202,6 +210,7 @@ class PrefillScheduler:
             if req.deadline < now:
                 del self.waiting[rid]
                 log.warning("rid=%s timed out waiting for image embeddings", rid)
+                self.metrics.on_error("embeddings_timeout")
                 self._finish_error(req.msg, "timed out waiting for image embeddings")
         # Embeddings whose request never came, registrations whose request never came, KV nobody asked for or
         # never acknowledged (its decode server died): the pages go back.
@@ -211,6 +220,10 @@ class PrefillScheduler:
                               (self.lent, ())):
             for key in [k for k, v in table.items() if v[0] < now and k not in active]:
                 _, item = table.pop(key)
+                if table is self.finished:  # KV that no decode server asked for in time
+                    self.metrics.on_kv_failure("no_registration")
+                elif table is self.lent:  # a decode server that never acknowledged its copy of the KV
+                    self.metrics.on_kv_failure("no_ack")
                 if isinstance(item, _Req):
                     log.warning("rid=%s KV not taken by a decode server in time; pages released", item.msg.rid)
                     self._release(item, insert=True)
@@ -222,15 +235,18 @@ class PrefillScheduler:
             err = self._check_embeds(req)
             if err:
                 del self.waiting[rid]
+                self.metrics.on_error("bad_embeddings")
                 self._finish_error(req.msg, err)
                 continue
             if not self._allocate(req):
                 if not self.running:  # nothing will free pages: it can never fit
                     del self.waiting[rid]
+                    self.metrics.on_error("kv_pool_too_small")
                     self._finish_error(req.msg, f"prompt of {req.n} tokens needs more KV pages than the pool has")
                 break  # first come, first served: later requests wait behind it
             del self.waiting[rid]
             self.running.append(req)
+            self.metrics.on_admit(req.arrival)
             log.debug("rid=%s admitted (%d of %d tokens cached)", rid, req.cached, req.n)
 
     def _check_embeds(self, req: _Req) -> str | None:
@@ -299,6 +315,7 @@ class PrefillScheduler:
             mm_mask=torch.cat(mask).to(dev) if mm else None,
         )
         logits = self.runner.forward(batch)
+        self.metrics.on_forward(len(batch_reqs))
         done = [i for i, (req, (_, e)) in enumerate(zip(batch_reqs, chunks)) if e == req.n]
         for req, (_, e) in zip(batch_reqs, chunks):
             req.computed = e
@@ -317,6 +334,7 @@ class PrefillScheduler:
             self.embeds.pop(req.msg.rid, None)
             item = req if self.pool_handle is not None else self._host_transfer(req)
             self.finished[req.msg.bootstrap_room] = (time.monotonic() + self.timeout_s, item)
+            self.metrics.on_prefilled(req.arrival, req.n, req.cached, req.msg.images)
             log.debug("rid=%s prefilled %d tokens (%d cached)", req.msg.rid, req.n, req.cached)
 
     def _hand_off(self, req: _Req, reg: KVRegister) -> KVTransfer:
@@ -358,5 +376,6 @@ class PrefillScheduler:
         """After a failed forward: end every running request with ``error`` and free its pages."""
         for req in self.running:
             self._release(req, insert=False)
+            self.metrics.on_error("forward_failed")
             self._finish_error(req.msg, error)
         self.running = []

@@ -20,6 +20,7 @@ from epdserve.config import PrefillConfig
 from epdserve.kvcache.kv_share import shares_kv
 from epdserve.messages import (AbortRequest, ImageEmbeddings, KVAck, KVRegister, LoadRequest, PrefillRequest,
                                ServerInfo, ServerInfoRequest)
+from epdserve.metrics import PrefillMetrics, start_metrics_server
 from epdserve.model_runner import runner_from_config
 from epdserve.prefill.scheduler import PrefillScheduler
 
@@ -35,14 +36,16 @@ def serve(config: PrefillConfig) -> None:
     """
     share = shares_kv(config.kv_transfer)
     model_path, runner, context_length = runner_from_config(config, share_kv=share)
+    metrics = PrefillMetrics()
     sched = PrefillScheduler(runner, context_length=context_length,
                              max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,
-                             chunked_prefill_size=config.chunked_prefill_size)
+                             chunked_prefill_size=config.chunked_prefill_size, metrics=metrics)
     info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages,
                       embed_endpoints=[f"tcp://{config.host}:{config.embed_port}"],
                       bootstrap_host=config.host, bootstrap_port=config.bootstrap_port)
 
+    metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port, "prefill")
     ctx = zmq.Context()
     requests = transport.bind(ctx, zmq.ROUTER, config.host, config.port)
     embeds = transport.bind(ctx, zmq.PULL, config.host, config.embed_port)
@@ -56,11 +59,13 @@ def serve(config: PrefillConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
     log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages, "
-             "KV hand-off %s)", config.host, config.port, info.embed_endpoints[0], config.host, config.bootstrap_port,
-             model_path, runner.device, runner.num_pages, "shared or zmq" if share else "zmq")
+             "KV hand-off %s, metrics=%s)", config.host, config.port, info.embed_endpoints[0], config.host,
+             config.bootstrap_port, model_path, runner.device, runner.num_pages, "shared or zmq" if share else "zmq",
+             metrics_server.url)
     try:
         while not stopping:
             poller.poll(0 if sched.has_work() else 20)
+            metrics.update_load(sched.load)
             while (got := transport.recv_routed(requests)) is not None:
                 peer, msg = got
                 if isinstance(msg, PrefillRequest):
@@ -91,3 +96,4 @@ def serve(config: PrefillConfig) -> None:
                 transport.send(to_decode[endpoint], transfer)
     finally:
         ctx.destroy(linger=0)
+        metrics_server.close()

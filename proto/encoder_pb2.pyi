@@ -53,3 +53,66 @@ class EncodeResponse(_message.Message):
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[ImageResult]
     def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageResult, _Mapping]]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("model_path", "model_type", "device", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "out_hidden_size")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TEMPORAL_PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPATIAL_MERGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUT_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    model_type: str
+    device: str
+    dtype: str
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., out_hidden_size: _Optional[int] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetServerInfoResponse(_message.Message):
+    __slots__ = ("flags", "version", "ready", "metrics_port", "cache_entries", "cache_bytes", "cache_capacity_bytes", "cache_hits", "cache_misses", "tower_calls", "queued_images", "running_requests")
+    class FlagsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    TOWER_CALLS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    flags: _containers.ScalarMap[str, str]
+    version: str
+    ready: bool
+    metrics_port: int
+    cache_entries: int
+    cache_bytes: int
+    cache_capacity_bytes: int
+    cache_hits: int
+    cache_misses: int
+    tower_calls: int
+    queued_images: int
+    running_requests: int
+    def __init__(self, flags: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., ready: bool = ..., metrics_port: _Optional[int] = ..., cache_entries: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., tower_calls: _Optional[int] = ..., queued_images: _Optional[int] = ..., running_requests: _Optional[int] = ...) -> None: ...

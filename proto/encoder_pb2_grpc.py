@@ -40,6 +40,16 @@ class EncoderStub(object):
                 request_serializer=epdserve_dot_proto_dot_encoder__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=epdserve_dot_proto_dot_encoder__pb2.EncodeResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/epdserve.v1.Encoder/GetModelInfo',
+                request_serializer=epdserve_dot_proto_dot_encoder__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=epdserve_dot_proto_dot_encoder__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
+        self.GetServerInfo = channel.unary_unary(
+                '/epdserve.v1.Encoder/GetServerInfo',
+                request_serializer=epdserve_dot_proto_dot_encoder__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=epdserve_dot_proto_dot_encoder__pb2.GetServerInfoResponse.FromString,
+                _registered_method=True)
 
 
 class EncoderServicer(object):
@@ -54,6 +64,20 @@ class EncoderServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """The vision model this encoder serves (the encoder's /get_model_info). UNAVAILABLE while it loads.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetServerInfo(self, request, context):
+        """The encoder's flags and state (the encoder's /get_server_info). Answers while the model loads too.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EncoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +85,16 @@ def add_EncoderServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=epdserve_dot_proto_dot_encoder__pb2.EncodeRequest.FromString,
                     response_serializer=epdserve_dot_proto_dot_encoder__pb2.EncodeResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=epdserve_dot_proto_dot_encoder__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=epdserve_dot_proto_dot_encoder__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=epdserve_dot_proto_dot_encoder__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=epdserve_dot_proto_dot_encoder__pb2.GetServerInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +125,60 @@ class Encoder(object):
             '/epdserve.v1.Encoder/Encode',
             epdserve_dot_proto_dot_encoder__pb2.EncodeRequest.SerializeToString,
             epdserve_dot_proto_dot_encoder__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epdserve.v1.Encoder/GetModelInfo',
+            epdserve_dot_proto_dot_encoder__pb2.GetModelInfoRequest.SerializeToString,
+            epdserve_dot_proto_dot_encoder__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epdserve.v1.Encoder/GetServerInfo',
+            epdserve_dot_proto_dot_encoder__pb2.GetServerInfoRequest.SerializeToString,
+            epdserve_dot_proto_dot_encoder__pb2.GetServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

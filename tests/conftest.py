@@ -1,7 +1,16 @@
-"""Shared fixtures: the tiny checkpoints (built once per test session) and the shared photos."""
+"""Shared fixtures: the tiny checkpoints (built once per test session), the shared photos, and one
+`epdserve launch` of all four servers (test_e2e.py, test_observability.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,3 +41,52 @@ def photo_paths() -> dict[str, Path]:
     if not paths:  # a silent skip would hide most of the suite
         pytest.fail(f"no photos in {IMAGES_DIR}: the tests expect the repository's sibling folder shared/images")
     return paths
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_path, tmp_path_factory):
+    """`epdserve launch` on a free port with the tiny model and two encoders, DEBUG logs as JSON lines; yields
+    (base_url, log_path). Launched once per session: the tests using it send requests one test at a time.
+
+    Two encoders, so every test using it also runs through the gateway's content-hash routing between them; and
+    the shared KV hand-off (on the CPU the prefill pool in /dev/shm, which decode maps and copies from), so the
+    protocol the GPU's CUDA IPC path uses is checked against transformers too. At the end, Ctrl-C must stop all
+    four servers cleanly.
+    """
+    from epdserve.launch import free_port
+
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("launch") / "launch.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "epdserve.cli", "--log-level", "DEBUG", "--log-format", "json", "launch",
+         "--model-path", tiny_model_path, "--port", str(port), "--num-encoders", "2", "--kv-transfer", "shared"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while "metrics: gateway=" not in log_path.read_text():  # logged right after "epdserve ready"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"launch did not get ready:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.3)
+    assert len(re.findall(r"encoder ready on 127\.0\.0\.1:\d+", log_path.read_text())) == 2
+    yield url, log_path
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the launcher stops all four servers and exits 0
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = None
+    log.close()
+    assert code == 0, f"launch did not stop cleanly on Ctrl-C:\n{log_path.read_text()[-3000:]}"
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0, "the gateway port is still open after Ctrl-C"
+
+
+def launch_metrics_urls(log_path: Path) -> dict[str, str]:
+    """The ``/metrics`` URL of every process of a launch, by name (gateway, encoder0.., prefill, decode), from the
+    launcher's ``metrics: name=URL ...`` line (JSON log lines)."""
+    for line in log_path.read_text().splitlines():
+        if line.startswith("{") and (msg := json.loads(line)["message"]).startswith("metrics: "):
+            return dict(item.split("=", 1) for item in msg.removeprefix("metrics: ").split())
+    raise AssertionError("no metrics line in the launch log")

@@ -2,6 +2,7 @@
 
 Greedy output through the gateway must equal ``generate(do_sample=False)`` on the same checkpoint and the same
 processor output, token for token, and the text must equal ``tokenizer.decode(ids, skip_special_tokens=True)``.
+The launched servers (fixture ``server``, shared with test_observability.py) are in conftest.py.
 """
 
 from __future__ import annotations
@@ -9,11 +10,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,54 +20,6 @@ import torch
 
 NEW_TOKENS = 40
 PROMPT = "Describe this image in detail, please: the colours, the objects, and what happens in the scene."
-
-
-def _free_port() -> int:
-    from epdserve.launch import free_port
-
-    return free_port()
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    """`epdserve launch` on a free port with the tiny model and two encoders; yields (base_url, log_path).
-
-    Two encoders, so every test here also runs through the gateway's content-hash routing between them; and
-    the shared KV hand-off (on the CPU the prefill pool in /dev/shm, which decode maps and copies from), so the
-    protocol the GPU's CUDA IPC path uses is checked against transformers here too.
-    """
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("launch") / "launch.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "epdserve.cli", "--log-level", "DEBUG", "launch", "--model-path", tiny_model_path,
-         "--port", str(port), "--num-encoders", "2", "--kv-transfer", "shared"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while "epdserve ready" not in log_path.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"launch did not get ready:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.3)
-    assert len(re.findall(r"encoder ready on 127\.0\.0\.1:\d+", log_path.read_text())) == 2
-    yield url, log_path
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the launcher stops all four servers and exits 0
-    try:
-        code = proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = None
-    log.close()
-    assert code == 0, f"launch did not stop cleanly on Ctrl-C:\n{log_path.read_text()[-3000:]}"
-    assert not _listening(port), "the gateway port is still open after Ctrl-C"
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture(scope="module")

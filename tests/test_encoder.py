@@ -48,7 +48,7 @@ class ServerThread:
 
     def __init__(self, model_path: str, **overrides) -> None:
         self.config = EncoderConfig(model_path=model_path, port=_free_port(), cache_size_mb=64,
-                                    max_image_pixels=MAX_PIXELS, **overrides)
+                                    max_image_pixels=MAX_PIXELS, **{"metrics_port": 0, **overrides})
         self.address = f"127.0.0.1:{self.config.port}"
         self.error: BaseException | None = None
         self._started = threading.Event()
@@ -266,7 +266,8 @@ def test_example_client(encoder_addr, photo_paths):
 def test_main_logs_one_ready_line_and_stops_on_sigterm(tiny_model_path, photos):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "epdserve.encoder.server", "--model-path", tiny_model_path,
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--port", str(port), "--metrics-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     watchdog = threading.Timer(60, proc.kill)  # readline() below would block forever on a silent hang
     watchdog.start()
     try:

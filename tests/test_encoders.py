@@ -336,7 +336,7 @@ def test_launch_starts_num_encoders_and_gives_the_gateway_all_addresses():
     add_config_args(parser, LaunchConfig)
     cfg = config_from_args(LaunchConfig, parser.parse_args(["--num-encoders", "3"]))
     assert cfg.num_encoders == 3 and LaunchConfig().num_encoders == 1
-    commands, addrs = _commands(cfg, "/models/m")
+    commands, addrs, _ = _commands(cfg, "/models/m")
     assert sorted(n for n in commands if n.startswith("encoder")) == ["encoder0", "encoder1", "encoder2"]
     assert len(set(addrs)) == 3
     for name, addr in zip(["encoder0", "encoder1", "encoder2"], addrs):
