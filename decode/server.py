@@ -60,9 +60,10 @@ def serve(config: DecodeConfig) -> None:
                 peer, msg = got
                 if isinstance(msg, DecodeRequest):
                     endpoint, register = sched.add_request(msg, peer)
-                    if endpoint not in to_bootstrap:
-                        to_bootstrap[endpoint] = transport.connect(ctx, zmq.PUSH, endpoint)
-                    transport.send(to_bootstrap[endpoint], register)
+                    if (sock := transport.connect_cached(ctx, zmq.PUSH, endpoint, to_bootstrap)) is not None:
+                        transport.send(sock, register)
+                    else:  # its KV can never arrive
+                        sched.fail_request(msg.rid, f"bad bootstrap address {endpoint!r}")
                 elif isinstance(msg, AbortRequest):
                     sched.abort(msg.rid)
                 elif isinstance(msg, ServerInfoRequest):

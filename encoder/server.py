@@ -164,6 +164,11 @@ class EmbeddingPusher:
             if isinstance(r, BaseException):
                 raise r
 
+    @property
+    def num_sockets(self) -> int:
+        """PUSH sockets open now (at most ``_MAX_PUSH_SOCKETS``)."""
+        return len(self._sockets)
+
     def close(self) -> None:
         """Close every socket (each lingers up to 1 s for queued messages)."""
         for sock in self._sockets.values():
@@ -189,6 +194,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         # image hash -> future of (embedding, grid_thw) for images being encoded now, shared by all requests.
         self._inflight: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.num_requests = 0  # Encode calls in progress
 
     async def Encode(self, request: encoder_pb2.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> encoder_pb2.EncodeResponse:
@@ -199,6 +205,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         (anything unexpected; the server keeps serving).
         """
         rid = request.request_id
+        self.num_requests += 1
         try:
             return await self._encode(request)
         except RequestError as e:
@@ -207,7 +214,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         except Exception as e:
             log.exception("rid=%s encode failed", rid)
             code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+        finally:
+            self.num_requests -= 1
         await context.abort(code, message)
+
+    async def GetLoad(self, request: encoder_pb2.EncoderLoadRequest,
+                      context: grpc.aio.ServicerContext) -> encoder_pb2.EncoderLoad:
+        """Requests and images in flight and the cache's size now (see proto/encoder.proto)."""
+        return encoder_pb2.EncoderLoad(num_requests=self.num_requests, num_images_encoding=len(self._inflight),
+                                       cached_embeddings=len(self.cache), cache_bytes=self.cache.size_bytes,
+                                       push_sockets=self._pusher.num_sockets)
 
     async def _encode(self, request: encoder_pb2.EncodeRequest) -> encoder_pb2.EncodeResponse:
         rid = request.request_id

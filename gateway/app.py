@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP front end: routes, auth, errors, client-disconnect handling, and ``main``.
 
 Endpoints: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (200 once the processor is loaded
-and prefill and decode have answered, else 503). Every error is OpenAI error JSON; schema errors and malformed
-JSON are 400 (not FastAPI's 422).
+and prefill and decode have answered and are up, else 503; ``?details=1`` adds a JSON body with every stage's
+liveness and load, ``&fresh=1`` asks prefill and decode for their load now). Every error is OpenAI error JSON;
+schema errors and malformed JSON are 400 (not FastAPI's 422). Overload and stage failures answer 429/503 with
+``Retry-After`` (see :mod:`epdserve.gateway.admission`), the request deadline 504.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import hmac
 import logging
 import sys
+import time
 import uuid
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
@@ -24,11 +27,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.config import GatewayConfig
+from epdserve.gateway.admission import Admission, Overloaded
 from epdserve.gateway.chat import APIError, ChatService
 from epdserve.gateway.media import MediaPolicy
 from epdserve.gateway.prompt import PromptBuilder
 from epdserve.gateway.protocol import ChatCompletionRequest, ModelCard, ModelList
-from epdserve.gateway.stages import StageClient
+from epdserve.gateway.stages import StageClient, StageError
 from epdserve.models.tiny import resolve_model_path
 
 logger = logging.getLogger("epdserve.gateway")
@@ -56,6 +60,7 @@ class Gateway:
         self.chat: ChatService | None = None
         self.startup_error: BaseException | None = None
         self._http: httpx.AsyncClient | None = None
+        self.admission = Admission(config.max_inflight_requests, config.max_queued_requests, config.queue_timeout_s)
 
     @property
     def ready(self) -> bool:
@@ -121,7 +126,7 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body().model_dump(), status_code=e.status)
+        return JSONResponse(e.body().model_dump(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -140,11 +145,20 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
                            code="invalid_api_key")
 
     @app.get("/health")
-    async def health() -> Response:
-        if gw.ready:
+    async def health(details: bool = False, fresh: bool = False) -> Response:
+        why = gw.stages.unavailable() if gw.chat is not None else None
+        if gw.ready and why is None and not details:
             return Response(status_code=200)
-        msg = f"not ready: {gw.startup_error}" if gw.startup_error else "not ready: waiting for the stages"
-        return JSONResponse(APIError(503, msg).body().model_dump(), status_code=503)
+        if not gw.ready:
+            why = f"not ready: {gw.startup_error}" if gw.startup_error else "not ready: waiting for the stages"
+        status = 200 if why is None else 503
+        if not details:
+            return JSONResponse(APIError(503, why).body().model_dump(), status_code=503)
+        body = {"status": "ok" if why is None else "unavailable", "reason": why,
+                "gateway": {"inflight": gw.admission.inflight, "queued": gw.admission.queued,
+                            "at_stages": gw.stages.num_inflight if gw.ready else 0},
+                "stages": await gw.stages.health(fresh) if gw.stages.liveness else {}}
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> JSONResponse:
@@ -179,16 +193,45 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
             raise APIError(400, problem)
         if not gw.ready:
             raise APIError(503, "the server is starting: the stages are not ready yet")
-        chat = gw.chat
-        prepared = await _until_disconnect(request, chat.prepare(rid, req))
-        if req.stream:
-            # Starlette cancels the body iterator when the client disconnects; ChatService.stream aborts then.
-            return StreamingResponse(chat.stream(prepared), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        response = await _until_disconnect(request, chat.complete(prepared))
-        return JSONResponse(response.model_dump())
+        if (why := gw.stages.unavailable()) is not None:
+            raise APIError.from_stage(StageError(why, 503))
+        try:
+            await _until_disconnect(request, gw.admission.acquire())
+        except Overloaded as e:
+            raise APIError(e.status, e.message, headers={"Retry-After": str(e.retry_after_s)}) from None
+        streaming = False
+        try:
+            chat = gw.chat
+            timeout = config.request_timeout_s
+            deadline = time.monotonic() + timeout if timeout > 0 else None
+            prepared = await _until_disconnect(request, chat.prepare(rid, req, deadline))
+            if req.stream:
+                # Starlette cancels the body iterator when the client disconnects; ChatService.stream aborts then.
+                streaming = True
+                return _SlotStream(gw.admission.release, chat.stream(prepared), media_type="text/event-stream",
+                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            response = await _until_disconnect(request, chat.complete(prepared))
+            return JSONResponse(response.model_dump())
+        finally:
+            if not streaming:
+                gw.admission.release()
 
     return app
+
+
+class _SlotStream(StreamingResponse):
+    """A streaming response that gives its admission slot back when it ends, however it ends (sent, client gone,
+    cancelled, or never iterated)."""
+
+    def __init__(self, release, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -71,6 +71,9 @@ class PrefillScheduler:
         self.embeds: dict[str, tuple[float, dict[str, torch.Tensor]]] = {}  # rid -> (deadline, hash -> [n, h])
         self.registered: dict[int, tuple[float, str]] = {}  # room -> (deadline, decode KV endpoint)
         self.finished: dict[int, tuple[float, KVTransfer]] = {}  # room -> (deadline, transfer)
+        # rid -> expiry of aborted requests: embeddings and decode registrations travel on other sockets than the
+        # abort and may land after it; without this they would be held until their own timeout.
+        self.aborted: dict[str, float] = {}
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def add_request(self, msg: PrefillRequest) -> None:
@@ -85,18 +88,27 @@ class PrefillScheduler:
         log.debug("rid=%s request received (%d tokens)", msg.rid, len(msg.input_ids))
 
     def add_embeddings(self, msg: ImageEmbeddings) -> None:
-        """Stash the encoder's embeddings for ``msg.rid`` until (or after) its request arrives."""
+        """Stash the encoder's embeddings for ``msg.rid`` until (or after) its request arrives (dropped when the
+        request was aborted already)."""
+        if msg.rid in self.aborted:
+            log.debug("rid=%s embeddings of an aborted request dropped", msg.rid)
+            return
         _, by_hash = self.embeds.setdefault(msg.rid, (time.monotonic() + self.timeout_s, {}))
         log.debug("rid=%s embeddings received", msg.rid)
         for h, emb in zip(msg.image_hashes, msg.embeddings):
             by_hash[h] = emb
 
     def register(self, msg: KVRegister) -> None:
-        """A decode server asks for the KV of ``msg.bootstrap_room`` at ``msg.kv_endpoint``."""
+        """A decode server asks for the KV of ``msg.bootstrap_room`` at ``msg.kv_endpoint`` (ignored when the
+        request was aborted already)."""
+        if msg.rid in self.aborted:
+            return
         self.registered[msg.bootstrap_room] = (time.monotonic() + self.timeout_s, msg.kv_endpoint)
 
     def abort(self, rid: str) -> None:
-        """Drop ``rid`` wherever it is and free its pages."""
+        """Drop ``rid`` wherever it is and free its pages; its embeddings or registration arriving later are
+        dropped too."""
+        self.aborted[rid] = time.monotonic() + self.timeout_s
         self.embeds.pop(rid, None)
         req = self.waiting.pop(rid, None)
         for r in [r for r in self.running if r.msg.rid == rid]:
@@ -183,6 +195,8 @@ class PrefillScheduler:
         for table, active in ((self.embeds, active_rids), (self.registered, active_rooms), (self.finished, ())):
             for key in [k for k, v in table.items() if v[0] < now and k not in active]:
                 del table[key]
+        for rid in [rid for rid, expiry in self.aborted.items() if expiry < now]:
+            del self.aborted[rid]
 
     def _admit(self) -> None:
         for rid, req in list(self.waiting.items()):

@@ -40,6 +40,11 @@ class EncoderStub(object):
                 request_serializer=epdserve_dot_proto_dot_encoder__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=epdserve_dot_proto_dot_encoder__pb2.EncodeResponse.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/epdserve.v1.Encoder/GetLoad',
+                request_serializer=epdserve_dot_proto_dot_encoder__pb2.EncoderLoadRequest.SerializeToString,
+                response_deserializer=epdserve_dot_proto_dot_encoder__pb2.EncoderLoad.FromString,
+                _registered_method=True)
 
 
 class EncoderServicer(object):
@@ -54,6 +59,13 @@ class EncoderServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """What the encoder holds now (requests and images in flight, cached embeddings), for health details and tests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EncoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +73,11 @@ def add_EncoderServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=epdserve_dot_proto_dot_encoder__pb2.EncodeRequest.FromString,
                     response_serializer=epdserve_dot_proto_dot_encoder__pb2.EncodeResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=epdserve_dot_proto_dot_encoder__pb2.EncoderLoadRequest.FromString,
+                    response_serializer=epdserve_dot_proto_dot_encoder__pb2.EncoderLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +108,33 @@ class Encoder(object):
             '/epdserve.v1.Encoder/Encode',
             epdserve_dot_proto_dot_encoder__pb2.EncodeRequest.SerializeToString,
             epdserve_dot_proto_dot_encoder__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epdserve.v1.Encoder/GetLoad',
+            epdserve_dot_proto_dot_encoder__pb2.EncoderLoadRequest.SerializeToString,
+            epdserve_dot_proto_dot_encoder__pb2.EncoderLoad.FromString,
             options,
             channel_credentials,
             insecure,
