@@ -154,10 +154,18 @@ class StageLiveness:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            if self.up and time.monotonic() - self.last_seen > self.timeout_s:
+            # Replies already waiting on the socket mean the stage is alive and only this event loop was slow to
+            # read them (a stalled gateway must not take a stage for dead).
+            if self.up and time.monotonic() - self.last_seen > self.timeout_s and not self._replies_waiting():
                 self.mark_down(f"no answer for {self.timeout_s:g} s")
             # While down, the question is whether a (new) server answers the handshake.
             try_send(self.sock, LoadRequest() if self.up else ServerInfoRequest())
+
+    def _replies_waiting(self) -> bool:
+        try:
+            return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return False
 
     async def _events(self, monitor: zmq.asyncio.Socket) -> None:
         try:

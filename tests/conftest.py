@@ -32,3 +32,15 @@ def photo_paths() -> dict[str, Path]:
     if not paths:  # a silent skip would hide most of the suite
         pytest.fail(f"no photos in {IMAGES_DIR}: the tests expect the repository's sibling folder shared/images")
     return paths
+
+
+@pytest.fixture(scope="session")
+def stage_procs(tiny_model_path, tmp_path_factory):
+    """Encoder, prefill and decode of the tiny model as processes (tests/cluster.py), 256 KV pages each; shared by
+    the fault and fuzz tests, which leave them running (restarting any they kill)."""
+    from cluster import StageProcs
+
+    procs = StageProcs(tiny_model_path, tmp_path_factory.mktemp("stages"))
+    procs.start()
+    yield procs
+    procs.stop_all()
