@@ -74,18 +74,24 @@ def send(sock: zmq.Socket, msg: Any, identity: bytes | None = None) -> None:
     sock.send_multipart([identity, *frames] if identity is not None else frames, copy=False)
 
 
+MAX_CACHED_SOCKETS = 256
+
+
 def connect_cached(ctx: zmq.Context, kind: int, endpoint: str, sockets: dict[str, zmq.Socket]) -> zmq.Socket | None:
-    """The socket for ``endpoint`` in ``sockets``, connected (and added) on first use.
+    """The socket for ``endpoint`` in ``sockets``, connected (and added) on first use; beyond
+    ``MAX_CACHED_SOCKETS`` the least recently used one is closed (``sockets`` is kept in use order).
 
     Returns None, logged, when ZMQ rejects the endpoint: it came from another process (a decode server's KV
     endpoint, a request's bootstrap address), and a bad one must fail that request, not the server.
     """
-    sock = sockets.get(endpoint)
+    sock = sockets.pop(endpoint, None)
     if sock is None:
         try:
             sock = connect(ctx, kind, endpoint)
         except zmq.ZMQError as e:
             log.warning("cannot connect to %r: %s", endpoint[:200], e)
             return None
-        sockets[endpoint] = sock
+        if len(sockets) >= MAX_CACHED_SOCKETS:
+            sockets.pop(next(iter(sockets))).close(linger=0)
+    sockets[endpoint] = sock  # (re)inserted last: the most recently used
     return sock

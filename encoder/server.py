@@ -86,6 +86,42 @@ def tensor_from_proto(msg: encoder_pb2.Tensor) -> torch.Tensor:
     return tensor_from_bytes(msg.data, msg.dtype, list(msg.shape)).clone()
 
 
+class MalformedRequest:
+    """What a request that is not valid protobuf deserializes to, so that Encode can answer INVALID_ARGUMENT
+    (grpc itself would answer UNKNOWN)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+        self.request_id = ""
+
+
+def _lenient(parse):
+    """Wrap a protobuf ``FromString`` so that bytes it cannot parse become a :class:`MalformedRequest`."""
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:  # DecodeError, and whatever else a corrupt wire format raises
+            return MalformedRequest(f"malformed request: {e}")
+
+    return deserialize
+
+
+def add_servicer(servicer: EncoderServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` as ``epdserve.v1.Encoder`` on ``server`` (as the generated
+    ``add_EncoderServicer_to_server`` does, but with requests that do not parse answered INVALID_ARGUMENT)."""
+    pb2 = encoder_pb2
+    handlers = {
+        "Encode": grpc.unary_unary_rpc_method_handler(
+            servicer.Encode, request_deserializer=_lenient(pb2.EncodeRequest.FromString),
+            response_serializer=pb2.EncodeResponse.SerializeToString),
+        "GetLoad": grpc.unary_unary_rpc_method_handler(
+            servicer.GetLoad, request_deserializer=_lenient(pb2.EncoderLoadRequest.FromString),
+            response_serializer=pb2.EncoderLoad.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def _sha256_all(datas: list[bytes]) -> list[str]:
     return [hashlib.sha256(d).hexdigest() for d in datas]
 
@@ -205,6 +241,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         (anything unexpected; the server keeps serving).
         """
         rid = request.request_id
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         self.num_requests += 1
         try:
             return await self._encode(request)
@@ -221,6 +259,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     async def GetLoad(self, request: encoder_pb2.EncoderLoadRequest,
                       context: grpc.aio.ServicerContext) -> encoder_pb2.EncoderLoad:
         """Requests and images in flight and the cache's size now (see proto/encoder.proto)."""
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         return encoder_pb2.EncoderLoad(num_requests=self.num_requests, num_images_encoding=len(self._inflight),
                                        cached_embeddings=len(self.cache), cache_bytes=self.cache.size_bytes,
                                        push_sockets=self._pusher.num_sockets)
@@ -346,7 +386,7 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
     pusher = EmbeddingPusher(zmq_ctx)
     batcher = EncodeBatcher(tower, config.batch_wait_ms, config.max_batch_patches)
     servicer = EncoderServicer(EmbeddingCache(config.cache_size_mb * MIB), pusher, batcher, config.max_image_pixels)
-    encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     async with contextlib.AsyncExitStack() as cleanup:  # unwinds in reverse, every step even if one fails

@@ -66,7 +66,7 @@ class StageProcs:
         lm = [*common, "--num-pages", str(self.num_pages), "--page-size", str(self.page_size),
               "--request-timeout-s", str(self.request_timeout_s)]
         args = {
-            "encoder": ["encoder", *common, "--port", str(p["encoder"])],
+            "encoder": ["encoder", *common, "--port", str(p["encoder"]), "--max-message-mb", "16"],
             "prefill": ["prefill", *lm, "--port", str(p["prefill"]), "--embed-port", str(p["embed"]),
                         "--bootstrap-port", str(p["bootstrap"])],
             "decode": ["decode", *lm, "--port", str(p["decode"]), "--kv-port", str(p["kv"])],
