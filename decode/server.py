@@ -83,9 +83,8 @@ def serve(config: DecodeConfig) -> None:
                 sched.fail_running(f"decode failed: {e}")
                 outputs, sched.outputs = sched.outputs, []
             for endpoint, ack in sched.take_acks():
-                if endpoint not in to_bootstrap:
-                    to_bootstrap[endpoint] = transport.connect(ctx, zmq.PUSH, endpoint)
-                transport.send(to_bootstrap[endpoint], ack)
+                if (sock := transport.connect_cached(ctx, zmq.PUSH, endpoint, to_bootstrap)) is not None:
+                    transport.send(sock, ack)
             by_peer = defaultdict(list)
             for peer, out in outputs:
                 by_peer[peer].append(out)

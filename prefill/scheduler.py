@@ -239,9 +239,13 @@ class PrefillScheduler:
                 self._finish_error(req.msg, err)
                 continue
             if not self._allocate(req):
-                if not self.running:  # nothing will free pages: it can never fit
+                # Pages held now come back (prefill ends, a decode server acks or dies, deadlines): only a prompt
+                # larger than the whole pool can never fit. Failing whenever nothing runs here would fail requests
+                # under load while decode servers still copy lent pages.
+                if self.pool.pages_for(req.n) > self.pool.num_pages:
                     del self.waiting[rid]
                     self._finish_error(req.msg, f"prompt of {req.n} tokens needs more KV pages than the pool has")
+                    continue
                 break  # first come, first served: later requests wait behind it
             del self.waiting[rid]
             self.running.append(req)

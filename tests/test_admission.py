@@ -1,4 +1,5 @@
-"""Admission control and wire-message checks, without real stages (fast).
+"""Overload and bad input without real stages (fast): admission control, wire-message checks, prefill waiting
+for pages.
 
 - :class:`Admission`: FIFO slots, a bounded queue, 429 beyond it, 503 after the queue timeout, no slot lost when
   a waiter is cancelled.
@@ -145,3 +146,36 @@ def test_check_message_passes_good_and_rejects_hostile():
     # An int past 64 bits cannot even be encoded; a float that is not finite is refused.
     with pytest.raises(WireError):
         check_message(SamplingParams(temperature=float("inf")))
+
+
+def test_prefill_waits_for_lent_pages_instead_of_failing(tiny_model_path):
+    """Shared KV path: while a decode server still copies a prefilled request's pages, a request that does not fit
+    the rest of the prefill pool waits (nothing runs at prefill, yet the pages come back) and runs after the ack;
+    only a prompt larger than the whole pool fails."""
+    from epdserve.messages import KVAck
+    from epdserve.model_runner import ModelRunner
+    from epdserve.prefill.scheduler import PrefillScheduler
+
+    runner = ModelRunner(tiny_model_path, device=torch.device("cpu"), dtype=torch.float32, num_pages=10,
+                         page_size=4, attention_backend="sdpa", share_kv=True)
+    sched = PrefillScheduler(runner, context_length=4096, max_prefill_tokens=8192, timeout_s=60.0)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4)
+
+    def submit(rid: str, room: int, n: int) -> None:
+        sched.add_request(PrefillRequest(rid, [7 + i % 50 for i in range(n)], [], sp, room))
+        sched.register(KVRegister(rid, room, "tcp://127.0.0.1:1", host_id=sched.host_id, accept_shared=True))
+
+    submit("a", 1, 30)  # 8 of the 10 pages, lent to decode once prefilled
+    (_, ta), = sched.step()
+    assert ta.error is None and ta.kv is None and len(ta.kv_pages) == 8
+    submit("b", 2, 30)  # 8 more pages: only 2 are free
+    for _ in range(3):
+        assert sched.step() == []
+    assert sched.load().num_waiting_reqs == 1  # waiting, not failed
+    sched.ack(KVAck("a", 1))
+    (_, tb), = sched.step()
+    assert tb.rid == "b" and tb.error is None
+    sched.ack(KVAck("b", 2))
+    submit("c", 3, 41)  # 11 pages: more than the pool
+    (_, tc), = sched.step()
+    assert tc.rid == "c" and "more KV pages than the pool has" in tc.error
