@@ -100,6 +100,14 @@ class GatewayConfig:
     allow_remote_images: bool = _f(False, "allow http(s) image URLs (fetched by the gateway)")
     allowed_local_media_path: str = _f("", "allow file:// image URLs under this directory")
     max_tokens_default: int = _f(0, "max completion tokens when the request gives none; 0 = up to the context")
+    stage_timeout_s: float = _f(10.0, "seconds of silence after which prefill, decode or an encoder is taken as "
+                                      "down: its requests end with 503, new ones get 503 until it answers again")
+    heartbeat_interval_s: float = _f(1.0, "seconds between liveness probes of each stage")
+    request_timeout_s: float = _f(0.0, "longest a chat request may take end to end, in seconds (then 504, or an "
+                                       "error event on a stream); 0 = no limit")
+    max_inflight_requests: int = _f(1024, "chat requests in flight at once; more wait in the queue (0 = no limit)")
+    max_queued_requests: int = _f(1024, "requests waiting for a slot; beyond this 429 with Retry-After")
+    queue_timeout_s: float = _f(30.0, "longest wait for a slot in seconds, then 503 with Retry-After")
 
 
 @dataclass

@@ -7,13 +7,17 @@ import torch
 from epdserve.device import to_device
 from epdserve.messages import SamplingParams
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-300 overflows to inf and the
+# softmax to NaN, which multinomial rejects, failing every request of the batch.
+GREEDY_BELOW = 1e-5
+
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """Pick one token per row of ``logits`` ``[B, V]`` float32; returns int64 ``[B]`` on ``logits.device``.
 
-    Rows with ``temperature == 0`` take ``torch.argmax`` (bit-for-bit the choice of transformers' greedy
-    search). Other rows: divide by temperature, keep the ``top_k`` largest (``top_k <= 0`` or ``>= V``: all),
+    Rows with ``0 <= temperature < GREEDY_BELOW`` take ``torch.argmax`` (bit-for-bit the choice of transformers'
+    greedy search). Other rows: divide by temperature, keep the ``top_k`` largest (``top_k <= 0`` or ``>= V``: all),
     then the smallest set of tokens whose probability mass reaches ``top_p`` (Holtzman et al., arXiv:1904.09751;
     the top token is always kept), renormalise and draw with ``torch.multinomial``. Rows with a generator draw
     from it (so a seeded request is reproducible whatever it is batched with); the others share one batched
@@ -27,7 +31,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if len(params) != B or len(generators) != B:
         raise ValueError(f"{B} logit rows but {len(params)} params and {len(generators)} generators")
     out = torch.argmax(logits, dim=-1)
-    rows = [i for i, p in enumerate(params) if p.temperature != 0]
+    rows = [i for i, p in enumerate(params) if p.temperature < 0 or p.temperature >= GREEDY_BELOW]
     if not rows:
         return out
     for i in rows:

@@ -153,6 +153,11 @@ class DecodeScheduler:
             self.pool.free(seq.pages)
             seq.done = True
 
+    def fail_request(self, rid: str, error: str) -> None:
+        """End a request still waiting for its KV with ``error`` (an output to its gateway) and drop it."""
+        for room in [room for room, s in self.pending.items() if s.msg.rid == rid]:
+            self._emit(self.pending.pop(room), "error", error=error)
+
     def load(self) -> Load:
         """What this scheduler holds now; with no request in flight every page is free and no room is held."""
         return Load(role="decode", num_running_reqs=len(self.running), num_waiting_reqs=len(self.ready),

@@ -68,9 +68,10 @@ def serve(config: DecodeConfig) -> None:
                 peer, msg = got
                 if isinstance(msg, DecodeRequest):
                     endpoint, register = sched.add_request(msg, peer)
-                    if endpoint not in to_bootstrap:
-                        to_bootstrap[endpoint] = transport.connect(ctx, zmq.PUSH, endpoint)
-                    transport.send(to_bootstrap[endpoint], register)
+                    if (sock := transport.connect_cached(ctx, zmq.PUSH, endpoint, to_bootstrap)) is not None:
+                        transport.send(sock, register)
+                    else:  # its KV can never arrive
+                        sched.fail_request(msg.rid, f"bad bootstrap address {endpoint!r}")
                 elif isinstance(msg, AbortRequest):
                     sched.abort(msg.rid)
                 elif isinstance(msg, ServerInfoRequest):
@@ -87,9 +88,8 @@ def serve(config: DecodeConfig) -> None:
                 sched.fail_running(f"decode failed: {e}")
                 outputs, sched.outputs = sched.outputs, []
             for endpoint, ack in sched.take_acks():
-                if endpoint not in to_bootstrap:
-                    to_bootstrap[endpoint] = transport.connect(ctx, zmq.PUSH, endpoint)
-                transport.send(to_bootstrap[endpoint], ack)
+                if (sock := transport.connect_cached(ctx, zmq.PUSH, endpoint, to_bootstrap)) is not None:
+                    transport.send(sock, ack)
             by_peer = defaultdict(list)
             for peer, out in outputs:
                 by_peer[peer].append(out)

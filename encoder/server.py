@@ -89,6 +89,48 @@ def tensor_from_proto(msg: encoder_pb2.Tensor) -> torch.Tensor:
     return tensor_from_bytes(msg.data, msg.dtype, list(msg.shape)).clone()
 
 
+class MalformedRequest:
+    """What a request that is not valid protobuf deserializes to, so that Encode can answer INVALID_ARGUMENT
+    (grpc itself would answer UNKNOWN)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+        self.request_id = ""
+
+
+def _lenient(parse):
+    """Wrap a protobuf ``FromString`` so that bytes it cannot parse become a :class:`MalformedRequest`."""
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:  # DecodeError, and whatever else a corrupt wire format raises
+            return MalformedRequest(f"malformed request: {e}")
+
+    return deserialize
+
+
+def add_servicer(servicer: EncoderServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` as ``epdserve.v1.Encoder`` on ``server`` (as the generated
+    ``add_EncoderServicer_to_server`` does, but with requests that do not parse answered INVALID_ARGUMENT)."""
+    pb2 = encoder_pb2
+    handlers = {
+        "Encode": grpc.unary_unary_rpc_method_handler(
+            servicer.Encode, request_deserializer=_lenient(pb2.EncodeRequest.FromString),
+            response_serializer=pb2.EncodeResponse.SerializeToString),
+        "GetLoad": grpc.unary_unary_rpc_method_handler(
+            servicer.GetLoad, request_deserializer=_lenient(pb2.EncoderLoadRequest.FromString),
+            response_serializer=pb2.EncoderLoad.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=_lenient(pb2.GetModelInfoRequest.FromString),
+            response_serializer=pb2.GetModelInfoResponse.SerializeToString),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetServerInfo, request_deserializer=_lenient(pb2.GetServerInfoRequest.FromString),
+            response_serializer=pb2.GetServerInfoResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def _sha256_all(datas: list[bytes]) -> list[str]:
     return [hashlib.sha256(d).hexdigest() for d in datas]
 
@@ -167,6 +209,11 @@ class EmbeddingPusher:
             if isinstance(r, BaseException):
                 raise r
 
+    @property
+    def num_sockets(self) -> int:
+        """PUSH sockets open now (at most ``_MAX_PUSH_SOCKETS``)."""
+        return len(self._sockets)
+
     def close(self) -> None:
         """Close every socket (each lingers up to 1 s for queued messages)."""
         for sock in self._sockets.values():
@@ -197,6 +244,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         # image hash -> future of (embedding, grid_thw) for images being encoded now, shared by all requests.
         self._inflight: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.num_requests = 0  # Encode calls in progress
 
     @property
     def batcher(self) -> EncodeBatcher:
@@ -212,7 +260,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         (anything unexpected; the server keeps serving).
         """
         rid = request.request_id
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         with request_context(rid or None), self.metrics.track_request():
+            self.num_requests += 1
             try:
                 return await self._encode(request)
             except RequestError as e:
@@ -221,12 +272,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             except Exception as e:
                 log.exception("rid=%s encode failed", rid)
                 code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+            finally:
+                self.num_requests -= 1
             self.metrics.on_error(code.name)
             await context.abort(code, message)
 
     async def GetModelInfo(self, request: encoder_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> encoder_pb2.GetModelInfoResponse:
         """The served vision model (path, type, device, dtype, patch geometry); UNAVAILABLE while it loads."""
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         if self.encoder is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the vision model is still loading")
         return model_info(self.encoder)
@@ -234,7 +289,18 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     async def GetServerInfo(self, request: encoder_pb2.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> encoder_pb2.GetServerInfoResponse:
         """Flags, readiness, metrics port, embedding cache and batcher state (answers while loading too)."""
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         return server_info(self)
+
+    async def GetLoad(self, request: encoder_pb2.EncoderLoadRequest,
+                      context: grpc.aio.ServicerContext) -> encoder_pb2.EncoderLoad:
+        """Requests and images in flight and the cache's size now (see proto/encoder.proto)."""
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        return encoder_pb2.EncoderLoad(num_requests=self.num_requests, num_images_encoding=len(self._inflight),
+                                       cached_embeddings=len(self.cache), cache_bytes=self.cache.size_bytes,
+                                       push_sockets=self._pusher.num_sockets)
 
     async def _encode(self, request: encoder_pb2.EncodeRequest) -> encoder_pb2.EncodeResponse:
         rid = request.request_id
@@ -363,7 +429,7 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
     batcher = EncodeBatcher(tower, config.batch_wait_ms, config.max_batch_patches, metrics=metrics)
     servicer = EncoderServicer(EmbeddingCache(config.cache_size_mb * MIB), pusher, batcher, config.max_image_pixels,
                                metrics, config)
-    encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     async with contextlib.AsyncExitStack() as cleanup:  # unwinds in reverse, every step even if one fails

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP front end: routes, auth, errors, client-disconnect handling, and ``main``.
 
 Endpoints: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (200 once the processor is loaded
-and prefill and decode have answered, else 503), and ``GET /metrics``, ``/get_model_info``, ``/get_server_info``
-(:mod:`epdserve.gateway.observability`). Every error is OpenAI error JSON; schema errors and malformed
-JSON are 400 (not FastAPI's 422).
+and prefill and decode have answered and are up, else 503; ``?details=1`` adds a JSON body with every stage's
+liveness and load, ``&fresh=1`` asks prefill and decode for their load now), and ``GET /metrics``,
+``/get_model_info``, ``/get_server_info`` (:mod:`epdserve.gateway.observability`). Every error is OpenAI error
+JSON; schema errors and malformed JSON are 400 (not FastAPI's 422). Overload and stage failures answer 429/503
+with ``Retry-After`` (see :mod:`epdserve.gateway.admission`), the request deadline 504.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import hmac
 import logging
 import sys
+import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -24,12 +27,13 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.config import GatewayConfig
+from epdserve.gateway.admission import Admission, Overloaded
 from epdserve.gateway.chat import APIError, ChatService
 from epdserve.gateway.media import MediaPolicy
 from epdserve.gateway.observability import ClosingStreamingResponse, RequestIds, add_observability_routes
 from epdserve.gateway.prompt import PromptBuilder
 from epdserve.gateway.protocol import ChatCompletionRequest, ModelCard, ModelList
-from epdserve.gateway.stages import StageClient
+from epdserve.gateway.stages import StageClient, StageError
 from epdserve.logging_setup import set_request_context
 from epdserve.metrics import GatewayMetrics
 from epdserve.models.tiny import resolve_model_path
@@ -61,6 +65,7 @@ class Gateway:
         self._http: httpx.AsyncClient | None = None
         self.metrics = GatewayMetrics()
         self.requests = RequestIds(self.metrics)
+        self.admission = Admission(config.max_inflight_requests, config.max_queued_requests, config.queue_timeout_s)
 
     @property
     def ready(self) -> bool:
@@ -126,7 +131,7 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body().model_dump(), status_code=e.status)
+        return JSONResponse(e.body().model_dump(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -145,11 +150,20 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
                            code="invalid_api_key")
 
     @app.get("/health")
-    async def health() -> Response:
-        if gw.ready:
+    async def health(details: bool = False, fresh: bool = False) -> Response:
+        why = gw.stages.unavailable() if gw.chat is not None else None
+        if gw.ready and why is None and not details:
             return Response(status_code=200)
-        msg = f"not ready: {gw.startup_error}" if gw.startup_error else "not ready: waiting for the stages"
-        return JSONResponse(APIError(503, msg).body().model_dump(), status_code=503)
+        if not gw.ready:
+            why = f"not ready: {gw.startup_error}" if gw.startup_error else "not ready: waiting for the stages"
+        status = 200 if why is None else 503
+        if not details:
+            return JSONResponse(APIError(503, why).body().model_dump(), status_code=503)
+        body = {"status": "ok" if why is None else "unavailable", "reason": why,
+                "gateway": {"inflight": gw.admission.inflight, "queued": gw.admission.queued,
+                            "at_stages": gw.stages.num_inflight if gw.ready else 0},
+                "stages": await gw.stages.health(fresh) if gw.stages.liveness else {}}
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> JSONResponse:
@@ -196,17 +210,32 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
             raise APIError(400, problem)
         if not gw.ready:
             raise APIError(503, "the server is starting: the stages are not ready yet")
-        chat = gw.chat
-        prepared = await _until_disconnect(request, chat.prepare(rid, req))
-        if req.stream:
-            # Starlette cancels the body iterator when the client disconnects; ChatService.stream aborts then.
-            return ClosingStreamingResponse(chat.stream(prepared), media_type="text/event-stream",
-                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                            on_close=lambda: _stream_closed(prepared))
-        response = await _until_disconnect(request, chat.complete(prepared))
-        return JSONResponse(response.model_dump())
+        if (why := gw.stages.unavailable()) is not None:
+            raise APIError.from_stage(StageError(why, 503))
+        try:
+            await _until_disconnect(request, gw.admission.acquire())
+        except Overloaded as e:
+            raise APIError(e.status, e.message, headers={"Retry-After": str(e.retry_after_s)}) from None
+        streaming = False
+        try:
+            chat = gw.chat
+            timeout = config.request_timeout_s
+            deadline = time.monotonic() + timeout if timeout > 0 else None
+            prepared = await _until_disconnect(request, chat.prepare(rid, req, deadline))
+            if req.stream:
+                # Starlette cancels the body iterator when the client disconnects; ChatService.stream aborts then.
+                streaming = True
+                return ClosingStreamingResponse(chat.stream(prepared), media_type="text/event-stream",
+                                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                                on_close=lambda: _stream_closed(prepared))
+            response = await _until_disconnect(request, chat.complete(prepared))
+            return JSONResponse(response.model_dump())
+        finally:
+            if not streaming:
+                gw.admission.release()
 
     def _stream_closed(prepared) -> None:
+        gw.admission.release()
         gw.requests.close(prepared.rid)
         prepared.trace.fail("client_disconnected", "abort")  # a no-op when the stream got to its end
 

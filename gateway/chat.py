@@ -33,20 +33,31 @@ from epdserve.metrics import GatewayMetrics, RequestTrace
 logger = logging.getLogger("epdserve.gateway")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+                503: "service_unavailable", 504: "timeout_error"}
+# Seconds a client should wait before retrying after a stage went down: about one heartbeat, so a restarted stage
+# is seen by then.
+STAGE_RETRY_AFTER_S = 2
 
 
 class APIError(Exception):
-    """An error answered as OpenAI error JSON with HTTP ``status``."""
+    """An error answered as OpenAI error JSON with HTTP ``status`` (and ``headers``, e.g. ``Retry-After``)."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | int | None = None):
+                 code: str | int | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.param = param
         self.code = code if code is not None else status
+        self.headers = headers
+
+    @classmethod
+    def from_stage(cls, e: StageError) -> APIError:
+        """The answer to a :class:`StageError`: its status and message; a 503 says when to retry."""
+        headers = {"Retry-After": str(STAGE_RETRY_AFTER_S)} if e.status == 503 else None
+        return cls(e.status, e.message, headers=headers)
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
@@ -63,6 +74,7 @@ class PreparedChat:
     prefill: PrefillRequest
     decode: DecodeRequest
     trace: RequestTrace  # its timings and usage, recorded in the gateway's metrics
+    deadline: float | None = None  # time.monotonic() value after which the request ends with 504
 
 
 class ChatService:
@@ -96,12 +108,16 @@ class ChatService:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def prepare(self, rid: str, req: ChatCompletionRequest) -> PreparedChat:
+    async def prepare(self, rid: str, req: ChatCompletionRequest, deadline: float | None = None) -> PreparedChat:
         """Fetch and encode images, build the prompt, check lengths and build the stage requests.
+
+        Args:
+            deadline: ``time.monotonic()`` value after which the request ends with 504 (None: none); it is kept in
+                the result for :meth:`complete` and :meth:`stream`.
 
         Raises:
             APIError: 400/413 for bad images or prompts, the encoder's status for encoder failures, 503 when the
-                stages are not ready.
+                stages are not ready or a stage goes down, 504 past ``deadline``.
         """
         trace = self.metrics.trace()
         hf_messages, urls = to_hf_messages(req.messages)
@@ -114,7 +130,7 @@ class ChatService:
         pieces = asyncio.get_running_loop().run_in_executor(self._executor, self.builder.tokenize_template,
                                                             hf_messages)
         try:
-            encoded = await trace.encode(self.stages.encode(rid, images)) if images else []
+            encoded = await trace.encode(self.stages.encode(rid, images, deadline)) if images else []
             logger.debug("rid=%s encoder answered", rid)
             prompt = self.builder.splice(await pieces, encoded)
             max_new = self._max_new_tokens(req, len(prompt.input_ids))
@@ -124,7 +140,7 @@ class ChatService:
             if images:
                 self.stages.abort(rid)
             if isinstance(e, StageError):
-                raise APIError(e.status, e.message) from None
+                raise APIError.from_stage(e) from None
             if isinstance(e, PromptError):
                 raise APIError(400, str(e), param="messages") from None
             raise
@@ -147,7 +163,7 @@ class ChatService:
                                bootstrap_room=room)
         logger.debug("rid=%s prompt_tokens=%d images=%d max_new_tokens=%d", rid, len(prompt.input_ids),
                      len(images), max_new)
-        return PreparedChat(rid, req, prompt, prefill, decode, trace)
+        return PreparedChat(rid, req, prompt, prefill, decode, trace, deadline)
 
     def _max_new_tokens(self, req: ChatCompletionRequest, prompt_len: int) -> int:
         context = self.stages.context_length
@@ -170,21 +186,26 @@ class ChatService:
         """Run ``chat`` to the end and build the ``chat.completion`` response.
 
         Raises:
-            APIError: 500 when a stage reports an error.
+            APIError: 500 when a stage reports an error, 503 when a stage it needs is or goes down, 504 past the
+                deadline.
         """
         t0 = time.monotonic()
         detok = self._detokenizer(chat)
         texts: list[str] = []
         token_ids: list[int] = []
         final: TokenOutput | None = None
-        async with aclosing(self.stages.generate(chat.prefill, chat.decode)) as outputs:
-            async for out in outputs:
-                text, final = _detokenize(detok, out)
-                chat.trace.output(len(final.token_ids))
-                texts.append(text)
-                token_ids.extend(final.token_ids)
-                if final.finish_reason is not None:
-                    break  # on a stop string: leaving the iterator aborts the request at prefill and decode
+        try:
+            async with aclosing(self.stages.generate(chat.prefill, chat.decode, chat.deadline)) as outputs:
+                async for out in outputs:
+                    text, final = _detokenize(detok, out)
+                    chat.trace.output(len(final.token_ids))
+                    texts.append(text)
+                    token_ids.extend(final.token_ids)
+                    if final.finish_reason is not None:
+                        break  # on a stop string: leaving the iterator aborts the request at prefill and decode
+        except StageError as e:
+            logger.warning("rid=%s failed: %s", chat.rid, e.message)
+            raise APIError.from_stage(e) from None
         if final.finish_reason == "error":
             logger.warning("rid=%s failed: %s", chat.rid, final.error)
             raise APIError(500, final.error or "generation failed")
@@ -202,7 +223,8 @@ class ChatService:
 
     async def stream(self, chat: PreparedChat) -> AsyncIterator[str]:
         """Yield the SSE events of ``chat``: a role chunk, content chunks, a finish chunk, an optional usage chunk,
-        then ``data: [DONE]``. A stage error becomes an ``{"error": ...}`` event before ``[DONE]``.
+        then ``data: [DONE]``. A stage error, a stage going down (503) and the deadline (504) become an
+        ``{"error": ...}`` event before ``[DONE]``.
 
         Closing the iterator early (client gone) aborts the request on the stages, and so does a stop string: the
         stream then ends with the text cut before it and ``finish_reason`` "stop".
@@ -224,7 +246,7 @@ class ChatService:
         final: TokenOutput | None = None
         n_tokens = 0
         try:
-            async with aclosing(self.stages.generate(chat.prefill, chat.decode)) as outputs:
+            async with aclosing(self.stages.generate(chat.prefill, chat.decode, chat.deadline)) as outputs:
                 async for out in outputs:
                     text, final = _detokenize(detok, out)
                     n_tokens += len(final.token_ids)
@@ -242,7 +264,13 @@ class ChatService:
                     if final.finish_reason is not None:
                         yield event([ChunkChoice(delta=Delta(), finish_reason=final.finish_reason)])
                         break  # on a stop string: leaving the iterator aborts the request at prefill and decode
-        except Exception as e:  # the response has started: the only way left to report is an error event
+        except StageError as e:  # the response has started: the only way left to report is an error event
+            logger.warning("rid=%s failed: %s", chat.rid, e.message)
+            chat.trace.fail(f"http_{e.status}")
+            yield f"data: {APIError.from_stage(e).body().model_dump_json()}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        except Exception as e:
             logger.exception("rid=%s stream failed", chat.rid)
             chat.trace.fail("internal")
             yield f"data: {APIError(500, f'internal error: {e}').body().model_dump_json()}\n\n"

@@ -8,7 +8,9 @@ images whose top choice it is.
 
 An encoder whose RPC fails with status 503 (UNAVAILABLE, connection refused, deadline) is marked down, its images
 are retried once on the next encoder of each image's rendezvous order, and it is probed in the background (gRPC
-health) until it is SERVING again.
+health) until it is SERVING again. With a heartbeat, the encoders that are up are probed too: one whose health
+check has not said SERVING for ``stage_timeout_s`` seconds (hung, stopped, unreachable) is marked down the same
+way, and its calls in flight are cancelled, so their images are retried elsewhere or fail with 503 at once.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import asyncio
 import contextvars
 import hashlib
 import logging
+import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from epdserve.gateway.media import run_cpu_bound
 from epdserve.gateway.prompt import EncodedImage
@@ -84,9 +87,12 @@ class EncoderPool:
     Args:
         clients: the encoders; their ``addr`` must be distinct.
         probe_interval_s: seconds between health probes of an encoder that is down.
+        heartbeat_interval_s: seconds between health probes of the encoders that are up (0: none).
+        stage_timeout_s: seconds without a SERVING answer after which an encoder that is up is marked down.
     """
 
-    def __init__(self, clients: Sequence[PooledEncoder], probe_interval_s: float = PROBE_INTERVAL_S):
+    def __init__(self, clients: Sequence[PooledEncoder], probe_interval_s: float = PROBE_INTERVAL_S, *,
+                 heartbeat_interval_s: float = 0.0, stage_timeout_s: float = 10.0):
         if not clients:
             raise ValueError("an encoder pool needs at least one encoder")
         self.clients = list(clients)
@@ -94,7 +100,12 @@ class EncoderPool:
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"duplicate encoder addresses in {self.names}")
         self.probe_interval_s = probe_interval_s
+        self.heartbeat_interval_s, self.stage_timeout_s = heartbeat_interval_s, stage_timeout_s
         self._probes: dict[int, asyncio.Task] = {}  # encoder index -> its probe task, while it is down
+        self._reasons: dict[int, str] = {}  # encoder index -> why it is down
+        self._calls: dict[int, set[asyncio.Task]] = {i: set() for i in range(len(self.clients))}  # in flight
+        self._last_ok = [time.monotonic()] * len(self.clients)  # last SERVING answer (or start)
+        self._heartbeat: asyncio.Task | None = None
 
     @property
     def up(self) -> list[str]:
@@ -128,6 +139,9 @@ class EncoderPool:
         for i, t in enumerate(waits):
             if not connected(t):
                 self._mark_down(i, "not reachable at startup")
+        if self.heartbeat_interval_s > 0 and self._heartbeat is None:
+            self._last_ok = [time.monotonic()] * len(self.clients)
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def encode(self, rid: str, images: list[bytes], targets: list[str]) -> list[EncodedImage]:
         """See :class:`~epdserve.gateway.stages.EncoderClient`.
@@ -165,15 +179,20 @@ class EncoderPool:
             StageError: the first non-503 error, in encoder order, after every call has finished.
         """
         encs = list(groups)
+        calls = []
         for e in encs:
             logger.debug("rid=%s %d image(s) -> encoder %s", rid, len(groups[e]), self.names[e])
-        outs = await asyncio.gather(
-            *(self.clients[e].encode(rid, [images[p] for p in groups[e]], targets) for e in encs),
-            return_exceptions=True)
+            call = asyncio.ensure_future(self.clients[e].encode(rid, [images[p] for p in groups[e]], targets))
+            self._calls[e].add(call)  # so that marking the encoder down cancels it
+            call.add_done_callback(self._calls[e].discard)
+            calls.append(call)
+        outs = await asyncio.gather(*calls, return_exceptions=True)
         failed: list[int] = []
         error: BaseException | None = None
         for e, out in zip(encs, outs):
-            if isinstance(out, StageError) and out.status == 503:
+            if isinstance(out, asyncio.CancelledError) and e in self._probes:  # cancelled by _mark_down
+                failed += groups[e]
+            elif isinstance(out, StageError) and out.status == 503:
                 self._mark_down(e, out.message)
                 failed += groups[e]
             elif isinstance(out, BaseException):
@@ -190,9 +209,44 @@ class EncoderPool:
             return
         logger.warning("encoder %s is down (%s); probing it every %g s", self.names[i], why,
                        self.probe_interval_s)
+        self._reasons[i] = why
         # A fresh context: the probe outlives the request that found the encoder down, and its log lines are
         # not about that request.
         self._probes[i] = asyncio.get_running_loop().create_task(self._probe(i), context=contextvars.Context())
+        for call in list(self._calls[i]):  # their images are retried elsewhere (or fail with 503) at once
+            call.cancel()
+
+    async def _beat(self) -> None:
+        """Probe every encoder that is up each ``heartbeat_interval_s``; mark one down after ``stage_timeout_s``
+        seconds without a SERVING answer."""
+        async def check(i: int) -> None:
+            try:
+                ok = await self.clients[i].serving()
+            except Exception:
+                ok = False
+            now = time.monotonic()
+            if ok:
+                self._last_ok[i] = now
+            elif i not in self._probes and now - self._last_ok[i] > self.stage_timeout_s:
+                self._mark_down(i, f"no healthy answer for {self.stage_timeout_s:g} s")
+
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            up = [i for i in range(len(self.clients)) if i not in self._probes]
+            await asyncio.gather(*(check(i) for i in up))
+
+    async def status(self) -> list[dict[str, Any]]:
+        """Each encoder's address, whether it is up (and why not), and its ``GetLoad`` answer when it gives one."""
+        async def one(i: int) -> dict[str, Any]:
+            out: dict[str, Any] = {"addr": self.names[i], "up": i not in self._probes}
+            if i in self._probes:
+                out["reason"] = self._reasons.get(i, "")
+            load = getattr(self.clients[i], "load", None)
+            if load is not None and (got := await load()) is not None:
+                out["load"] = got
+            return out
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(self.clients)))))
 
     async def _probe(self, i: int) -> None:
         while True:
@@ -204,6 +258,7 @@ class EncoderPool:
                 serving = False
             if serving:
                 del self._probes[i]
+                self._last_ok[i] = time.monotonic()
                 logger.info("encoder %s is serving again", self.names[i])
                 return
 
@@ -211,6 +266,9 @@ class EncoderPool:
         """Stop the probes and close every client."""
         probes = list(self._probes.values())
         self._probes.clear()
+        if self._heartbeat is not None:
+            probes.append(self._heartbeat)
+            self._heartbeat = None
         for t in probes:
             t.cancel()
         await asyncio.gather(*probes, return_exceptions=True)

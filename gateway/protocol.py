@@ -20,6 +20,10 @@ def _is_none(value: object) -> bool:
 
 # Extension fields are left out of the JSON when unset so plain OpenAI responses stay byte-for-byte familiar.
 _Extension = Field(default=None, exclude_if=_is_none)
+# Integers travel to the stages as msgpack int64 (a seed may use the unsigned range, as torch.manual_seed does).
+_INT64_MAX = (1 << 63) - 1
+_Int64 = Annotated[int, Field(ge=-(1 << 63), le=_INT64_MAX)]
+_TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
 
 
 class ImageURL(BaseModel):
@@ -72,14 +76,14 @@ class ChatCompletionRequest(BaseModel):
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = None
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    top_k: _Int64 | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
+    max_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[_TokenId] | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None

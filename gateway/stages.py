@@ -2,7 +2,9 @@
 
 One ``zmq.asyncio`` DEALER connects to each of the prefill and decode ROUTER sockets. Requests and replies are
 ``epdserve.messages`` frames. After the startup handshake (``ServerInfoRequest`` -> ``ServerInfo``) a reader task
-per socket routes every ``TokenOutput`` (alone or in a ``TokenOutputBatch``) to the queue of its request id.
+per socket routes every ``TokenOutput`` (alone or in a ``TokenOutputBatch``) to the queue of its request id, and
+:mod:`epdserve.gateway.liveness` watches each stage: a stage that dies or falls silent ends the requests that
+depend on it with a 503 within ``--stage-timeout-s`` (at once when its connection drops).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import zmq
@@ -18,10 +21,12 @@ import zmq.asyncio
 
 from epdserve.config import GatewayConfig
 from epdserve.gateway.prompt import EncodedImage
+from epdserve.gateway.liveness import StageLiveness, try_send
 from epdserve.messages import (
-    AbortRequest, DecodeRequest, PrefillRequest, ServerInfo, ServerInfoRequest, TokenOutput, TokenOutputBatch,
-    WireError, decode, encode,
+    AbortRequest, DecodeRequest, Load, PrefillRequest, ServerInfo, ServerInfoRequest, TokenOutput, TokenOutputBatch,
+    WireError, decode,
 )
+from epdserve.validate import check_message
 
 logger = logging.getLogger("epdserve.gateway")
 
@@ -122,9 +127,25 @@ class GrpcEncoderClient:
         # proto3's JSON mapping writes int64 as strings; this answer is for people and dashboards.
         int64 = {f.name for f in resp.DESCRIPTOR.fields if f.cpp_type == f.CPPTYPE_INT64}
         return {k: int(v) if k in int64 else v for k, v in out.items()}
+    async def load(self) -> dict[str, int] | None:
+        """The encoder's ``GetLoad`` answer as a dict (requests/images in flight, cache entries and bytes, push
+        sockets), or None when it does not answer within 1 s."""
+        try:
+            resp = await self._stub.GetLoad(self._pb2.EncoderLoadRequest(), timeout=1)
+        except self._grpc.aio.AioRpcError:
+            return None
+        return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+@dataclass
+class _Route:
+    """Where the outputs of one request in flight go."""
+
+    queue: asyncio.Queue  # TokenOutput, or a StageError that ends the request
+    started: bool = False  # decode has sent an output: prefill is done with this request
 
 
 class StageClient:
@@ -133,9 +154,15 @@ class StageClient:
     Lifecycle: :meth:`start` (handshake, may wait for servers still loading), then any number of :meth:`encode`
     and :meth:`generate`, then :meth:`close`. All methods run on the event loop that called :meth:`start`.
 
+    After the handshake each ZMQ stage is watched (:class:`~epdserve.gateway.liveness.StageLiveness`): when one
+    goes down, the requests that depend on it end at once with a 503 :class:`StageError` (decode: all of them;
+    prefill: those decode has sent nothing for yet, and those still being encoded, whose embeddings go to
+    prefill), and new requests get a 503 from :meth:`unavailable` until it answers again.
+
     Args:
         config: addresses come from ``encoder_addr`` (one or more, comma-separated: an
-            :class:`~epdserve.gateway.encoders.EncoderPool` routes between them), ``prefill_addr``, ``decode_addr``.
+            :class:`~epdserve.gateway.encoders.EncoderPool` routes between them), ``prefill_addr``, ``decode_addr``;
+            ``heartbeat_interval_s`` and ``stage_timeout_s`` set the liveness checks.
         encoder: an :class:`EncoderClient` to use instead of gRPC (tests).
     """
 
@@ -144,12 +171,12 @@ class StageClient:
         self.encoder = encoder
         self.prefill_info: ServerInfo | None = None
         self.decode_info: ServerInfo | None = None
+        self.liveness: dict[str, StageLiveness] = {}  # "prefill"/"decode" -> its state, once started
         self._ctx: zmq.asyncio.Context | None = None
         self._prefill: zmq.asyncio.Socket | None = None
         self._decode: zmq.asyncio.Socket | None = None
-        self._routes: dict[str, asyncio.Queue[TokenOutput]] = {}  # rid -> its outputs
+        self._routes: dict[str, _Route] = {}  # rid -> its outputs
         self._readers: list[asyncio.Task] = []
-        self._sends: set[asyncio.Task] = set()  # abort sends in flight (referenced so they are not collected)
 
     @property
     def ready(self) -> bool:
@@ -158,13 +185,27 @@ class StageClient:
 
     @property
     def context_length(self) -> int:
-        """Longest prompt + completion in tokens that both prefill and decode accept."""
+        """Longest prompt + completion in tokens that both prefill and decode accept, and that fits their KV
+        pools (decode reserves pages for the whole output at admission: a request larger than its pool could
+        never run)."""
         if not self.ready:
             raise StageError("stages are not ready", 503)
-        return min(self.prefill_info.context_length, self.decode_info.context_length)
+        p, d = self.prefill_info, self.decode_info
+        return min(p.context_length, d.context_length, p.num_pages * p.page_size, d.num_pages * d.page_size)
+
+    def unavailable(self) -> str | None:
+        """Why a new request cannot be served now (not started, or prefill or decode down), or None."""
+        if not self.ready:
+            return "the server is starting: the stages are not ready yet"
+        for role in ("prefill", "decode"):
+            lv = self.liveness.get(role)
+            if lv is not None and not lv.up:
+                return f"the {role} server is unavailable ({lv.reason}); retry later"
+        return None
 
     async def start(self, timeout_s: float = 300.0) -> None:
-        """Connect and handshake with prefill and decode (and the encoder), retrying until ``timeout_s``.
+        """Connect and handshake with prefill and decode (and the encoder), retrying until ``timeout_s``; then
+        start the liveness checks.
 
         Raises:
             TimeoutError: a server (or every encoder) did not answer in time.
@@ -191,11 +232,21 @@ class StageClient:
                 raise task.exception()
         prefill_info, decode_info = (task.result() for task in handshakes)
         loop = asyncio.get_running_loop()
-        self._readers = [loop.create_task(self._read_loop(sock)) for sock in (self._prefill, self._decode)]
+        cfg = self.config
+        for role, sock, info, addr in (("prefill", self._prefill, prefill_info, cfg.prefill_addr),
+                                       ("decode", self._decode, decode_info, cfg.decode_addr)):
+            self.liveness[role] = StageLiveness(role, addr, sock, info, interval_s=cfg.heartbeat_interval_s,
+                                                timeout_s=cfg.stage_timeout_s, on_down=self._on_down,
+                                                on_up=self._on_up)
+        self._readers = [loop.create_task(self._read_loop(self._prefill, self.liveness["prefill"])),
+                         loop.create_task(self._read_loop(self._decode, self.liveness["decode"]))]
+        for lv in self.liveness.values():
+            lv.start()
         if self.encoder is None:
             from epdserve.gateway.encoders import EncoderPool, parse_encoder_addrs  # it imports this module
 
-            pool = EncoderPool([GrpcEncoderClient(a) for a in parse_encoder_addrs(self.config.encoder_addr)])
+            pool = EncoderPool([GrpcEncoderClient(a) for a in parse_encoder_addrs(cfg.encoder_addr)],
+                               heartbeat_interval_s=cfg.heartbeat_interval_s, stage_timeout_s=cfg.stage_timeout_s)
             self.encoder = pool
             await pool.wait_ready(max(deadline - time.monotonic(), 1.0))
         # Set last: `ready` must not turn true before everything above is usable.
@@ -204,15 +255,19 @@ class StageClient:
     def _connect(self, addr: str) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # Queue nothing for a stage without a live connection: sends fail at once (see liveness.try_send).
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        # ... and never refuse a send to a connected one for queue length: admission control bounds the requests.
+        sock.setsockopt(zmq.SNDHWM, 0)
         sock.connect(addr)
         return sock
 
     async def _handshake(self, sock: zmq.asyncio.Socket, role: str, addr: str, deadline: float) -> ServerInfo:
-        # Re-ask every few seconds: a request sent before the server bound may be dropped on reconnect. Extra
-        # ServerInfo replies that arrive later are ignored by the reader loop.
+        # Re-ask every few seconds (every 0.1 s while there is no connection to send on). Extra ServerInfo replies
+        # that arrive later are taken by the reader loop.
         while True:
-            await sock.send_multipart(encode(ServerInfoRequest()))
-            wait_until = min(time.monotonic() + 2.0, deadline)
+            sent = try_send(sock, ServerInfoRequest())
+            wait_until = min(time.monotonic() + (2.0 if sent else 0.1), deadline)
             while (left := wait_until - time.monotonic()) > 0:
                 if not await sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                     continue
@@ -230,55 +285,109 @@ class StageClient:
                 raise TimeoutError(f"{role} server at {addr} did not answer")
             logger.debug("waiting for the %s server at %s", role, addr)
 
-    async def _read_loop(self, sock: zmq.asyncio.Socket) -> None:
+    async def _read_loop(self, sock: zmq.asyncio.Socket, liveness: StageLiveness) -> None:
         while True:
             frames = await sock.recv_multipart()
             try:
-                msg = decode(frames)
-            except WireError as e:
-                logger.warning("dropped a malformed message from a stage: %s", e)
+                msg = check_message(decode(frames))
+            except Exception as e:  # whatever a broken stage sends, the reader must keep routing
+                logger.warning("dropped a malformed message from the %s server: %s", liveness.role, str(e)[:300])
                 continue
+            liveness.heard(msg)
             if isinstance(msg, TokenOutputBatch):
                 for out in msg.outputs:
                     self._route(out)
             elif isinstance(msg, TokenOutput):
                 self._route(msg)
-            elif not isinstance(msg, ServerInfo):  # late handshake replies are expected
-                logger.warning("unexpected %s from a stage", type(msg).__name__)
+            elif not isinstance(msg, (ServerInfo, Load)):
+                logger.warning("unexpected %s from the %s server", type(msg).__name__, liveness.role)
 
     def _route(self, out: TokenOutput) -> None:
-        queue = self._routes.get(out.rid)
-        if queue is not None:  # outputs of finished or aborted requests are dropped
-            queue.put_nowait(out)
+        route = self._routes.get(out.rid)
+        if route is not None:  # outputs of finished or aborted requests are dropped
+            route.started = True
+            route.queue.put_nowait(out)
 
-    async def encode(self, rid: str, images: list[bytes]) -> list[EncodedImage]:
+    def _on_down(self, role: str, reason: str) -> None:
+        err = StageError(f"the {role} server went down ({reason}); retry later", 503)
+        failed = 0
+        for route in self._routes.values():
+            if role == "decode" or not route.started:
+                route.queue.put_nowait(err)
+                failed += 1
+        if failed:
+            logger.warning("%d request(s) in flight ended: the %s server is down", failed, role)
+
+    def _on_up(self, info: ServerInfo) -> None:
+        if info.role == "prefill":
+            self.prefill_info = info
+        else:
+            self.decode_info = info
+
+    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None) -> list[EncodedImage]:
         """Encode ``images`` for ``rid``; the embeddings go straight to every prefill TP rank.
 
-        Raises:
-            StageError: see :class:`EncoderClient`; 503 before :meth:`start` finished.
-        """
-        if not self.ready:
-            raise StageError("stages are not ready", 503)
-        return await self.encoder.encode(rid, images, list(self.prefill_info.embed_endpoints))
+        Args:
+            deadline: ``time.monotonic()`` value after which the encode is cancelled (None: no deadline).
 
-    async def generate(self, prefill_req: PrefillRequest, decode_req: DecodeRequest) -> AsyncIterator[TokenOutput]:
+        Raises:
+            StageError: see :class:`EncoderClient`; 503 before :meth:`start` finished or while (or once) the
+                prefill server is down; 504 past ``deadline``.
+        """
+        if (why := self.unavailable()) is not None:
+            raise StageError(why, 503)
+        prefill_down = self.liveness["prefill"].went_down() if "prefill" in self.liveness else None
+        work = asyncio.ensure_future(self.encoder.encode(rid, images, list(self.prefill_info.embed_endpoints)))
+        waits = {work} if prefill_down is None else {work, prefill_down}
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work in done:
+            return work.result()
+        if prefill_down is not None and prefill_down in done:
+            raise StageError(f"the prefill server went down ({prefill_down.result()}); retry later", 503)
+        raise StageError("the request did not finish within the server's deadline (while encoding images)", 504)
+
+    async def generate(self, prefill_req: PrefillRequest, decode_req: DecodeRequest,
+                       deadline: float | None = None) -> AsyncIterator[TokenOutput]:
         """Send the request to decode, then prefill, and yield its outputs until one has a ``finish_reason``.
 
-        If the iteration stops early (client gone, task cancelled, generator closed) an ``AbortRequest`` goes to
-        both servers. Use it under ``contextlib.aclosing`` so that happens promptly.
+        If the iteration stops early (client gone, task cancelled, generator closed, error) an ``AbortRequest``
+        goes to both servers. Use it under ``contextlib.aclosing`` so that happens promptly.
+
+        Args:
+            deadline: ``time.monotonic()`` value after which the request is ended (None: no deadline).
+
+        Raises:
+            StageError: 503 when prefill or decode is down (or goes down while the request depends on it), 504
+                past ``deadline``.
         """
+        if (why := self.unavailable()) is not None:
+            raise StageError(why, 503)
         rid = prefill_req.rid
-        queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
-        self._routes[rid] = queue
+        route = _Route(asyncio.Queue())
+        self._routes[rid] = route
         finished = False
         try:
             # Decode first: it registers with prefill's bootstrap server, and prefill waits for that anyway.
-            await self._decode.send_multipart(encode(decode_req))
-            await self._prefill.send_multipart(encode(prefill_req))
+            for role, sock, msg in (("decode", self._decode, decode_req), ("prefill", self._prefill, prefill_req)):
+                if not try_send(sock, msg):
+                    self.liveness[role].mark_down("no connection")
+                    raise StageError(f"the {role} server is unavailable (no connection); retry later", 503)
             while True:
-                out = await queue.get()
-                finished = out.finish_reason is not None
-                yield out
+                timeout = None if deadline is None else deadline - time.monotonic()
+                try:
+                    item = await asyncio.wait_for(route.queue.get(), timeout)
+                except TimeoutError:
+                    raise StageError("the request did not finish within the server's deadline", 504) from None
+                if isinstance(item, StageError):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
                 if finished:
                     return
         finally:
@@ -287,29 +396,37 @@ class StageClient:
                 self.abort(rid)
 
     def abort(self, rid: str) -> None:
-        """Tell prefill and decode to drop ``rid`` (unknown ids are the servers' to ignore).
-
-        Synchronous on purpose: it runs in ``finally`` blocks of cancelled tasks, where an ``await`` could be
-        cancelled again. The sends happen in a separate task.
-        """
+        """Tell prefill and decode to drop ``rid`` (unknown ids are the servers' to ignore); a stage with no
+        connection is skipped (a restarted one has nothing of ``rid``). Synchronous: it runs in ``finally`` blocks
+        of cancelled tasks."""
         if self._prefill is None:
             return
         logger.debug("rid=%s abort", rid)
-        task = asyncio.get_running_loop().create_task(self._send_all(encode(AbortRequest(rid))))
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
-
-    async def _send_all(self, frames: list[Any]) -> None:
         for sock in (self._prefill, self._decode):
-            try:
-                await sock.send_multipart(frames)
-            except zmq.ZMQError as e:
-                logger.warning("could not send an abort: %s", e)
+            try_send(sock, AbortRequest(rid))
+
+    @property
+    def num_inflight(self) -> int:
+        """Requests sent to prefill/decode and not finished."""
+        return len(self._routes)
+
+    async def health(self, fresh: bool = False) -> dict[str, Any]:
+        """Every stage's liveness and load, JSON-ready: ``{"prefill": {...}, "decode": {...}, "encoders": [...]}``.
+
+        Args:
+            fresh: ask prefill and decode for their ``Load`` now (up to 1 s) instead of the last heartbeat's.
+        """
+        if fresh:
+            await asyncio.gather(*(lv.fresh_load() for lv in self.liveness.values()))
+        out: dict[str, Any] = {role: lv.status() for role, lv in self.liveness.items()}
+        status = getattr(self.encoder, "status", None)
+        out["encoders"] = await status() if status is not None else []
+        return out
 
     async def close(self) -> None:
-        """Stop the readers, flush pending aborts briefly, close sockets and the encoder channel."""
-        if self._sends:
-            await asyncio.wait(list(self._sends), timeout=1.0)
+        """Stop the liveness checks and readers, close sockets and the encoder channel."""
+        for lv in self.liveness.values():
+            await lv.stop()
         for task in self._readers:
             task.cancel()
         await asyncio.gather(*self._readers, return_exceptions=True)

@@ -90,6 +90,9 @@ class PrefillScheduler:
         self.pool_handle = runner.kv_handle()  # None: this pool is not shared, KV goes through host memory
         self.host_id = host_id()
         self.metrics = metrics if metrics is not None else PrefillMetrics()
+        # rid -> expiry of aborted requests: embeddings and decode registrations travel on other sockets than the
+        # abort and may land after it; without this they would be held until their own timeout.
+        self.aborted: dict[str, float] = {}
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def add_request(self, msg: PrefillRequest) -> None:
@@ -105,14 +108,21 @@ class PrefillScheduler:
         log.debug("rid=%s request received (%d tokens)", msg.rid, len(msg.input_ids))
 
     def add_embeddings(self, msg: ImageEmbeddings) -> None:
-        """Stash the encoder's embeddings for ``msg.rid`` until (or after) its request arrives."""
+        """Stash the encoder's embeddings for ``msg.rid`` until (or after) its request arrives (dropped when the
+        request was aborted already)."""
+        if msg.rid in self.aborted:
+            log.debug("rid=%s embeddings of an aborted request dropped", msg.rid)
+            return
         _, by_hash = self.embeds.setdefault(msg.rid, (time.monotonic() + self.timeout_s, {}))
         log.debug("rid=%s embeddings received", msg.rid)
         for h, emb in zip(msg.image_hashes, msg.embeddings):
             by_hash[h] = emb
 
     def register(self, msg: KVRegister) -> None:
-        """A decode server asks for the KV of ``msg.bootstrap_room`` at ``msg.kv_endpoint``."""
+        """A decode server asks for the KV of ``msg.bootstrap_room`` at ``msg.kv_endpoint`` (ignored when the
+        request was aborted already)."""
+        if msg.rid in self.aborted:
+            return
         self.registered[msg.bootstrap_room] = (time.monotonic() + self.timeout_s, msg)
 
     def ack(self, msg: KVAck) -> None:
@@ -123,7 +133,9 @@ class PrefillScheduler:
             log.debug("rid=%s KV copied by decode, pages released", msg.rid)
 
     def abort(self, rid: str) -> None:
-        """Drop ``rid`` wherever it is and free its pages."""
+        """Drop ``rid`` wherever it is and free its pages; its embeddings or registration arriving later are
+        dropped too."""
+        self.aborted[rid] = time.monotonic() + self.timeout_s
         self.embeds.pop(rid, None)
         req = self.waiting.pop(rid, None)
         for r in [r for r in self.running if r.msg.rid == rid]:
@@ -227,6 +239,8 @@ class PrefillScheduler:
                 if isinstance(item, _Req):
                     log.warning("rid=%s KV not taken by a decode server in time; pages released", item.msg.rid)
                     self._release(item, insert=True)
+        for rid in [rid for rid, expiry in self.aborted.items() if expiry < now]:
+            del self.aborted[rid]
 
     def _admit(self) -> None:
         for rid, req in list(self.waiting.items()):
@@ -239,10 +253,14 @@ class PrefillScheduler:
                 self._finish_error(req.msg, err)
                 continue
             if not self._allocate(req):
-                if not self.running:  # nothing will free pages: it can never fit
+                # Pages held now come back (prefill ends, a decode server acks or dies, deadlines): only a prompt
+                # larger than the whole pool can never fit. Failing whenever nothing runs here would fail requests
+                # under load while decode servers still copy lent pages.
+                if self.pool.pages_for(req.n) > self.pool.num_pages:
                     del self.waiting[rid]
                     self.metrics.on_error("kv_pool_too_small")
                     self._finish_error(req.msg, f"prompt of {req.n} tokens needs more KV pages than the pool has")
+                    continue
                 break  # first come, first served: later requests wait behind it
             del self.waiting[rid]
             self.running.append(req)

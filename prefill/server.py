@@ -91,9 +91,8 @@ def serve(config: PrefillConfig) -> None:
                 sched.fail_running(f"prefill failed: {e}")
                 continue
             for endpoint, transfer in transfers:
-                if endpoint not in to_decode:
-                    to_decode[endpoint] = transport.connect(ctx, zmq.PUSH, endpoint)
-                transport.send(to_decode[endpoint], transfer)
+                if (sock := transport.connect_cached(ctx, zmq.PUSH, endpoint, to_decode)) is not None:
+                    transport.send(sock, transfer)
     finally:
         ctx.destroy(linger=0)
         metrics_server.close()

@@ -6,6 +6,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EncoderLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EncoderLoad(_message.Message):
+    __slots__ = ("num_requests", "num_images_encoding", "cached_embeddings", "cache_bytes", "push_sockets")
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMAGES_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    CACHED_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SOCKETS_FIELD_NUMBER: _ClassVar[int]
+    num_requests: int
+    num_images_encoding: int
+    cached_embeddings: int
+    cache_bytes: int
+    push_sockets: int
+    def __init__(self, num_requests: _Optional[int] = ..., num_images_encoding: _Optional[int] = ..., cached_embeddings: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., push_sockets: _Optional[int] = ...) -> None: ...
+
 class Image(_message.Message):
     __slots__ = ("data",)
     DATA_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class EncoderStub(object):
                 request_serializer=epdserve_dot_proto_dot_encoder__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=epdserve_dot_proto_dot_encoder__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/epdserve.v1.Encoder/GetLoad',
+                request_serializer=epdserve_dot_proto_dot_encoder__pb2.EncoderLoadRequest.SerializeToString,
+                response_deserializer=epdserve_dot_proto_dot_encoder__pb2.EncoderLoad.FromString,
+                _registered_method=True)
 
 
 class EncoderServicer(object):
@@ -78,6 +83,13 @@ class EncoderServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """What the encoder holds now (requests and images in flight, cached embeddings), for health details and tests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EncoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +107,11 @@ def add_EncoderServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=epdserve_dot_proto_dot_encoder__pb2.GetServerInfoRequest.FromString,
                     response_serializer=epdserve_dot_proto_dot_encoder__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=epdserve_dot_proto_dot_encoder__pb2.EncoderLoadRequest.FromString,
+                    response_serializer=epdserve_dot_proto_dot_encoder__pb2.EncoderLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +196,33 @@ class Encoder(object):
             '/epdserve.v1.Encoder/GetServerInfo',
             epdserve_dot_proto_dot_encoder__pb2.GetServerInfoRequest.SerializeToString,
             epdserve_dot_proto_dot_encoder__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epdserve.v1.Encoder/GetLoad',
+            epdserve_dot_proto_dot_encoder__pb2.EncoderLoadRequest.SerializeToString,
+            epdserve_dot_proto_dot_encoder__pb2.EncoderLoad.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,171 @@
+"""Check a decoded wire message before any server acts on it: field types, then the ranges the stages rely on.
+
+:func:`epdserve.messages.decode` only guarantees that the frames name a known dataclass. Anything can send
+frames to a ZeroMQ port, and a message with a string where a token list belongs, a port above 65535, or
+overlapping image spans would otherwise raise deep inside a scheduler (or worse, inside a batched forward,
+failing every request of the batch). :func:`check_message` rejects such a message up front with a
+:class:`~epdserve.messages.WireError`, which the receive helpers in :mod:`epdserve.transport` log and drop.
+
+The checks are what the stages assume, not policy: the gateway's own request validation is stricter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import typing
+from functools import cache
+from types import UnionType
+from typing import Any
+
+import torch
+
+from epdserve import messages
+from epdserve.messages import WireError
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# A seed must fit torch.Generator.manual_seed, which takes a signed or unsigned 64-bit value.
+SEED_MIN, SEED_MAX = INT64_MIN, (1 << 64) - 1
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253})$")
+_TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253}):(\d{1,5})$")
+_HEX = re.compile(r"^[0-9a-fA-F]{15,128}$")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_RID = 512  # characters; gateway ids are ~41
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, vars(messages))
+
+
+def _conforms(value: Any, tp: Any) -> bool:
+    """True when ``value`` (as msgpack decoded it) has the annotated type ``tp``; ints must fit int64 (seeds:
+    uint64) and floats must be finite."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is UnionType:
+        return any(_conforms(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool) and SEED_MIN <= value <= SEED_MAX
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if tp is str:
+        return isinstance(value, str)
+    if tp is torch.Tensor:
+        return isinstance(value, torch.Tensor)
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, tp) and _fields_conform(value)
+    return True  # Any and types the wire never carries
+
+
+def _fields_conform(msg: Any) -> bool:
+    hints = _hints(type(msg))
+    return all(_conforms(getattr(msg, f.name), hints[f.name]) for f in dataclasses.fields(msg))
+
+
+def _ints_fit(values, lo: int = INT64_MIN, hi: int = INT64_MAX) -> bool:
+    return all(lo <= v <= hi for v in values)
+
+
+def _check_sampling(sp: messages.SamplingParams) -> str | None:
+    if sp.temperature < 0:
+        return f"temperature {sp.temperature} < 0"
+    if not 0 < sp.top_p <= 1:
+        return f"top_p {sp.top_p} not in (0, 1]"
+    if not 1 <= sp.max_new_tokens <= INT64_MAX:
+        return f"max_new_tokens {sp.max_new_tokens} < 1"
+    if not _ints_fit([sp.top_k, *sp.stop_token_ids]):
+        return "top_k or a stop token id does not fit int64"
+    return None
+
+
+def _check_rid(rid: str) -> str | None:
+    return None if 0 < len(rid) <= _MAX_RID else f"request id of length {len(rid)}"
+
+
+def _check_endpoint(endpoint: str) -> str | None:
+    m = _TCP_ENDPOINT.match(endpoint)
+    return None if m and 0 < int(m.group(2)) < 65536 else f"bad endpoint {endpoint[:80]!r}"
+
+
+def _check_prefill(msg: messages.PrefillRequest) -> str | None:
+    if not _ints_fit(msg.input_ids) or not 0 <= msg.bootstrap_room <= INT64_MAX:
+        return "input id or bootstrap room out of range"
+    end = 0
+    for span in msg.images:
+        if len(span.grid_thw) != 3 or not _ints_fit(span.grid_thw, 1, 1 << 20):
+            return f"bad image grid {span.grid_thw[:4]}"
+        if not _HEX.match(span.image_hash):
+            return "image hash is not hex"
+        if span.offset < end or span.length < 1 or span.offset + span.length > len(msg.input_ids):
+            return "image spans overlap, are out of order, or leave the prompt"
+        end = span.offset + span.length
+    return _check_sampling(msg.sampling)
+
+
+def _check_decode(msg: messages.DecodeRequest) -> str | None:
+    if not 1 <= msg.prompt_len <= INT64_MAX or not 0 <= msg.bootstrap_room <= INT64_MAX:
+        return "prompt_len or bootstrap room out of range"
+    if not _HOST.match(msg.bootstrap_host) or not 0 < msg.bootstrap_port < 65536:
+        return f"bad bootstrap address {msg.bootstrap_host[:80]!r}:{msg.bootstrap_port}"
+    return _check_sampling(msg.sampling)
+
+
+def _check_embeddings(msg: messages.ImageEmbeddings) -> str | None:
+    if len(msg.image_hashes) != len(msg.embeddings):
+        return "image hashes and embeddings differ in number"
+    if any(e.dim() != 2 or e.dtype not in _FLOAT_DTYPES for e in msg.embeddings):
+        return "an embedding is not a 2-D float tensor"
+    return None
+
+
+def _check_transfer(msg: messages.KVTransfer) -> str | None:
+    if msg.kv is not None and (msg.kv.dim() != 5 or msg.kv.dtype not in _FLOAT_DTYPES):
+        return "KV is not a 5-D float tensor"
+    if not 0 <= msg.bootstrap_room <= INT64_MAX or not _ints_fit([msg.first_token_id, msg.cached_tokens,
+                                                                  msg.mrope_position_delta]):
+        return "a KV transfer field is out of range"
+    return None
+
+
+def _check_register(msg: messages.KVRegister) -> str | None:
+    if not 0 <= msg.bootstrap_room <= INT64_MAX:
+        return "bootstrap room out of range"
+    return _check_endpoint(msg.kv_endpoint)
+
+
+_SEMANTIC = {
+    messages.PrefillRequest: _check_prefill,
+    messages.DecodeRequest: _check_decode,
+    messages.ImageEmbeddings: _check_embeddings,
+    messages.KVTransfer: _check_transfer,
+    messages.KVRegister: _check_register,
+}
+
+
+def check_message(msg: Any) -> Any:
+    """Return ``msg`` if its fields have their annotated types and the values the stages rely on.
+
+    Raises:
+        WireError: a field of the wrong type (or an int beyond 64 bits, a non-finite float), or a value no stage
+            can act on: bad sampling parameters, image spans that overlap or leave the prompt, a malformed image
+            hash or grid, a bad endpoint or port, a tensor of the wrong rank or dtype, an empty request id.
+    """
+    kind = type(msg).__name__
+    if not _fields_conform(msg):
+        raise WireError(f"{kind} has a field of the wrong type")
+    rid = getattr(msg, "rid", None)
+    problem = _check_rid(rid) if isinstance(rid, str) else None
+    check = _SEMANTIC.get(type(msg))
+    if problem is None and check is not None:
+        problem = check(msg)
+    if problem is not None:
+        raise WireError(f"{kind}: {problem}")
+    return msg
