@@ -31,6 +31,9 @@ from epdserve.sampling import sample
 log = logging.getLogger(__name__)
 
 
+_LATE_S = 2.0  # seconds an aborted request's late embeddings or registration are kept
+
+
 def image_pad_id(image_hash: str) -> int:
     """Radix-cache key id for every token of an image: above any vocabulary id and unique per image hash
     (60 bits of the SHA-256), so equal images at equal places share KV and different images never do."""
@@ -91,7 +94,9 @@ class PrefillScheduler:
         self.host_id = host_id()
         self.metrics = metrics if metrics is not None else PrefillMetrics()
         # rid -> expiry of aborted requests: embeddings and decode registrations travel on other sockets than the
-        # abort and may land after it; without this they would be held until their own timeout.
+        # abort and may land after it; without this they would be held until their own timeout. They are kept for
+        # _LATE_S only (not dropped): a client may reuse its X-Request-Id at once, and that new request's inputs
+        # must not be lost.
         self.aborted: dict[str, float] = {}
 
     # ---- inputs -------------------------------------------------------------------------------------------
@@ -104,26 +109,25 @@ class PrefillScheduler:
             self.metrics.on_error("invalid_request")
             self._finish_error(msg, err)
             return
+        self.aborted.pop(msg.rid, None)  # a new request under a reused id
         self.waiting[msg.rid] = _Req(msg, deadline=now + self.timeout_s, arrival=now)
         log.debug("rid=%s request received (%d tokens)", msg.rid, len(msg.input_ids))
 
     def add_embeddings(self, msg: ImageEmbeddings) -> None:
-        """Stash the encoder's embeddings for ``msg.rid`` until (or after) its request arrives (dropped when the
-        request was aborted already)."""
-        if msg.rid in self.aborted:
-            log.debug("rid=%s embeddings of an aborted request dropped", msg.rid)
-            return
-        _, by_hash = self.embeds.setdefault(msg.rid, (time.monotonic() + self.timeout_s, {}))
+        """Stash the encoder's embeddings for ``msg.rid`` until (or after) its request arrives (kept only briefly
+        when that id was just aborted)."""
+        now = time.monotonic()
+        _, by_hash = self.embeds.setdefault(msg.rid, (now + (_LATE_S if msg.rid in self.aborted else self.timeout_s),
+                                                      {}))
         log.debug("rid=%s embeddings received", msg.rid)
         for h, emb in zip(msg.image_hashes, msg.embeddings):
             by_hash[h] = emb
 
     def register(self, msg: KVRegister) -> None:
-        """A decode server asks for the KV of ``msg.bootstrap_room`` at ``msg.kv_endpoint`` (ignored when the
-        request was aborted already)."""
-        if msg.rid in self.aborted:
-            return
-        self.registered[msg.bootstrap_room] = (time.monotonic() + self.timeout_s, msg)
+        """A decode server asks for the KV of ``msg.bootstrap_room`` at ``msg.kv_endpoint`` (kept only briefly
+        when that id was just aborted)."""
+        late = msg.rid in self.aborted
+        self.registered[msg.bootstrap_room] = (time.monotonic() + (_LATE_S if late else self.timeout_s), msg)
 
     def ack(self, msg: KVAck) -> None:
         """A decode server copied the KV of ``msg.bootstrap_room`` out of this pool: its pages may be reused."""

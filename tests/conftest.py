@@ -90,6 +90,9 @@ def launch_metrics_urls(log_path: Path) -> dict[str, str]:
         if line.startswith("{") and (msg := json.loads(line)["message"]).startswith("metrics: "):
             return dict(item.split("=", 1) for item in msg.removeprefix("metrics: ").split())
     raise AssertionError("no metrics line in the launch log")
+
+
+@pytest.fixture(scope="session")
 def stage_procs(tiny_model_path, tmp_path_factory):
     """Encoder, prefill and decode of the tiny model as processes (tests/cluster.py), 256 KV pages each; shared by
     the fault and fuzz tests, which leave them running (restarting any they kill)."""
