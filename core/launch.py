@@ -42,9 +42,10 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
     commands = {f"encoder{i}": [*exe, "encoder", *common, "--port", addr.rsplit(":", 1)[1]]
                 for i, addr in enumerate(encoders)}
     commands |= {
-        "prefill": [*exe, "prefill", *common, *kv_pool, "--port", str(pre), "--embed-port", str(emb),
-                    "--bootstrap-port", str(boot)],
-        "decode": [*exe, "decode", *common, *kv_pool, "--port", str(dec), "--kv-port", str(kv)],
+        # --port 0: no HTTP front (that is for a PD router such as smg); the gateway speaks ZMQ to the stages.
+        "prefill": [*exe, "prefill", *common, *kv_pool, "--port", "0", "--zmq-port", str(pre), "--embed-port",
+                    str(emb), "--bootstrap-port", str(boot)],
+        "decode": [*exe, "decode", *common, *kv_pool, "--port", "0", "--zmq-port", str(dec), "--kv-port", str(kv)],
         "gateway": [*exe, "gateway", "--model-path", model_path, "--served-model-name", cfg.served_model_name,
                     "--host", cfg.host, "--port", str(cfg.port), "--encoder-addr", ",".join(encoders),
                     "--prefill-addr", f"tcp://{_LOCAL}:{pre}", "--decode-addr", f"tcp://{_LOCAL}:{dec}",

@@ -166,6 +166,10 @@ class DecodeScheduler:
     # ---- internals ----------------------------------------------------------------------------------------
     def _check_kv(self, seq: _Seq, msg: KVTransfer) -> str | None:
         cfg = self.runner.config
+        if seq.msg.input_digest and msg.input_digest and seq.msg.input_digest != msg.input_digest:
+            return (f"tokenization mismatch: the prefill server computed the KV of other token ids than this decode "
+                    f"server's (input digest {msg.input_digest} != {seq.msg.input_digest}); do both serve the same "
+                    f"model and processor?")
         want = (cfg.num_layers, 2, seq.msg.prompt_len, cfg.num_kv_heads, cfg.head_dim)
         if msg.kv is None or tuple(msg.kv.shape) != want:
             got = None if msg.kv is None else tuple(msg.kv.shape)

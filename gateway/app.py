@@ -36,7 +36,7 @@ logger = logging.getLogger("epdserve.gateway")
 T = TypeVar("T")
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
 
 
@@ -160,7 +160,7 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
         except APIError as e:
             logger.info("rid=%s -> %d: %s", rid, e.status, e.message)
             raise
-        except _ClientGone:
+        except ClientGone:
             logger.info("rid=%s client disconnected", rid)
             return Response(status_code=499)
         except Exception as e:  # keep serving: one bad request must not take the gateway down
@@ -171,7 +171,7 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
         try:
             req = ChatCompletionRequest.model_validate_json(await request.body())
         except ValidationError as e:
-            raise APIError(400, _describe(e), param=_first_param(e)) from None
+            raise APIError(400, describe_validation_error(e), param=first_error_param(e)) from None
         if req.model != gw.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {gw.model_name!r}",
                            param="model", code="model_not_found")
@@ -180,19 +180,19 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
         if not gw.ready:
             raise APIError(503, "the server is starting: the stages are not ready yet")
         chat = gw.chat
-        prepared = await _until_disconnect(request, chat.prepare(rid, req))
+        prepared = await until_disconnect(request, chat.prepare(rid, req))
         if req.stream:
             # Starlette cancels the body iterator when the client disconnects; ChatService.stream aborts then.
             return StreamingResponse(chat.stream(prepared), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        response = await _until_disconnect(request, chat.complete(prepared))
+        response = await until_disconnect(request, chat.complete(prepared))
         return JSONResponse(response.model_dump())
 
     return app
 
 
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client disconnects first, cancel it (which aborts the request) and raise _ClientGone."""
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it (which aborts the request) and raise ClientGone."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -203,7 +203,7 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        raise _ClientGone()
+        raise ClientGone()
     return task.result()
 
 
@@ -213,7 +213,8 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _describe(e: ValidationError) -> str:
+def describe_validation_error(e: ValidationError) -> str:
+    """A short message naming the first three schema errors of a request body (for a 400 answer)."""
     parts = []
     for err in e.errors()[:3]:
         loc = ".".join(str(x) for x in err["loc"])
@@ -222,7 +223,8 @@ def _describe(e: ValidationError) -> str:
     return "invalid request: " + "; ".join(parts) + more
 
 
-def _first_param(e: ValidationError) -> str | None:
+def first_error_param(e: ValidationError) -> str | None:
+    """The top-level request field of the first schema error, for the OpenAI error's ``param``."""
     errors = e.errors()
     return str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
 

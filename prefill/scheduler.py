@@ -284,7 +284,7 @@ class PrefillScheduler:
             slots = torch.tensor(self.pool.slots(req.pages, 0, req.n), dtype=torch.int64)
             transfer = KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=tok,
                                   cached_tokens=req.cached, mrope_position_delta=req.mrope_delta,
-                                  kv=self.runner.read_kv(slots.to(dev)))
+                                  kv=self.runner.read_kv(slots.to(dev)), input_digest=req.msg.input_digest)
             self._release(req, insert=True)
             self.embeds.pop(req.msg.rid, None)
             self.finished[req.msg.bootstrap_room] = (time.monotonic() + self.timeout_s, transfer)
