@@ -50,6 +50,9 @@ class LMServerConfig:
     request_timeout_s: float = _f(120.0, "drop a request whose inputs (embeddings, KV, registration) never come; "
                                          "also how long a bootstrap room whose partner never comes holds its KV")
     served_model_name: str = _f("", "model name the HTTP front serves (see --port); default: the model path")
+    kv_transfer: str = _f("auto", "prefill->decode KV path: 'shared' (decode maps the prefill KV pool when both run "
+                                  "on this machine and copies pages device to device: CUDA IPC, or /dev/shm on CPU), "
+                                  "'zmq' (through host memory and ZeroMQ), or 'auto' (shared on CUDA, else zmq)")
 
 
 @dataclass
@@ -64,6 +67,9 @@ class PrefillConfig(LMServerConfig):
     embed_port: int = _f(30101, "ZMQ port receiving image embeddings; TP rank r listens on embed_port + r")
     bootstrap_port: int = _f(8998, "ZMQ port where decode servers register for a request's KV (bootstrap)")
     max_prefill_tokens: int = _f(8192, "new tokens computed in one prefill forward (several requests batch)")
+    chunked_prefill_size: int = _f(2048, "most new tokens of one request in one prefill forward: a longer prompt is "
+                                         "prefilled in chunks over several forwards, beside other requests' "
+                                         "chunks, so it does not stall them; 0 = up to --max-prefill-tokens")
 
 
 @dataclass
@@ -113,6 +119,7 @@ class LaunchConfig:
     num_pages: int = _f(0, "KV pages per pool (prefill and decode each); 0 = automatic")
     api_key: str = _f("", "require 'Authorization: Bearer KEY' at the gateway when set")
     num_encoders: int = _f(1, "encoder processes to start; the gateway routes each image to one by content hash")
+    kv_transfer: str = _f("auto", "prefill->decode KV path: shared, zmq or auto (see `epdserve prefill --help`)")
 
 
 def _base_type(tp):

@@ -36,7 +36,7 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
     pre, emb, boot, dec, kv = (free_port() for _ in range(5))
     encoders = [f"{_LOCAL}:{free_port()}" for _ in range(cfg.num_encoders)]
     common = ["--model-path", model_path, "--device", cfg.device, "--dtype", cfg.dtype]
-    kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages)]
+    kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages), "--kv-transfer", cfg.kv_transfer]
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())
     exe = [sys.executable, "-m", "epdserve.cli", "--log-level", level]
     commands = {f"encoder{i}": [*exe, "encoder", *common, "--port", addr.rsplit(":", 1)[1]]

@@ -7,7 +7,7 @@ Sockets (bound on ``config.host``):
 - ``zmq_port`` (ROUTER): ``DecodeRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from gateways;
   token outputs go back to the same peer as ``TokenOutputBatch`` (one message per gateway per step).
 - ``kv_port`` (PULL): ``KVTransfer`` from prefill servers.
-Out: one PUSH socket per prefill bootstrap address, carrying ``KVRegister``.
+Out: one PUSH socket per prefill bootstrap address, carrying ``KVRegister`` and ``KVAck``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from epdserve import transport
 from epdserve.config import DecodeConfig
 from epdserve.decode.scheduler import DecodeScheduler
 from epdserve.gateway.front_process import spawn_front
+from epdserve.kvcache.kv_share import shares_kv
 from epdserve.messages import (AbortRequest, DecodeRequest, KVTransfer, LoadRequest, ServerInfo, ServerInfoRequest,
                                TokenOutputBatch)
 from epdserve.model_runner import runner_from_config
@@ -47,9 +48,10 @@ def serve(config: DecodeConfig) -> None:
 def _serve(config: DecodeConfig) -> None:
     graph_bs = 0 if config.disable_cuda_graph else min(config.cuda_graph_max_bs, config.max_running_requests)
     model_path, runner, context_length = runner_from_config(config, cuda_graph_max_bs=graph_bs)
+    share = shares_kv(config.kv_transfer, runner.device)
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
     sched = DecodeScheduler(runner, context_length=context_length, max_running_requests=config.max_running_requests,
-                            timeout_s=config.request_timeout_s, kv_endpoint=kv_endpoint)
+                            timeout_s=config.request_timeout_s, kv_endpoint=kv_endpoint, accept_shared=share)
     info = ServerInfo(role="decode", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages)
 
@@ -64,8 +66,9 @@ def _serve(config: DecodeConfig) -> None:
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
-    log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages)", config.host, config.zmq_port,
-             kv_endpoint, model_path, runner.device, runner.num_pages)
+    log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages, KV hand-off %s)",
+             config.host, config.zmq_port, kv_endpoint, model_path, runner.device, runner.num_pages,
+             "shared or zmq" if share else "zmq")
     try:
         while not stopping:
             poller.poll(0 if sched.has_work() else 20)
@@ -91,6 +94,10 @@ def _serve(config: DecodeConfig) -> None:
                 log.exception("decode step failed")
                 sched.fail_running(f"decode failed: {e}")
                 outputs, sched.outputs = sched.outputs, []
+            for endpoint, ack in sched.take_acks():
+                if endpoint not in to_bootstrap:
+                    to_bootstrap[endpoint] = transport.connect(ctx, zmq.PUSH, endpoint)
+                transport.send(to_bootstrap[endpoint], ack)
             by_peer = defaultdict(list)
             for peer, out in outputs:
                 by_peer[peer].append(out)

@@ -14,6 +14,7 @@ decode leg, so a router that joins both legs never waits on a decode server that
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from epdserve.messages import KVTransfer, PrefillRequest, TokenOutput
 
@@ -44,12 +45,13 @@ class PrefillReplies:
         for room in [room for room, v in self._by_room.items() if v[1] == rid]:
             del self._by_room[room]
 
-    def collect(self, finished: dict[int, tuple[float, KVTransfer]],
+    def collect(self, finished: dict[int, tuple[float, Any]],
                 sent: list[KVTransfer]) -> list[tuple[bytes, TokenOutput]]:
         """The replies due now, as ``(peer, TokenOutput)``.
 
         Args:
-            finished: the scheduler's ``finished`` table (room -> (deadline, transfer)): done, waiting for decode.
+            finished: the scheduler's ``finished`` table (room -> (deadline, transfer, or the prefilled request
+                whose pages wait for a shared hand-off)): done, waiting for decode.
             sent: the transfers the scheduler handed over in this step (no longer in ``finished``).
 
         The reply carries the first token (``finish_reason="length"``: prefill's part ends there) or the error
@@ -66,12 +68,19 @@ class PrefillReplies:
             if transfer is None:
                 continue
             peer, rid, prompt_len, _ = self._by_room.pop(room)
-            failed = transfer.error is not None
+            error, first, cached = _outcome(transfer)
             out.append((peer, TokenOutput(
-                rid=rid, token_ids=[] if failed else [transfer.first_token_id],
-                finish_reason="error" if failed else "length", prompt_tokens=prompt_len,
-                completion_tokens=0 if failed else 1, cached_tokens=transfer.cached_tokens, error=transfer.error)))
+                rid=rid, token_ids=[] if error else [first], finish_reason="error" if error else "length",
+                prompt_tokens=prompt_len, completion_tokens=0 if error else 1, cached_tokens=cached, error=error)))
         now = time.monotonic()
         for room in [room for room, v in self._by_room.items() if v[3] < now]:
             del self._by_room[room]
         return out
+
+
+def _outcome(item: Any) -> tuple[str | None, int, int]:
+    """``(error, first token, cached tokens)`` of a ``finished`` entry: a ``KVTransfer`` (host path or error) or a
+    prefilled request kept for a shared hand-off (``first_token``, ``cached``)."""
+    if isinstance(item, KVTransfer):
+        return item.error, item.first_token_id, item.cached_tokens
+    return None, item.first_token, item.cached

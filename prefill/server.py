@@ -7,7 +7,7 @@ Sockets (all bound on ``config.host``):
 - ``zmq_port`` (ROUTER): ``PrefillRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from
   gateways.
 - ``embed_port + r`` (PULL): ``ImageEmbeddings`` from encoders for TP rank ``r`` (one rank today).
-- ``bootstrap_port`` (PULL): ``KVRegister`` from decode servers (SGLang-style bootstrap rendezvous).
+- ``bootstrap_port`` (PULL): ``KVRegister`` and ``KVAck`` from decode servers (SGLang-style bootstrap rendezvous).
 Out: one PUSH socket per decode KV endpoint, carrying ``KVTransfer``.
 """
 
@@ -20,9 +20,11 @@ import zmq
 
 from epdserve import transport
 from epdserve.config import PrefillConfig
+from epdserve.device import resolve_device
 from epdserve.gateway.front_process import spawn_front
-from epdserve.messages import (AbortRequest, ImageEmbeddings, KVRegister, PrefillRequest, ServerInfo,
-                               LoadRequest, ServerInfoRequest)
+from epdserve.kvcache.kv_share import shares_kv
+from epdserve.messages import (AbortRequest, ImageEmbeddings, KVAck, KVRegister, LoadRequest, PrefillRequest,
+                               ServerInfo, ServerInfoRequest)
 from epdserve.model_runner import runner_from_config
 from epdserve.prefill.replies import PrefillReplies
 from epdserve.prefill.scheduler import PrefillScheduler
@@ -46,9 +48,11 @@ def serve(config: PrefillConfig) -> None:
 
 
 def _serve(config: PrefillConfig) -> None:
-    model_path, runner, context_length = runner_from_config(config)
+    share = shares_kv(config.kv_transfer, resolve_device(config.device))
+    model_path, runner, context_length = runner_from_config(config, share_kv=share)
     sched = PrefillScheduler(runner, context_length=context_length,
-                             max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s)
+                             max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,
+                             chunked_prefill_size=config.chunked_prefill_size)
     info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages,
                       embed_endpoints=[f"tcp://{config.host}:{config.embed_port}"],
@@ -56,10 +60,10 @@ def _serve(config: PrefillConfig) -> None:
 
     ctx = zmq.Context()
     requests = transport.bind(ctx, zmq.ROUTER, config.host, config.zmq_port)
+    replies = PrefillReplies(config.request_timeout_s * 2)
     embeds = transport.bind(ctx, zmq.PULL, config.host, config.embed_port)
     bootstrap = transport.bind(ctx, zmq.PULL, config.host, config.bootstrap_port)
     to_decode: dict[str, zmq.Socket] = {}
-    replies = PrefillReplies(config.request_timeout_s * 2)
     poller = zmq.Poller()
     for sock in (requests, embeds, bootstrap):
         poller.register(sock, zmq.POLLIN)
@@ -67,9 +71,9 @@ def _serve(config: PrefillConfig) -> None:
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
-    log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages)",
-             config.host, config.zmq_port, info.embed_endpoints[0], config.host, config.bootstrap_port, model_path,
-             runner.device, runner.num_pages)
+    log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages, "
+             "KV hand-off %s)", config.host, config.zmq_port, info.embed_endpoints[0], config.host, config.bootstrap_port,
+             model_path, runner.device, runner.num_pages, "shared or zmq" if share else "zmq")
     try:
         while not stopping:
             poller.poll(0 if sched.has_work() else 20)
@@ -91,6 +95,8 @@ def _serve(config: PrefillConfig) -> None:
             while (msg := transport.recv(bootstrap)) is not None:
                 if isinstance(msg, KVRegister):
                     sched.register(msg)
+                elif isinstance(msg, KVAck):
+                    sched.ack(msg)
             try:
                 transfers = sched.step()
             except Exception as e:  # a failed forward must not take the server down
