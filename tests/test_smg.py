@@ -154,12 +154,12 @@ def test_rooms_without_partner_or_client_are_freed(cluster, tiny_model_path, pho
     _wait_baseline(cluster, ["prefill0", "decode0"], TIMEOUT_S + 5)
 
 
-def _bench(cluster, model: str, out_path, num: int, seed: int) -> dict:
+def _bench(cluster, model: str, out_path, num: int, seed: int, warmup: int = 1) -> dict:
     from epdserve.bench.cli import main as bench
 
     code = bench(["--base-url", cluster.url, "--model", model, "--dataset", "shared-prefix", "--num-prompts", str(num),
-                  "--output-len", "6", "--max-concurrency", "6", "--seed", str(seed), "--output-json", str(out_path),
-                  "--disable-tqdm"])
+                  "--output-len", "6", "--max-concurrency", "6", "--seed", str(seed), "--warmup", str(warmup),
+                  "--output-json", str(out_path), "--disable-tqdm"])
     assert code in (0, 1)
     return json.loads(out_path.read_text())
 
@@ -179,7 +179,7 @@ def test_killing_a_decode_server_mid_run(cluster, tiny_model_path, tmp_path):
     """Requests that had not started streaming when decode1 died are retried by smg on decode0 and succeed."""
     result = {}
     runner = threading.Thread(target=lambda: result.update(
-        doc=_bench(cluster, tiny_model_path, tmp_path / "kill.json", 20, seed=2)))
+        doc=_bench(cluster, tiny_model_path, tmp_path / "kill.json", 20, seed=2, warmup=0)))
     runner.start()
     deadline = time.monotonic() + 60
     while _loads(_front(cluster, "decode1"))["num_running_reqs"] == 0:
