@@ -49,7 +49,9 @@ class LMServerConfig:
     mem_fraction: float = _f(0.5, "share of free GPU memory given to the KV pool when --num-pages is 0")
     context_length: int = _f(0, "longest prompt + output in tokens; 0 = the model's max_position_embeddings")
     attention_backend: str = _f("auto", "sdpa, flashinfer, or auto (flashinfer on cuda)")
-    request_timeout_s: float = _f(120.0, "drop a request whose inputs (embeddings, KV, registration) never come")
+    request_timeout_s: float = _f(120.0, "drop a request whose inputs (embeddings, KV, registration) never come; "
+                                         "also how long a bootstrap room whose partner never comes holds its KV")
+    served_model_name: str = _f("", "model name the HTTP front serves (see --port); default: the model path")
     kv_transfer: str = _f("zmq", "prefill->decode KV path: 'zmq' (through host memory and ZeroMQ) or 'shared' "
                                  "(decode maps the prefill KV pool when both run on this machine and copies pages "
                                  "device to device: CUDA IPC, or /dev/shm on CPU; experimental on CUDA, see "
@@ -60,7 +62,11 @@ class LMServerConfig:
 class PrefillConfig(LMServerConfig):
     """The prefill server (ZMQ): builds KV with a radix cache and ships it to decode servers."""
 
-    port: int = _f(30001, "ZMQ port for requests from gateways")
+    port: int = _f(30000, "HTTP port (OpenAI API + SGLang-style bootstrap fields, for a PD router such as smg); "
+                          "0 = no HTTP front")
+    zmq_port: int = _f(30001, "ZMQ port for requests from epdserve gateways and the HTTP front")
+    encoder_urls: str = _f("", "encoders (gRPC host:port[,host:port...]) the HTTP front sends a request's images to, "
+                               "each image to one chosen by its content hash")
     embed_port: int = _f(30101, "ZMQ port receiving image embeddings; TP rank r listens on embed_port + r")
     bootstrap_port: int = _f(8998, "ZMQ port where decode servers register for a request's KV (bootstrap)")
     max_prefill_tokens: int = _f(8192, "new tokens computed in one prefill forward (several requests batch)")
@@ -74,7 +80,9 @@ class PrefillConfig(LMServerConfig):
 class DecodeConfig(LMServerConfig):
     """The decode server (ZMQ): receives KV, continuous batching, streams tokens to gateways."""
 
-    port: int = _f(30002, "ZMQ port for requests from gateways")
+    port: int = _f(30010, "HTTP port (OpenAI API + SGLang-style bootstrap fields, for a PD router such as smg); "
+                          "0 = no HTTP front")
+    zmq_port: int = _f(30002, "ZMQ port for requests from epdserve gateways and the HTTP front")
     kv_port: int = _f(30201, "ZMQ port receiving KV transfers from prefill servers")
     max_running_requests: int = _f(256, "most requests in one decode batch")
     cuda_graph_max_bs: int = _f(256, "largest decode batch replayed from a CUDA graph (capped at "

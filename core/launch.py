@@ -47,9 +47,10 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
                                 "--metrics-port", str(metrics_ports[f"encoder{i}"])]
                 for i, addr in enumerate(encoders)}
     commands |= {
-        "prefill": [*exe, "prefill", *common, *kv_pool, "--port", str(pre), "--embed-port", str(emb),
-                    "--bootstrap-port", str(boot), "--metrics-port", str(metrics_ports["prefill"])],
-        "decode": [*exe, "decode", *common, *kv_pool, "--port", str(dec), "--kv-port", str(kv),
+        # --port 0: no HTTP front (that is for a PD router such as smg); the gateway speaks ZMQ to the stages.
+        "prefill": [*exe, "prefill", *common, *kv_pool, "--port", "0", "--zmq-port", str(pre), "--embed-port",
+                    str(emb), "--bootstrap-port", str(boot), "--metrics-port", str(metrics_ports["prefill"])],
+        "decode": [*exe, "decode", *common, *kv_pool, "--port", "0", "--zmq-port", str(dec), "--kv-port", str(kv),
                    "--metrics-port", str(metrics_ports["decode"])],
         "gateway": [*exe, "gateway", "--model-path", model_path, "--served-model-name", cfg.served_model_name,
                     "--host", cfg.host, "--port", str(cfg.port), "--encoder-addr", ",".join(encoders),

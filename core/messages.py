@@ -15,6 +15,8 @@ written in the map as ``{"__tensor__": i, "dtype": "float32", "shape": [...]}`` 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import struct
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +75,8 @@ class PrefillRequest:
     images: list[ImageSpan]
     sampling: SamplingParams
     bootstrap_room: int
+    reply: bool = False  # answer the sender with a TokenOutput once prefill is done (the HTTP front asks)
+    input_digest: str = ""  # input_ids_digest(input_ids); copied into the KVTransfer for decode to compare
 
 
 @dataclass
@@ -85,6 +89,7 @@ class DecodeRequest:
     bootstrap_host: str
     bootstrap_port: int
     bootstrap_room: int
+    input_digest: str = ""  # when set, a KVTransfer with another non-empty digest fails the request
 
 
 @dataclass
@@ -216,6 +221,7 @@ class KVTransfer:
     kv_pages: list[int] = field(default_factory=list)
     error: str | None = None
     sent_at: float = 0.0
+    input_digest: str = ""  # the PrefillRequest's digest of the ids this KV was computed from
 
 
 @dataclass
@@ -241,6 +247,15 @@ class TokenOutputBatch:
     """decode -> gateway: every ``TokenOutput`` of one decode step for one gateway, in one message."""
 
     outputs: list[TokenOutput]
+
+
+def input_ids_digest(input_ids: list[int]) -> str:
+    """A short fingerprint of a prompt's token ids (hex BLAKE2b-64 of their little-endian int64 bytes).
+
+    Prefill and decode servers that tokenize the same HTTP request on their own (behind a PD router) each send
+    it, so a tokenization mismatch fails the request instead of decoding from a KV cache of another prompt.
+    """
+    return hashlib.blake2b(struct.pack(f"<{len(input_ids)}q", *input_ids), digest_size=8).hexdigest()
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

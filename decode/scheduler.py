@@ -202,6 +202,10 @@ class DecodeScheduler:
     # ---- internals ----------------------------------------------------------------------------------------
     def _check_kv(self, seq: _Seq, msg: KVTransfer) -> str | None:
         cfg = self.runner.config
+        if seq.msg.input_digest and msg.input_digest and seq.msg.input_digest != msg.input_digest:
+            return (f"tokenization mismatch: the prefill server computed the KV of other token ids than this decode "
+                    f"server's (input digest {msg.input_digest} != {seq.msg.input_digest}); do both serve the same "
+                    f"model and processor?")
         if not 0 <= msg.first_token_id < cfg.vocab_size:
             return f"first token {msg.first_token_id} out of the vocabulary"
         if msg.pool is not None:

@@ -1,7 +1,10 @@
 """The decode server process: sockets in, :class:`DecodeScheduler` in the middle, tokens out to gateways.
 
+With ``port`` > 0 an HTTP front (``epdserve.gateway.pd_front``, a child process) serves the OpenAI API for a PD
+router such as smg and talks to this loop over the ``zmq_port`` socket like any gateway.
+
 Sockets (bound on ``config.host``):
-- ``port`` (ROUTER): ``DecodeRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from gateways;
+- ``zmq_port`` (ROUTER): ``DecodeRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from gateways;
   token outputs go back to the same peer as ``TokenOutputBatch`` (one message per gateway per step).
 - ``kv_port`` (PULL): ``KVTransfer`` from prefill servers.
 Out: one PUSH socket per prefill bootstrap address, carrying ``KVRegister`` and ``KVAck``.
@@ -18,6 +21,7 @@ import zmq
 from epdserve import transport
 from epdserve.config import DecodeConfig
 from epdserve.decode.scheduler import DecodeScheduler
+from epdserve.gateway.front_process import spawn_front
 from epdserve.kvcache.kv_share import shares_kv
 from epdserve.messages import (AbortRequest, DecodeRequest, KVTransfer, LoadRequest, ServerInfo, ServerInfoRequest,
                                TokenOutputBatch)
@@ -34,6 +38,15 @@ def serve(config: DecodeConfig) -> None:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
         zmq.ZMQError: a port is taken.
     """
+    front = spawn_front("decode", config)  # before the model loads: its /health says 503 meanwhile
+    try:
+        _serve(config)
+    finally:
+        if front is not None:
+            front.stop()
+
+
+def _serve(config: DecodeConfig) -> None:
     graph_bs = 0 if config.disable_cuda_graph else min(config.cuda_graph_max_bs, config.max_running_requests)
     model_path, runner, context_length = runner_from_config(config, cuda_graph_max_bs=graph_bs)
     share = shares_kv(config.kv_transfer)
@@ -47,7 +60,7 @@ def serve(config: DecodeConfig) -> None:
 
     metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port, "decode")
     ctx = zmq.Context()
-    requests = transport.bind(ctx, zmq.ROUTER, config.host, config.port)
+    requests = transport.bind(ctx, zmq.ROUTER, config.host, config.zmq_port)
     kv_in = transport.bind(ctx, zmq.PULL, config.host, config.kv_port)
     to_bootstrap: dict[str, zmq.Socket] = {}
     poller = zmq.Poller()
@@ -58,7 +71,7 @@ def serve(config: DecodeConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
     log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages, KV hand-off %s, "
-             "metrics=%s)", config.host, config.port, kv_endpoint, model_path, runner.device, runner.num_pages,
+             "metrics=%s)", config.host, config.zmq_port, kv_endpoint, model_path, runner.device, runner.num_pages,
              "shared or zmq" if share else "zmq", metrics_server.url)
     try:
         while not stopping:

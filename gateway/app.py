@@ -43,7 +43,7 @@ logger = logging.getLogger("epdserve.gateway")
 T = TypeVar("T")
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
 
 
@@ -186,7 +186,7 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
             logger.info("rid=%s -> %d: %s", rid, e.status, e.message)
             gw.metrics.on_failed(f"http_{e.status}")
             raise
-        except _ClientGone:
+        except ClientGone:
             logger.info("rid=%s client disconnected", rid)
             gw.metrics.on_failed("client_disconnected", "abort")
             return Response(status_code=499)
@@ -202,7 +202,7 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
         try:
             req = ChatCompletionRequest.model_validate_json(await request.body())
         except ValidationError as e:
-            raise APIError(400, _describe(e), param=_first_param(e)) from None
+            raise APIError(400, describe_validation_error(e), param=first_error_param(e)) from None
         if req.model != gw.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {gw.model_name!r}",
                            param="model", code="model_not_found")
@@ -213,7 +213,7 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
         if (why := gw.stages.unavailable()) is not None:
             raise APIError.from_stage(StageError(why, 503))
         try:
-            await _until_disconnect(request, gw.admission.acquire())
+            await until_disconnect(request, gw.admission.acquire())
         except Overloaded as e:
             raise APIError(e.status, e.message, headers={"Retry-After": str(e.retry_after_s)}) from None
         streaming = False
@@ -221,14 +221,14 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
             chat = gw.chat
             timeout = config.request_timeout_s
             deadline = time.monotonic() + timeout if timeout > 0 else None
-            prepared = await _until_disconnect(request, chat.prepare(rid, req, deadline))
+            prepared = await until_disconnect(request, chat.prepare(rid, req, deadline))
             if req.stream:
                 # Starlette cancels the body iterator when the client disconnects; ChatService.stream aborts then.
                 streaming = True
                 return ClosingStreamingResponse(chat.stream(prepared), media_type="text/event-stream",
                                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                                 on_close=lambda: _stream_closed(prepared))
-            response = await _until_disconnect(request, chat.complete(prepared))
+            response = await until_disconnect(request, chat.complete(prepared))
             return JSONResponse(response.model_dump())
         finally:
             if not streaming:
@@ -242,8 +242,8 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
     return app
 
 
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client disconnects first, cancel it (which aborts the request) and raise _ClientGone."""
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it (which aborts the request) and raise ClientGone."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -254,7 +254,7 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        raise _ClientGone()
+        raise ClientGone()
     return task.result()
 
 
@@ -264,7 +264,8 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _describe(e: ValidationError) -> str:
+def describe_validation_error(e: ValidationError) -> str:
+    """A short message naming the first three schema errors of a request body (for a 400 answer)."""
     parts = []
     for err in e.errors()[:3]:
         loc = ".".join(str(x) for x in err["loc"])
@@ -273,7 +274,8 @@ def _describe(e: ValidationError) -> str:
     return "invalid request: " + "; ".join(parts) + more
 
 
-def _first_param(e: ValidationError) -> str | None:
+def first_error_param(e: ValidationError) -> str | None:
+    """The top-level request field of the first schema error, for the OpenAI error's ``param``."""
     errors = e.errors()
     return str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
 

@@ -367,14 +367,14 @@ class PrefillScheduler:
         self.lent[req.msg.bootstrap_room] = (time.monotonic() + self.timeout_s, req)
         return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
                           cached_tokens=req.cached, mrope_position_delta=req.mrope_delta, pool=self.pool_handle,
-                          kv_pages=req.pages[:self.pool.pages_for(req.n)])
+                          kv_pages=req.pages[:self.pool.pages_for(req.n)], input_digest=req.msg.input_digest)
 
     def _host_transfer(self, req: _Req) -> KVTransfer:
         """Gather a prefilled request's KV into host memory, free its pages, and return the transfer."""
         slots = torch.tensor(self.pool.slots(req.pages, 0, req.n), dtype=torch.int64)
         transfer = KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
                               cached_tokens=req.cached, mrope_position_delta=req.mrope_delta,
-                              kv=self.runner.read_kv(slots))
+                              kv=self.runner.read_kv(slots), input_digest=req.msg.input_digest)
         self._release(req, insert=True)
         return transfer
 

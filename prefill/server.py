@@ -1,7 +1,10 @@
 """The prefill server process: sockets in, :class:`PrefillScheduler` in the middle, KV transfers out.
 
+With ``port`` > 0 an HTTP front (``epdserve.gateway.pd_front``, a child process) serves the OpenAI API for a PD
+router such as smg and talks to this loop over the ``zmq_port`` socket like any gateway.
+
 Sockets (all bound on ``config.host``):
-- ``port`` (ROUTER): ``PrefillRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from
+- ``zmq_port`` (ROUTER): ``PrefillRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from
   gateways.
 - ``embed_port + r`` (PULL): ``ImageEmbeddings`` from encoders for TP rank ``r`` (one rank today).
 - ``bootstrap_port`` (PULL): ``KVRegister`` and ``KVAck`` from decode servers (SGLang-style bootstrap rendezvous).
@@ -17,11 +20,13 @@ import zmq
 
 from epdserve import transport
 from epdserve.config import PrefillConfig
+from epdserve.gateway.front_process import spawn_front
 from epdserve.kvcache.kv_share import shares_kv
 from epdserve.messages import (AbortRequest, ImageEmbeddings, KVAck, KVRegister, LoadRequest, PrefillRequest,
                                ServerInfo, ServerInfoRequest)
 from epdserve.metrics import PrefillMetrics, start_metrics_server
 from epdserve.model_runner import runner_from_config
+from epdserve.prefill.replies import PrefillReplies
 from epdserve.prefill.scheduler import PrefillScheduler
 
 log = logging.getLogger("epdserve.prefill")
@@ -34,6 +39,15 @@ def serve(config: PrefillConfig) -> None:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
         zmq.ZMQError: a port is taken.
     """
+    front = spawn_front("prefill", config)  # before the model loads: its /health says 503 meanwhile
+    try:
+        _serve(config)
+    finally:
+        if front is not None:
+            front.stop()
+
+
+def _serve(config: PrefillConfig) -> None:
     share = shares_kv(config.kv_transfer)
     model_path, runner, context_length = runner_from_config(config, share_kv=share)
     metrics = PrefillMetrics()
@@ -47,7 +61,8 @@ def serve(config: PrefillConfig) -> None:
 
     metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port, "prefill")
     ctx = zmq.Context()
-    requests = transport.bind(ctx, zmq.ROUTER, config.host, config.port)
+    requests = transport.bind(ctx, zmq.ROUTER, config.host, config.zmq_port)
+    replies = PrefillReplies(config.request_timeout_s * 2)
     embeds = transport.bind(ctx, zmq.PULL, config.host, config.embed_port)
     bootstrap = transport.bind(ctx, zmq.PULL, config.host, config.bootstrap_port)
     to_decode: dict[str, zmq.Socket] = {}
@@ -59,7 +74,7 @@ def serve(config: PrefillConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
     log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages, "
-             "KV hand-off %s, metrics=%s)", config.host, config.port, info.embed_endpoints[0], config.host,
+             "KV hand-off %s, metrics=%s)", config.host, config.zmq_port, info.embed_endpoints[0], config.host,
              config.bootstrap_port, model_path, runner.device, runner.num_pages, "shared or zmq" if share else "zmq",
              metrics_server.url)
     try:
@@ -69,8 +84,10 @@ def serve(config: PrefillConfig) -> None:
             while (got := transport.recv_routed(requests)) is not None:
                 peer, msg = got
                 if isinstance(msg, PrefillRequest):
+                    replies.track(peer, msg)
                     sched.add_request(msg)
                 elif isinstance(msg, AbortRequest):
+                    replies.forget(msg.rid)
                     sched.abort(msg.rid)
                 elif isinstance(msg, ServerInfoRequest):
                     transport.send(requests, info, identity=peer)
@@ -89,10 +106,12 @@ def serve(config: PrefillConfig) -> None:
             except Exception as e:  # a failed forward must not take the server down
                 log.exception("prefill step failed")
                 sched.fail_running(f"prefill failed: {e}")
-                continue
+                transfers = []
             for endpoint, transfer in transfers:
                 if (sock := transport.connect_cached(ctx, zmq.PUSH, endpoint, to_decode)) is not None:
                     transport.send(sock, transfer)
+            for peer, out in replies.collect(sched.finished, [t for _, t in transfers]):
+                transport.send(requests, out, identity=peer)
     finally:
         ctx.destroy(linger=0)
         metrics_server.close()

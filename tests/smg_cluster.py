@@ -1,0 +1,169 @@
+"""Start epdserve encoders, prefill and decode servers (with HTTP fronts) and smg in PD mode, on free ports.
+
+Used by tests/test_smg.py and runnable by hand for the full-size runs::
+
+    python tests/smg_cluster.py --encoders 2 --prefills 2 --decodes 2 --policy cache_aware
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from epdserve.launch import free_port
+
+
+def smg_executable() -> str | None:
+    """The ``smg`` console script next to this Python, or on PATH; None when smg is not installed."""
+    try:
+        import smg  # noqa: F401
+    except ImportError:
+        return None
+    here = Path(sys.executable).parent / "smg"
+    return str(here) if here.exists() else shutil.which("smg")
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    http: str = ""  # base URL of the HTTP front (prefill/decode) or of smg
+    grpc: str = ""  # host:port (encoder)
+    bootstrap_port: int = 0
+
+
+@dataclass
+class Cluster:
+    """The running processes; ``url`` is smg's base URL. :meth:`stop` ends them all."""
+
+    log_dir: Path
+    servers: dict[str, Server] = field(default_factory=dict)
+    url: str = ""
+
+    def start(self, name: str, cmd: list[str], **kw) -> Server:
+        log = open(self.log_dir / f"{name}.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.servers[name] = Server(name, proc, **kw)
+        return self.servers[name]
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one server's process (its HTTP front dies with it)."""
+        self.servers[name].proc.kill()
+        self.servers[name].proc.wait()
+
+    def stop(self) -> None:
+        for s in self.servers.values():
+            if s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for s in self.servers.values():
+            try:
+                s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(s.proc.pid, signal.SIGKILL)
+                s.proc.wait()
+
+
+def _wait_http(cluster: Cluster, name: str, url: str, deadline: float) -> None:
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if cluster.servers[name].proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not get ready:\n{cluster.log(name)[-3000:]}")
+        time.sleep(0.3)
+
+
+def start_cluster(model_path: str, log_dir: Path, *, encoders: int = 1, prefills: int = 1, decodes: int = 1,
+                  policy: str = "cache_aware", timeout_s: float = 240.0, request_timeout_s: float = 60.0,
+                  num_pages: int = 1024, smg_args: tuple[str, ...] = ()) -> Cluster:
+    """Start everything and wait until smg answers ``/health`` and every stage's ``/health`` is 200.
+
+    Raises:
+        RuntimeError: a server exited or did not get ready within ``timeout_s``; smg is not installed.
+    """
+    exe = smg_executable()
+    if exe is None:
+        raise RuntimeError("smg is not installed")
+    cluster = Cluster(Path(log_dir))
+    py = [sys.executable, "-m", "epdserve.cli", "--log-level", "INFO"]
+    lm = ["--model-path", model_path, "--num-pages", str(num_pages), "--request-timeout-s", str(request_timeout_s)]
+    try:
+        enc = []
+        for i in range(encoders):
+            port = free_port()
+            enc.append(f"127.0.0.1:{port}")
+            cluster.start(f"encoder{i}", [*py, "encoder", "--model-path", model_path, "--port", str(port)],
+                          grpc=enc[-1])
+        for i in range(prefills):
+            port, boot = free_port(), free_port()
+            cluster.start(f"prefill{i}", [*py, "prefill", *lm, "--port", str(port), "--bootstrap-port", str(boot),
+                                          "--zmq-port", str(free_port()), "--embed-port", str(free_port()),
+                                          "--encoder-urls", ",".join(enc)],
+                          http=f"http://127.0.0.1:{port}", bootstrap_port=boot)
+        for i in range(decodes):
+            port = free_port()
+            cluster.start(f"decode{i}", [*py, "decode", *lm, "--port", str(port), "--zmq-port", str(free_port()),
+                                         "--kv-port", str(free_port())], http=f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + timeout_s
+        for name, s in list(cluster.servers.items()):
+            if s.http:
+                _wait_http(cluster, name, f"{s.http}/health", deadline)
+        gw = free_port()
+        cmd = [exe, "launch", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(gw), "--policy", policy,
+               "--prometheus-port", str(free_port()), "--log-level", "warn"]
+        for s in cluster.servers.values():
+            if s.name.startswith("prefill"):
+                cmd += ["--prefill", s.http, str(s.bootstrap_port)]
+            elif s.name.startswith("decode"):
+                cmd += ["--decode", s.http]
+        cluster.start("smg", [*cmd, *smg_args], http=f"http://127.0.0.1:{gw}")
+        cluster.url = f"http://127.0.0.1:{gw}"
+        _wait_http(cluster, "smg", f"{cluster.url}/v1/models", deadline)
+        while not httpx.get(f"{cluster.url}/v1/models", timeout=2).json().get("data"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"smg registered no model:\n{cluster.log('smg')[-3000:]}")
+            time.sleep(0.3)
+        return cluster
+    except BaseException:
+        cluster.stop()
+        raise
+
+
+if __name__ == "__main__":
+    import argparse
+    import tempfile
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", default="")
+    ap.add_argument("--encoders", type=int, default=1)
+    ap.add_argument("--prefills", type=int, default=1)
+    ap.add_argument("--decodes", type=int, default=1)
+    ap.add_argument("--policy", default="cache_aware")
+    args = ap.parse_args()
+    from epdserve.models.tiny import resolve_model_path
+
+    logs = Path(tempfile.mkdtemp(prefix="smg-cluster-"))
+    c = start_cluster(resolve_model_path(args.model_path), logs, encoders=args.encoders, prefills=args.prefills,
+                      decodes=args.decodes, policy=args.policy)
+    print(f"smg on {c.url}; logs in {logs}; Ctrl-C stops", flush=True)
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        c.stop()
