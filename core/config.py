@@ -48,6 +48,8 @@ class LMServerConfig:
     context_length: int = _f(0, "longest prompt + output in tokens; 0 = the model's max_position_embeddings")
     attention_backend: str = _f("auto", "sdpa, flashinfer, or auto (flashinfer on cuda)")
     request_timeout_s: float = _f(120.0, "drop a request whose inputs (embeddings, KV, registration) never come")
+    tp: int = _f(1, "tensor-parallel ranks: this process is rank 0 and starts ranks 1..tp-1 (one GPU each)")
+    base_gpu_id: int = _f(0, "TP rank r runs on cuda:(base_gpu_id + r) (when the device is cuda or auto)")
 
 
 @dataclass
@@ -105,6 +107,11 @@ class LaunchConfig:
     num_pages: int = _f(0, "KV pages per pool (prefill and decode each); 0 = automatic")
     api_key: str = _f("", "require 'Authorization: Bearer KEY' at the gateway when set")
     num_encoders: int = _f(1, "encoder processes to start; the gateway routes each image to one by content hash")
+    prefill_tp: int = _f(1, "tensor-parallel ranks of the prefill server (one GPU each)")
+    decode_tp: int = _f(1, "tensor-parallel ranks of the decode server (one GPU each)")
+    encoder_gpu: int = _f(0, "GPU of every encoder (cuda:N) when the device is cuda or auto")
+    prefill_base_gpu: int = _f(0, "prefill TP rank r runs on GPU prefill_base_gpu + r")
+    decode_base_gpu: int = _f(0, "decode TP rank r runs on GPU decode_base_gpu + r")
 
 
 def _base_type(tp):

@@ -30,27 +30,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(n: int, tries: int = 100) -> int:
+    """The first of ``n`` consecutive TCP ports free on 127.0.0.1 right now (a TP prefill server's embedding ports).
+
+    Raises:
+        RuntimeError: none found in ``tries`` attempts.
+    """
+    for _ in range(tries):
+        first = free_port()
+        socks = []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((_LOCAL, port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
 def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]], list[str]]:
     """The command line of every process by name (``encoder0``.., ``prefill``, ``decode``, ``gateway``), and the
     encoders' addresses."""
-    pre, emb, boot, dec, kv = (free_port() for _ in range(5))
+    pre, boot, dec, kv = (free_port() for _ in range(4))
+    emb = free_port_range(cfg.prefill_tp)
     encoders = [f"{_LOCAL}:{free_port()}" for _ in range(cfg.num_encoders)]
     common = ["--model-path", model_path, "--device", cfg.device, "--dtype", cfg.dtype]
     kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages)]
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())
     exe = [sys.executable, "-m", "epdserve.cli", "--log-level", level]
-    commands = {f"encoder{i}": [*exe, "encoder", *common, "--port", addr.rsplit(":", 1)[1]]
+    # GPU placement: the encoders on one GPU, each LM server's TP ranks on consecutive GPUs from its base.
+    encoder_device = cfg.device
+    if cfg.device in ("cuda", "auto") and _has_cuda():
+        encoder_device = f"cuda:{cfg.encoder_gpu}"
+    commands = {f"encoder{i}": [*exe, "encoder", *common[:2], "--device", encoder_device, "--dtype", cfg.dtype,
+                                "--port", addr.rsplit(":", 1)[1]]
                 for i, addr in enumerate(encoders)}
     commands |= {
         "prefill": [*exe, "prefill", *common, *kv_pool, "--port", str(pre), "--embed-port", str(emb),
-                    "--bootstrap-port", str(boot)],
-        "decode": [*exe, "decode", *common, *kv_pool, "--port", str(dec), "--kv-port", str(kv)],
+                    "--bootstrap-port", str(boot), "--tp", str(cfg.prefill_tp),
+                    "--base-gpu-id", str(cfg.prefill_base_gpu)],
+        "decode": [*exe, "decode", *common, *kv_pool, "--port", str(dec), "--kv-port", str(kv),
+                   "--tp", str(cfg.decode_tp), "--base-gpu-id", str(cfg.decode_base_gpu)],
         "gateway": [*exe, "gateway", "--model-path", model_path, "--served-model-name", cfg.served_model_name,
                     "--host", cfg.host, "--port", str(cfg.port), "--encoder-addr", ",".join(encoders),
                     "--prefill-addr", f"tcp://{_LOCAL}:{pre}", "--decode-addr", f"tcp://{_LOCAL}:{dec}",
                     "--api-key", cfg.api_key],
     }
     return commands, encoders
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _encoder_serving(addr: str) -> bool:

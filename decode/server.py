@@ -3,7 +3,9 @@
 Sockets (bound on ``config.host``):
 - ``port`` (ROUTER): ``DecodeRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from gateways;
   token outputs go back to the same peer as ``TokenOutputBatch`` (one message per gateway per step).
-- ``kv_port`` (PULL): ``KVTransfer`` from prefill servers.
+- ``kv_port`` (PULL): ``KVTransfer`` from prefill servers, all KV heads; with TP, rank 0 receives it and the
+  ranks each keep their heads (:meth:`epdserve.tp_runner.TPRunner.write_kv`), so any prefill TP size feeds any
+  decode TP size.
 Out: one PUSH socket per prefill bootstrap address, carrying ``KVRegister``.
 """
 
@@ -26,7 +28,8 @@ log = logging.getLogger("epdserve.decode")
 
 
 def serve(config: DecodeConfig) -> None:
-    """Load the model and run the decode loop until SIGINT/SIGTERM.
+    """Load the model (on ``config.tp`` ranks) and run the decode loop until SIGINT/SIGTERM. Returns 0, or 1
+    when a TP rank was lost (its requests fail with an error first).
 
     Raises:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
@@ -54,7 +57,7 @@ def serve(config: DecodeConfig) -> None:
     log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages)", config.host, config.port,
              kv_endpoint, model_path, runner.device, runner.num_pages)
     try:
-        while not stopping:
+        while not stopping and not runner.failed:
             poller.poll(0 if sched.has_work() else 20)
             while (got := transport.recv_routed(requests)) is not None:
                 peer, msg = got
@@ -78,10 +81,21 @@ def serve(config: DecodeConfig) -> None:
                 log.exception("decode step failed")
                 sched.fail_running(f"decode failed: {e}")
                 outputs, sched.outputs = sched.outputs, []
-            by_peer = defaultdict(list)
-            for peer, out in outputs:
-                by_peer[peer].append(out)
-            for peer, outs in by_peer.items():
-                transport.send(requests, TokenOutputBatch(outputs=outs), identity=peer)
+            _send_outputs(requests, outputs)
+        if runner.failed:  # a TP rank is gone: fail what this server holds, then stop
+            sched.fail_all(f"decode failed: {runner.failed}")
+            _send_outputs(requests, sched.outputs)
+            return 1
+        return 0
     finally:
-        ctx.destroy(linger=0)
+        runner.close()
+        ctx.destroy(linger=1000 if runner.failed else 0)
+
+
+def _send_outputs(requests: zmq.Socket, outputs) -> None:
+    """One ``TokenOutputBatch`` per gateway peer."""
+    by_peer = defaultdict(list)
+    for peer, out in outputs:
+        by_peer[peer].append(out)
+    for peer, outs in by_peer.items():
+        transport.send(requests, TokenOutputBatch(outputs=outs), identity=peer)

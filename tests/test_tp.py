@@ -1,0 +1,260 @@
+"""Tensor parallelism: prefill and decode servers with TP ranks in their own processes (gloo on the CPU).
+
+One ``epdserve launch --prefill-tp 2 --decode-tp 2`` plus a TP=1 prefill and a TP=1 decode server. Greedy outputs
+of every prefill/decode TP pairing (2/2 through the gateway, streaming and not; 2/1 and 1/2 driven over
+ZeroMQ directly, with the embeddings pushed to every prefill rank as the encoder does) must equal transformers'
+``generate()`` for text, one photo and two photos. The logs must show exactly one embedding receipt per TP rank
+per image. Last, killing a decode TP rank must fail the in-flight request with an error and stop the server.
+
+The GPU test (2 GPUs, NCCL, decode CUDA graphs) checks TP=2 greedy output equals TP=1's for 32 tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import zmq
+from test_e2e import _chat, _hf_reference, _openai_messages, _resolve, hf  # noqa: F401  (hf: a fixture)
+
+from epdserve.embed_gate import EmbeddingGate
+from epdserve.launch import free_port
+from epdserve.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, PrefillRequest, SamplingParams,
+                               ServerInfo, ServerInfoRequest, TPEmbedReceipt, decode, encode)
+from epdserve.models.parallel import head_shard
+from epdserve.distributed import TPGroup
+
+NEW_TOKENS = 16
+CASES = ["text", "one_photo", "two_photos"]
+_IMAGE_PAD = 5  # <|image_pad|> of the tiny tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------- units
+
+def test_head_shard_splits_and_replicates_kv_heads():
+    def shards(hq, hkv, n):
+        return [head_shard(hq, hkv, TPGroup(r, n, torch.device("cpu"))) for r in range(n)]
+
+    assert [(s.q_start, s.num_heads, s.kv_start, s.num_kv_heads) for s in shards(16, 2, 2)] == \
+        [(0, 8, 0, 1), (8, 8, 1, 1)]
+    # Fewer KV heads than ranks: each rank holds the one KV head its query heads use (head h -> KV h // 8).
+    s4 = shards(16, 2, 4)
+    assert [(s.q_start, s.kv_start, s.num_kv_heads) for s in s4] == [(0, 0, 1), (4, 0, 1), (8, 1, 1), (12, 1, 1)]
+    assert all(s.q_start // 8 == s.kv_start for s in s4)
+    with pytest.raises(ValueError):
+        head_shard(16, 2, TPGroup(0, 3, torch.device("cpu")))
+
+
+def test_embedding_gate_waits_for_every_rank():
+    gate = EmbeddingGate(3, timeout_s=60)
+    emb = torch.zeros(2, 4)
+    gate.add_local(ImageEmbeddings("r1", ["a", "b"], [emb, emb]))
+    gate.add_receipt(TPEmbedReceipt(1, "r1", ["a", "b"]))
+    assert gate.ready() == []  # rank 2 has neither yet
+    gate.add_receipt(TPEmbedReceipt(2, "r1", ["a"]))
+    ready = gate.ready()
+    assert [(m.rid, m.image_hashes) for m in ready] == [("r1", ["a"])]
+    assert gate.releasable(in_use={"r1"}) == []  # "b" still waits here
+    gate.add_receipt(TPEmbedReceipt(2, "r1", ["b"]))
+    assert [m.image_hashes for m in gate.ready()] == [["b"]]
+    assert gate.releasable(in_use={"r1"}) == []  # the scheduler still uses them
+    assert gate.releasable(in_use=()) == ["r1"] and gate.releasable(in_use=()) == []
+    # A request whose embeddings never reach every rank is dropped at its deadline (the scheduler fails it).
+    gate = EmbeddingGate(2, timeout_s=0.0)
+    gate.add_local(ImageEmbeddings("r2", ["a"], [emb]))
+    time.sleep(0.01)
+    assert gate.expire() == ["r2"] and gate.ready() == [] and len(gate) == 0
+
+
+# ---------------------------------------------------------------------------------------------------- servers
+
+def _wait_for(log_path: Path, pattern: str, proc: subprocess.Popen, timeout_s: float = 240) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while not (m := re.search(pattern, log_path.read_text())):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no {pattern!r} in the log:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.3)
+    return m
+
+
+def _start(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "epdserve.cli", "--log-level", "DEBUG", *cmd],
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _stop(proc: subprocess.Popen) -> int | None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return None
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_path, tmp_path_factory):
+    """`epdserve launch --prefill-tp 2 --decode-tp 2` and a TP=1 prefill and decode server.
+
+    Yields a dict: ``url`` (the gateway), ``log`` (the launch log), ``prefill``/``decode`` by TP size (ZMQ request
+    endpoints), ``launch`` (the launcher process)."""
+    tmp = tmp_path_factory.mktemp("tp")
+    port = free_port()
+    launch_log, p1_log, d1_log = tmp / "launch.log", tmp / "prefill1.log", tmp / "decode1.log"
+    p1, d1 = free_port(), free_port()
+    procs = {
+        "launch": _start(["launch", "--model-path", tiny_model_path, "--port", str(port), "--device", "cpu",
+                          "--prefill-tp", "2", "--decode-tp", "2"], launch_log),
+        "prefill1": _start(["prefill", "--model-path", tiny_model_path, "--device", "cpu", "--port", str(p1),
+                            "--embed-port", str(free_port()), "--bootstrap-port", str(free_port())], p1_log),
+        "decode1": _start(["decode", "--model-path", tiny_model_path, "--device", "cpu", "--port", str(d1),
+                           "--kv-port", str(free_port())], d1_log),
+    }
+    try:
+        _wait_for(launch_log, "epdserve ready", procs["launch"])
+        _wait_for(p1_log, "prefill ready", procs["prefill1"])
+        _wait_for(d1_log, "decode ready", procs["decode1"])
+        text = launch_log.read_text()
+        p2 = re.search(r"prefill ready on (tcp://\S+)", text).group(1)
+        d2 = re.search(r"decode ready on (tcp://\S+)", text).group(1)
+        yield {"url": f"http://127.0.0.1:{port}", "log": launch_log, "launch": procs["launch"],
+               "prefill": {1: f"tcp://127.0.0.1:{p1}", 2: p2}, "decode": {1: f"tcp://127.0.0.1:{d1}", 2: d2}}
+    finally:
+        codes = {name: _stop(proc) for name, proc in procs.items()}
+    assert codes["prefill1"] == 0 and codes["decode1"] == 0, codes
+
+
+# ---------------------------------------------------------------------------------------------------- 2/2 through the gateway
+
+@pytest.mark.parametrize("case", CASES)
+def test_gateway_tp2_greedy_matches_transformers(servers, hf, tiny_model_path, photo_paths, case):
+    turns = _resolve(case, photo_paths)
+    ref_prompt, ref_ids, ref_text = _hf_reference(hf, turns, NEW_TOKENS)
+    resp = _chat(servers["url"], tiny_model_path, _openai_messages(turns), max_completion_tokens=NEW_TOKENS)
+    assert resp["prompt_token_ids"] == ref_prompt
+    assert resp["choices"][0]["token_ids"] == ref_ids
+    assert resp["choices"][0]["message"]["content"] == ref_text
+    body = {"model": tiny_model_path, "messages": _openai_messages(turns), "temperature": 0, "stream": True,
+            "max_completion_tokens": NEW_TOKENS, "ignore_eos": True}
+    with httpx.stream("POST", f"{servers['url']}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    streamed = "".join(c["delta"].get("content") or "" for line in lines[:-1] for c in json.loads(line)["choices"])
+    assert streamed == ref_text
+    if case == "two_photos":  # every prefill TP rank got each image's embedding exactly once per request
+        log = servers["log"].read_text()
+        for rid in (resp["id"],):
+            for rank in (0, 1):
+                got = re.findall(rf"rid={rid} TP rank {rank} received the embedding of image (\w+)", log)
+                assert len(got) == 2 and len(set(got)) == 2, (rank, got)
+
+
+# ---------------------------------------------------------------------------------------------------- direct
+
+def _reference(hf, turns):
+    """Prompt ids, image spans + embeddings (transformers' vision tower, as the encoder computes them) and
+    greedy output ids of transformers' generate()."""
+    from PIL import Image
+
+    processor, model = hf
+    ref_prompt, ref_ids, _ = _hf_reference(hf, turns, NEW_TOKENS)
+    paths = [p for _, parts in turns for p in parts if isinstance(p, Path)]
+    spans, embeds = [], []
+    if paths:
+        inputs = processor.image_processor(images=[Image.open(p) for p in paths], return_tensors="pt")
+        with torch.no_grad():
+            out = model.model.get_image_features(pixel_values=inputs["pixel_values"],
+                                                 image_grid_thw=inputs["image_grid_thw"])
+        embeds = list(getattr(out, "pooler_output", out))
+        offset = 0
+        for p, grid, emb in zip(paths, inputs["image_grid_thw"].tolist(), embeds):
+            offset = ref_prompt.index(_IMAGE_PAD, offset)
+            spans.append(ImageSpan(offset, emb.shape[0], hashlib.sha256(p.read_bytes()).hexdigest(), grid))
+            offset += emb.shape[0]
+    return ref_prompt, spans, embeds, ref_ids
+
+
+def _generate_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: str) -> list[int]:
+    """One greedy request straight to a prefill and a decode server over ZeroMQ (the gateway's part), the
+    embeddings pushed to every prefill TP rank (the encoder's part)."""
+    ctx = zmq.Context()
+    try:
+        p, d = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        p.connect(prefill)
+        d.connect(decode_ep)
+        p.send_multipart(encode(ServerInfoRequest()))
+        assert p.poll(10_000), "no ServerInfo from prefill"
+        info = decode(p.recv_multipart())
+        assert isinstance(info, ServerInfo)
+        room = int.from_bytes(os.urandom(7), "little")
+        sampling = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        d.send_multipart(encode(DecodeRequest(rid, len(prompt), sampling, info.bootstrap_host, info.bootstrap_port,
+                                              room)))
+        p.send_multipart(encode(PrefillRequest(rid, list(prompt), spans, sampling, room)))
+        if spans:
+            for ep in info.embed_endpoints:
+                push = ctx.socket(zmq.PUSH)
+                push.connect(ep)
+                push.send_multipart(encode(ImageEmbeddings(rid, [s.image_hash for s in spans], embeds)))
+        ids: list[int] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if not d.poll(1000):
+                continue
+            for out in decode(d.recv_multipart()).outputs:
+                assert out.error is None, out.error
+                ids += out.token_ids
+                if out.finish_reason is not None:
+                    return ids
+        pytest.fail(f"rid={rid}: no finished output")
+    finally:
+        ctx.destroy(linger=1000)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_mixed_tp_pairings_match_transformers(servers, hf, photo_paths, case):
+    turns = _resolve(case, photo_paths)
+    prompt, spans, embeds, ref_ids = _reference(hf, turns)
+    for ptp, dtp in ((2, 1), (1, 2)):
+        got = _generate_direct(servers["prefill"][ptp], servers["decode"][dtp], prompt, spans, embeds,
+                               f"direct-{case}-{ptp}{dtp}")
+        assert got == ref_ids, f"prefill TP={ptp} -> decode TP={dtp} diverged from transformers"
+
+
+# ---------------------------------------------------------------------------------------------------- last: a rank dies
+
+def test_dead_decode_rank_fails_request_and_stops_server(servers, tiny_model_path):
+    """Kill decode TP rank 1 while a long request streams: the request ends with an error, decode rank 0 exits
+    non-zero, and the launcher (watching its children) stops."""
+    log_path, launch = servers["log"], servers["launch"]
+    body = {"model": tiny_model_path, "messages": [{"role": "user", "content": "Tell me everything."}],
+            "max_completion_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0}
+    follower = None
+    with httpx.stream("POST", f"{servers['url']}/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: ") and follower is None:
+                pid = subprocess.run(["pgrep", "-f", "tp_follower.* decode --tp-rank 1"], capture_output=True,
+                                     text=True).stdout.split()
+                assert pid, "no decode TP rank 1 process"
+                follower = int(pid[0])
+                os.kill(follower, signal.SIGKILL)
+                break
+        rest = "\n".join(lines)
+    assert "error" in rest.lower(), rest[-2000:]
+    assert launch.wait(timeout=30) == 1
+    log = log_path.read_text()
+    assert re.search(r"TP rank 1 exited \(code -9\)", log), log[-3000:]
