@@ -214,5 +214,7 @@ def runner_from_config(cfg, cuda_graph_max_bs: int = 0) -> tuple[str, ModelRunne
         runner = start_tp_runner(cfg, model_path, cuda_graph_max_bs)
     else:
         tp = TPGroup.single(rank_device(cfg.device, cfg.base_gpu_id, 0))
+        if tp.device.type == "cuda":  # kernels, streams and graphs of this process go to that GPU
+            torch.cuda.set_device(tp.device)
         runner = build_runner(cfg, model_path, tp, cuda_graph_max_bs)
     return model_path, runner, cfg.context_length or runner.config.max_position_embeddings

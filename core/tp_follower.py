@@ -65,6 +65,7 @@ class Follower:
     def __init__(self, runner: ModelRunner, report):
         self.runner, self.rank, self._report = runner, runner.tp.rank, report
         self.embeds: dict[str, dict[str, torch.Tensor]] = {}  # rid -> image hash -> [n, hidden]
+        self._inflight: torch.cuda.Event | None = None  # the previous forward's end on the device
 
     def add_embeddings(self, msg: ImageEmbeddings) -> None:
         """Keep this rank's copy of ``msg``'s embeddings and tell rank 0 it has them."""
@@ -91,6 +92,14 @@ class Follower:
                 is_decode=msg.is_decode, input_ids=torch.zeros(msg.num_tokens, dtype=torch.int64, device=dev),
                 positions=msg.positions, out_slots=msg.out_slots, q_lens=msg.q_lens, kv_lens=msg.kv_lens,
                 page_table=msg.page_table, mm_embeds=mm_embeds, mm_mask=mm_mask))
+            if dev.type == "cuda":
+                # At most one forward queued ahead of the device, as on rank 0 (its overlap scheduler): a host far
+                # ahead would re-plan attention into host buffers that earlier, unexecuted copies still read.
+                done = torch.cuda.Event()
+                done.record()
+                if self._inflight is not None:
+                    self._inflight.synchronize()
+                self._inflight = done
         elif isinstance(msg, TPReadKV):
             runner.read_kv(msg.slots)
         elif isinstance(msg, TPWriteKV):

@@ -76,6 +76,23 @@ def test_embedding_gate_waits_for_every_rank():
     assert gate.expire() == ["r2"] and gate.ready() == [] and len(gate) == 0
 
 
+def test_launch_places_stages_and_tp_ranks(tiny_model_path):
+    from epdserve.config import LaunchConfig
+    from epdserve.launch import _commands
+
+    cfg = LaunchConfig(model_path=tiny_model_path, device="cpu", prefill_tp=2, decode_tp=4, prefill_base_gpu=1,
+                       decode_base_gpu=3)
+    cmds, _ = _commands(cfg, tiny_model_path)
+
+    def flag(name, key):
+        cmd = cmds[name]
+        return cmd[cmd.index(key) + 1]
+
+    assert (flag("prefill", "--tp"), flag("prefill", "--base-gpu-id")) == ("2", "1")
+    assert (flag("decode", "--tp"), flag("decode", "--base-gpu-id")) == ("4", "3")
+    assert flag("encoder0", "--device") == "cpu"  # GPU ids apply on CUDA only
+
+
 # ---------------------------------------------------------------------------------------------------- servers
 
 def _wait_for(log_path: Path, pattern: str, proc: subprocess.Popen, timeout_s: float = 240) -> re.Match:
@@ -136,7 +153,7 @@ def servers(tiny_model_path, tmp_path_factory):
     assert codes["prefill1"] == 0 and codes["decode1"] == 0, codes
 
 
-# ---------------------------------------------------------------------------------------------------- 2/2 through the gateway
+# ------------------------------------------------------------------------------------ 2/2 through the gateway
 
 @pytest.mark.parametrize("case", CASES)
 def test_gateway_tp2_greedy_matches_transformers(servers, hf, tiny_model_path, photo_paths, case):
@@ -187,7 +204,8 @@ def _reference(hf, turns):
     return ref_prompt, spans, embeds, ref_ids
 
 
-def _generate_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: str) -> list[int]:
+def _generate_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: str,
+                     new_tokens: int = NEW_TOKENS) -> list[int]:
     """One greedy request straight to a prefill and a decode server over ZeroMQ (the gateway's part), the
     embeddings pushed to every prefill TP rank (the encoder's part)."""
     ctx = zmq.Context()
@@ -200,7 +218,7 @@ def _generate_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: s
         info = decode(p.recv_multipart())
         assert isinstance(info, ServerInfo)
         room = int.from_bytes(os.urandom(7), "little")
-        sampling = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        sampling = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
         d.send_multipart(encode(DecodeRequest(rid, len(prompt), sampling, info.bootstrap_host, info.bootstrap_port,
                                               room)))
         p.send_multipart(encode(PrefillRequest(rid, list(prompt), spans, sampling, room)))
@@ -210,7 +228,7 @@ def _generate_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: s
                 push.connect(ep)
                 push.send_multipart(encode(ImageEmbeddings(rid, [s.image_hash for s in spans], embeds)))
         ids: list[int] = []
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if not d.poll(1000):
                 continue
@@ -234,7 +252,58 @@ def test_mixed_tp_pairings_match_transformers(servers, hf, photo_paths, case):
         assert got == ref_ids, f"prefill TP={ptp} -> decode TP={dtp} diverged from transformers"
 
 
-# ---------------------------------------------------------------------------------------------------- last: a rank dies
+# ---------------------------------------------------------------------------------------------------- GPU
+
+def _gpu_model_paths(tmp_path_factory) -> list[str]:
+    from epdserve.models.tiny import make_tiny_model
+
+    paths = [str(make_tiny_model(tmp_path_factory.mktemp("small"), size="small"))]
+    return paths + [p for p in os.environ.get("EPDSERVE_GPU_TEST_MODELS", "").split(",") if p]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_greedy_equals_tp1_on_two_gpus(tmp_path_factory):
+    """Prefill TP=2 + decode TP=2 on cuda:0,1 (NCCL, decode CUDA graphs, flashinfer fused ops) give the same 32
+    greedy tokens as prefill TP=1 + decode TP=1 on cuda:0, for 4 text prompts one at a time, and so does prefill
+    TP=2 -> decode TP=1 (the KV re-sharded)."""
+    pytest.importorskip("flashinfer")
+    tmp = tmp_path_factory.mktemp("tp-gpu")
+    steps = 32
+    for path in _gpu_model_paths(tmp_path_factory):
+        from epdserve.models.config import ModelConfig
+
+        vocab = min(ModelConfig.load(path).vocab_size, 1000)  # the small checkpoint's tokenizer has < 1000 ids
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(10, vocab, (int(n),), generator=gen).tolist() for n in (7, 60, 200, 450)]
+        outs = {}
+        for ptp, dtp in ((1, 1), (2, 2), (2, 1)):
+            ports = {k: free_port() for k in ("p", "e", "b", "d", "kv")}
+            common = ["--model-path", path, "--device", "cuda", "--num-pages", "4096"]
+            logs = {k: tmp / f"{k}-{ptp}{dtp}.log" for k in ("prefill", "decode")}
+            procs = {
+                "prefill": _start(["prefill", *common, "--tp", str(ptp), "--port", str(ports["p"]), "--embed-port",
+                                   str(ports["e"]), "--bootstrap-port", str(ports["b"])], logs["prefill"]),
+                "decode": _start(["decode", *common, "--tp", str(dtp), "--port", str(ports["d"]), "--kv-port",
+                                  str(ports["kv"])], logs["decode"]),
+            }
+            try:
+                for name, proc in procs.items():
+                    _wait_for(logs[name], f"{name} ready", proc, timeout_s=900)
+                outs[ptp, dtp] = [_generate_direct(f"tcp://127.0.0.1:{ports['p']}", f"tcp://127.0.0.1:{ports['d']}",
+                                                   q, [], [], f"gpu-{ptp}{dtp}-{i}", new_tokens=steps)
+                                  for i, q in enumerate(prompts)]
+            finally:
+                codes = {name: _stop(proc) for name, proc in procs.items()}
+            assert codes == {"prefill": 0, "decode": 0}, codes
+        for pair in ((2, 2), (2, 1)):
+            for i, (want, got) in enumerate(zip(outs[1, 1], outs[pair])):
+                first = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), None)
+                assert first is None, f"{path}: prompt {i}: prefill/decode TP {pair} diverged from TP=1 at token " \
+                                      f"{first}: {got[first:first + 4]} != {want[first:first + 4]}"
+
+
+# ------------------------------------------------------------------------------------ last: a rank dies
 
 def test_dead_decode_rank_fails_request_and_stops_server(servers, tiny_model_path):
     """Kill decode TP rank 1 while a long request streams: the request ends with an error, decode rank 0 exits
