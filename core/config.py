@@ -50,6 +50,9 @@ class LMServerConfig:
     request_timeout_s: float = _f(120.0, "drop a request whose inputs (embeddings, KV, registration) never come")
     tp: int = _f(1, "tensor-parallel ranks: this process is rank 0 and starts ranks 1..tp-1 (one GPU each)")
     base_gpu_id: int = _f(0, "TP rank r runs on cuda:(base_gpu_id + r) (when the device is cuda or auto)")
+    kv_transfer: str = _f("auto", "prefill->decode KV path: 'shared' (decode maps the prefill KV pool when both run "
+                                  "on this machine and copies pages device to device: CUDA IPC, or /dev/shm on CPU), "
+                                  "'zmq' (through host memory and ZeroMQ), or 'auto' (shared on CUDA, else zmq)")
 
 
 @dataclass
@@ -60,6 +63,9 @@ class PrefillConfig(LMServerConfig):
     embed_port: int = _f(30101, "ZMQ port receiving image embeddings; TP rank r listens on embed_port + r")
     bootstrap_port: int = _f(8998, "ZMQ port where decode servers register for a request's KV (bootstrap)")
     max_prefill_tokens: int = _f(8192, "new tokens computed in one prefill forward (several requests batch)")
+    chunked_prefill_size: int = _f(2048, "most new tokens of one request in one prefill forward: a longer prompt is "
+                                         "prefilled in chunks over several forwards, beside other requests' "
+                                         "chunks, so it does not stall them; 0 = up to --max-prefill-tokens")
 
 
 @dataclass
@@ -112,6 +118,7 @@ class LaunchConfig:
     encoder_gpu: int = _f(0, "GPU of every encoder (cuda:N) when the device is cuda or auto")
     prefill_base_gpu: int = _f(0, "prefill TP rank r runs on GPU prefill_base_gpu + r")
     decode_base_gpu: int = _f(0, "decode TP rank r runs on GPU decode_base_gpu + r")
+    kv_transfer: str = _f("auto", "prefill->decode KV path: shared, zmq or auto (see `epdserve prefill --help`)")
 
 
 def _base_type(tp):

@@ -60,7 +60,7 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
     emb = free_port_range(cfg.prefill_tp)
     encoders = [f"{_LOCAL}:{free_port()}" for _ in range(cfg.num_encoders)]
     common = ["--model-path", model_path, "--device", cfg.device, "--dtype", cfg.dtype]
-    kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages)]
+    kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages), "--kv-transfer", cfg.kv_transfer]
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())
     exe = [sys.executable, "-m", "epdserve.cli", "--log-level", level]
     # GPU placement: the encoders on one GPU, each LM server's TP ranks on consecutive GPUs from its base.

@@ -153,11 +153,43 @@ class ImageEmbeddings:
 
 @dataclass
 class KVRegister:
-    """decode -> prefill bootstrap: send the KV of ``bootstrap_room`` to ``kv_endpoint`` (SGLang's rendezvous)."""
+    """decode -> prefill bootstrap: send the KV of ``bootstrap_room`` to ``kv_endpoint`` (SGLang's rendezvous).
+
+    ``host_id`` names the decode server's machine; with ``accept_shared`` the decode server can map a prefill KV
+    pool on that machine (see :class:`KVPoolHandle`) and copy pages from it itself.
+    """
 
     rid: str
     bootstrap_room: int
     kv_endpoint: str
+    host_id: str = ""
+    accept_shared: bool = False
+
+
+@dataclass
+class KVPoolHandle:
+    """How another process on the same machine maps a prefill server's whole KV pool (no data, only a handle).
+
+    ``shape`` is the pool buffer's ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`` and ``dtype``
+    its dtype name. CUDA pools give ``cuda_ipc``: the 8 values of torch's ``UntypedStorage._share_cuda_()``
+    (device index, cudaIpcMemHandle bytes, storage size and offset in bytes, ref-counter handle and offset, event
+    handle, event-sync flag). CPU pools give ``shm_path``, a file under /dev/shm holding the buffer.
+    """
+
+    host_id: str
+    shape: list[int]
+    dtype: str
+    cuda_ipc: list = field(default_factory=list)
+    shm_path: str = ""
+
+
+@dataclass
+class KVAck:
+    """decode -> prefill bootstrap: the KV of ``bootstrap_room`` was copied out of the prefill pool (shared
+    path only), so the prefill server may reuse those pages."""
+
+    rid: str
+    bootstrap_room: int
 
 
 @dataclass
@@ -167,6 +199,10 @@ class KVTransfer:
     ``kv`` is ``[num_layers, 2, prompt_len, num_kv_heads, head_dim]`` in the model dtype (K at index 0, V at 1),
     gathered token-major from the prefill server's KV pages. ``mrope_position_delta`` is the M-RoPE offset that
     decode positions add to the token index. On failure ``error`` is set and ``kv`` is None.
+
+    Shared path (same machine): ``kv`` is None and the KV stays in the prefill pool that ``pool`` maps, in pages
+    ``kv_pages`` of ``pool.shape[3]`` tokens each (token ``i`` at page ``kv_pages[i // page_size]``); the decode
+    server copies it out and answers with :class:`KVAck`.
     """
 
     rid: str
@@ -175,6 +211,8 @@ class KVTransfer:
     cached_tokens: int = 0
     mrope_position_delta: int = 0
     kv: torch.Tensor | None = None
+    pool: KVPoolHandle | None = None
+    kv_pages: list[int] = field(default_factory=list)
     error: str | None = None
 
 
@@ -303,7 +341,7 @@ _KINDS: dict[str, type] = {
     for cls in (
         SamplingParams, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest, ServerInfoRequest, ServerInfo,
         LoadRequest, Load,
-        ImageEmbeddings, KVRegister, KVTransfer, TokenOutput, TokenOutputBatch,
+        ImageEmbeddings, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput, TokenOutputBatch,
         TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt,
     )
 }

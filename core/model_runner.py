@@ -10,6 +10,8 @@ from epdserve.attention.base import make_backend
 from epdserve.distributed import TPGroup
 from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
+from epdserve.kvcache.kv_share import export_pool, new_shm_path
+from epdserve.messages import KVPoolHandle
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import head_shard
 from epdserve.models.qwen2_vl_lm import Qwen2VLLanguageModel
@@ -36,7 +38,7 @@ class ModelRunner:
 
     def __init__(self, model_path: str, *, device: torch.device, dtype: torch.dtype, num_pages: int,
                  page_size: int, attention_backend: str = "auto", mem_fraction: float = 0.5,
-                 cuda_graph_max_bs: int = 0, tp: TPGroup | None = None):
+                 cuda_graph_max_bs: int = 0, share_kv: bool = False, tp: TPGroup | None = None):
         """Load config and LM weights (vision weights are skipped), then size and allocate the KV pool.
 
         ``num_pages == 0`` sizes the pool automatically: on CUDA ``mem_fraction`` of the free memory left after
@@ -47,6 +49,9 @@ class ModelRunner:
         With the flashinfer backend the model uses flashinfer's fused norm/RoPE/activation kernels, and
         ``cuda_graph_max_bs > 0`` captures decode CUDA graphs up to that batch size (see
         :mod:`epdserve.cuda_graph`); the graphs need the flashinfer backend and are skipped otherwise.
+
+        ``share_kv`` makes the KV pool mappable by other processes of this machine (:meth:`kv_handle`): on CUDA
+        every pool is; on the CPU the pool is then allocated in a /dev/shm file.
 
         Raises:
             FileNotFoundError: missing config or weights.
@@ -66,9 +71,11 @@ class ModelRunner:
         if num_pages <= 0:
             num_pages = self.tp.min_int(self._auto_pages(mem_fraction))
         self.num_pages = num_pages
+        self.share_kv = share_kv
         self.kv_pool = KVPool(num_layers=cfg.num_layers, num_pages=num_pages + 1, page_size=page_size,
                               num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
-                              device=self.device)
+                              device=self.device,
+                              shm_path=new_shm_path() if share_kv and self.device.type == "cpu" else "")
         self.backend = make_backend(attention_backend, self.kv_pool, self.heads.num_heads)
         self.model.attn = self.backend
         self.model.use_fused_ops(self.backend.uses_flashinfer)
@@ -159,6 +166,27 @@ class ModelRunner:
         """Release what the runner holds outside this process (nothing for one rank; TP runners stop their
         ranks)."""
 
+    def kv_handle(self) -> KVPoolHandle | None:
+        """The handle another process of this machine maps this KV pool with, or None without ``share_kv``."""
+        return export_pool(self.kv_pool.buffer, self.kv_pool.shm_path) if self.share_kv else None
+
+    def copy_kv_from(self, peer: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy KV from a mapped peer pool ``peer`` ``[L, 2, peer_slots, H, D]`` (slot-indexed, see
+        :class:`~epdserve.kvcache.kv_share.PeerPools`) at ``src_slots`` ``[n]`` into this pool's ``dst_slots``
+        ``[n]``, queued on the current stream (device to device; across GPUs through peer access).
+
+        Raises:
+            ValueError: the peer's layers, heads, head size or dtype differ from this pool's.
+        """
+        pool = self.kv_pool
+        if (peer.shape[0], *peer.shape[3:]) != (pool.num_layers, pool.num_kv_heads, pool.head_dim) \
+                or peer.dtype != pool.dtype:
+            raise ValueError(f"prefill KV pool {tuple(peer.shape)} {peer.dtype} does not match this pool "
+                             f"({pool.num_layers} layers, {pool.num_kv_heads} KV heads, {pool.head_dim}, {pool.dtype})")
+        with torch.no_grad():
+            kv = peer[:, :, src_slots.to(peer.device, non_blocking=True)]
+            pool.write_all(dst_slots.to(self.device, non_blocking=True), kv)
+
     def warmup(self) -> None:
         """Run one small prefill and one decode step on scratch pages, so kernel JIT builds (flashinfer) and CUDA
         initialisation happen before the server says it is ready, not inside the first request's TTFT. The
@@ -172,7 +200,8 @@ class ModelRunner:
         self.forward(ForwardBatch(True, ids[n:], positions[:, n:], slots[n:], [1], [n + 1], [pages]))
 
 
-def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0) -> ModelRunner:
+def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
+                 share_kv: bool = False) -> ModelRunner:
     """Build and warm up TP rank ``tp.rank``'s model runner of a prefill or decode server from its
     :class:`~epdserve.config.LMServerConfig` (every rank calls this with the same ``cfg``; its collectives pair
     up across ranks), with decode CUDA graphs up to ``cuda_graph_max_bs`` (0: none).
@@ -184,15 +213,19 @@ def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0) 
 
     runner = ModelRunner(model_path, device=tp.device, dtype=resolve_dtype(cfg.dtype, tp.device),
                          num_pages=cfg.num_pages, page_size=cfg.page_size, attention_backend=cfg.attention_backend,
-                         mem_fraction=cfg.mem_fraction, cuda_graph_max_bs=cuda_graph_max_bs, tp=tp)
+                         mem_fraction=cfg.mem_fraction, cuda_graph_max_bs=cuda_graph_max_bs, share_kv=share_kv,
+                         tp=tp)
     runner.warmup()
     return runner
 
 
-def runner_from_config(cfg, cuda_graph_max_bs: int = 0) -> tuple[str, ModelRunner, int]:
+def runner_from_config(cfg, cuda_graph_max_bs: int = 0, share_kv: bool = False) -> tuple[str, ModelRunner, int]:
     """Build and warm up the model runner of a prefill or decode server from its
     :class:`~epdserve.config.LMServerConfig`, with decode CUDA graphs up to ``cuda_graph_max_bs`` (0: none).
     Returns ``(model_path, runner, context_length)``.
+
+    ``share_kv``: see :class:`ModelRunner` (TP=1 only: the ranks of a TP server keep their KV to themselves,
+    and their KV hand-off goes through host memory).
 
     With ``cfg.tp > 1`` this process becomes TP rank 0: it starts ranks 1..tp-1 and returns a
     :class:`~epdserve.tp_runner.TPRunner` (the same interface) that runs every call on all ranks.
@@ -216,5 +249,5 @@ def runner_from_config(cfg, cuda_graph_max_bs: int = 0) -> tuple[str, ModelRunne
         tp = TPGroup.single(rank_device(cfg.device, cfg.base_gpu_id, 0))
         if tp.device.type == "cuda":  # kernels, streams and graphs of this process go to that GPU
             torch.cuda.set_device(tp.device)
-        runner = build_runner(cfg, model_path, tp, cuda_graph_max_bs)
+        runner = build_runner(cfg, model_path, tp, cuda_graph_max_bs, share_kv=share_kv)
     return model_path, runner, cfg.context_length or runner.config.max_position_embeddings

@@ -115,6 +115,11 @@ class TPRunner:
         self._send(TPWriteKV(slots=slots, shape=list(want)))
         self.local.write_kv(slots, kv)
 
+    def kv_handle(self) -> None:
+        """None: a TP server's KV pool is split over its ranks, so it is never shared with another process (its
+        KV hand-off goes through host memory, every KV head in the message)."""
+        return None
+
     # ---- embeddings (prefill) ------------------------------------------------------------------------------
     def receipts(self) -> list[TPEmbedReceipt]:
         """The embedding receipts the other ranks sent since the last call (never blocks)."""

@@ -26,7 +26,8 @@ import torch
 from epdserve.device import to_device
 from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
-from epdserve.messages import DecodeRequest, KVRegister, KVTransfer, Load, TokenOutput
+from epdserve.kvcache.kv_share import PeerPools, host_id
+from epdserve.messages import DecodeRequest, KVAck, KVRegister, KVTransfer, Load, TokenOutput
 from epdserve.model_runner import ModelRunner
 from epdserve.models.mrope import decode_positions
 from epdserve.sampling import sample
@@ -80,10 +81,12 @@ class DecodeScheduler:
         max_running_requests: largest decode batch.
         timeout_s: seconds a request waits for its KV.
         kv_endpoint: this server's KV receive endpoint, sent to prefill servers when registering.
+        accept_shared: map the KV pools of prefill servers on this machine and copy KV pages out of them (the
+            shared hand-off path, :mod:`epdserve.kvcache.kv_share`) instead of receiving the KV in the message.
     """
 
     def __init__(self, runner: ModelRunner, *, context_length: int, max_running_requests: int,
-                 timeout_s: float, kv_endpoint: str):
+                 timeout_s: float, kv_endpoint: str, accept_shared: bool = False):
         self.runner = runner
         self.pool = PagePool(runner.num_pages, runner.page_size)
         self.context_length = context_length
@@ -96,14 +99,18 @@ class DecodeScheduler:
         self.running: list[_Seq] = []
         self.inflight: _Step | None = None  # the launched step whose sampled ids the host has not read yet
         self.outputs: list[tuple[bytes, TokenOutput]] = []
+        self.accept_shared, self.host_id, self.peer_pools = accept_shared, host_id(), PeerPools()
+        # KV copied out of prefill pools, acknowledged once the copy ran: (done event or None, bootstrap, ack).
+        self._acks: list[tuple[torch.cuda.Event | None, str, KVAck]] = []
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def add_request(self, msg: DecodeRequest, peer: bytes) -> tuple[str, KVRegister]:
         """Track a request; returns ``(bootstrap endpoint, KVRegister)`` for the server to send."""
         self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=time.monotonic() + self.timeout_s)
         log.debug("rid=%s request received", msg.rid)
-        endpoint = f"tcp://{msg.bootstrap_host}:{msg.bootstrap_port}"
-        return endpoint, KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room, kv_endpoint=self.kv_endpoint)
+        return _bootstrap(msg), KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room,
+                                           kv_endpoint=self.kv_endpoint, host_id=self.host_id,
+                                           accept_shared=self.accept_shared)
 
     def add_transfer(self, msg: KVTransfer) -> None:
         """KV (or an error) for a pending request; transfers for unknown rooms (aborted) are dropped."""
@@ -116,6 +123,8 @@ class DecodeScheduler:
             if err:
                 msg = KVTransfer(rid=msg.rid, bootstrap_room=msg.bootstrap_room, error=err)
         if msg.error is not None:
+            if msg.pool is not None:  # the prefill server holds pages for it: let them go
+                self._acks.append((None, _bootstrap(seq.msg), KVAck(rid=msg.rid, bootstrap_room=msg.bootstrap_room)))
             self._emit(seq, "error", error=msg.error)
             return
         seq.transfer = msg
@@ -140,7 +149,15 @@ class DecodeScheduler:
 
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.running) or bool(self.ready) or self.inflight is not None
+        return bool(self.running) or bool(self.ready) or self.inflight is not None or bool(self._acks)
+
+    def take_acks(self) -> list[tuple[str, KVAck]]:
+        """``(prefill bootstrap endpoint, KVAck)`` for every shared KV copy that has finished on the device."""
+        done, pending = [], []
+        for item in self._acks:
+            (done if item[0] is None or item[0].query() else pending).append(item)
+        self._acks = pending
+        return [(endpoint, ack) for _, endpoint, ack in done]
 
     def step(self) -> list[tuple[bytes, TokenOutput]]:
         """Expire, admit, launch one decode step, then read the previous step's tokens; return the outputs to
@@ -175,12 +192,22 @@ class DecodeScheduler:
     # ---- internals ----------------------------------------------------------------------------------------
     def _check_kv(self, seq: _Seq, msg: KVTransfer) -> str | None:
         cfg = self.runner.config
+        if not 0 <= msg.first_token_id < cfg.vocab_size:
+            return f"first token {msg.first_token_id} out of the vocabulary"
+        if msg.pool is not None:
+            shape = msg.pool.shape
+            want = [cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim]
+            if len(shape) != 6 or [*shape[:2], *shape[4:]] != want or shape[3] <= 0:
+                return f"prefill KV pool has shape {shape}, expected [{cfg.num_layers}, 2, pages, page size, " \
+                       f"{cfg.num_kv_heads}, {cfg.head_dim}]"
+            if len(msg.kv_pages) != -(-seq.msg.prompt_len // shape[3]) or \
+                    any(not 0 <= p < shape[2] for p in msg.kv_pages):
+                return f"KV transfer names {len(msg.kv_pages)} pages for a {seq.msg.prompt_len}-token prompt"
+            return None
         want = (cfg.num_layers, 2, seq.msg.prompt_len, cfg.num_kv_heads, cfg.head_dim)
         if msg.kv is None or tuple(msg.kv.shape) != want:
             got = None if msg.kv is None else tuple(msg.kv.shape)
             return f"KV transfer has shape {got}, expected {want}"
-        if not 0 <= msg.first_token_id < cfg.vocab_size:
-            return f"first token {msg.first_token_id} out of the vocabulary"
         return None
 
     def _expire(self) -> None:
@@ -206,7 +233,14 @@ class DecodeScheduler:
             seq.pages = self.pool.alloc(need)
             transfer, seq.transfer = seq.transfer, None
             slots = torch.tensor(self.pool.slots(seq.pages, 0, seq.msg.prompt_len), dtype=torch.int64)
-            self.runner.write_kv(slots, transfer.kv)
+            if transfer.pool is not None:
+                err = self._copy_shared_kv(seq, transfer, slots)
+                if err:
+                    self.pool.free(seq.pages)
+                    self._emit(seq, "error", error=err)
+                    continue
+            else:
+                self.runner.write_kv(slots, transfer.kv)
             seq.cached_tokens, seq.mrope_delta = transfer.cached_tokens, transfer.mrope_position_delta
             seq.max_out, seq.launched = total - seq.msg.prompt_len, 1
             if seq.msg.sampling.seed is not None:
@@ -214,6 +248,27 @@ class DecodeScheduler:
             self.running.append(seq)
             log.debug("rid=%s admitted (batch of %d)", seq.msg.rid, len(self.running))
             self._append_token(seq, transfer.first_token_id)
+
+    def _copy_shared_kv(self, seq: _Seq, transfer: KVTransfer, slots: torch.Tensor) -> str | None:
+        """Copy ``seq``'s KV out of the prefill pool that ``transfer.pool`` maps into ``slots``; queue its
+        ``KVAck`` for when the copy has run. Returns an error message when the pool cannot be mapped."""
+        ps = transfer.pool.shape[3]
+        src = torch.tensor([transfer.kv_pages[i // ps] * ps + i % ps for i in range(seq.msg.prompt_len)],
+                           dtype=torch.int64)
+        ack = KVAck(rid=seq.msg.rid, bootstrap_room=transfer.bootstrap_room)
+        try:
+            self.runner.copy_kv_from(self.peer_pools.get(transfer.pool), src, slots)
+        except (RuntimeError, ValueError) as e:
+            log.error("rid=%s cannot copy KV from the prefill pool (%s); start decode with --kv-transfer zmq if "
+                      "the stages cannot share memory", seq.msg.rid, e)
+            self._acks.append((None, _bootstrap(seq.msg), ack))
+            return f"KV hand-off failed: {e}"
+        event = None
+        if self.runner.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._acks.append((event, _bootstrap(seq.msg), ack))
+        return None
 
     def _launch(self) -> _Step:
         """Build and launch one decode step over the running requests that may still need a token; returns it
@@ -270,3 +325,8 @@ class DecodeScheduler:
             rid=seq.msg.rid, token_ids=list(token_ids), finish_reason=finish,
             prompt_tokens=seq.msg.prompt_len, completion_tokens=len(seq.output_ids),
             cached_tokens=seq.cached_tokens, error=error)))
+
+
+def _bootstrap(msg: DecodeRequest) -> str:
+    """The prefill bootstrap endpoint of ``msg``."""
+    return f"tcp://{msg.bootstrap_host}:{msg.bootstrap_port}"

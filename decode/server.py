@@ -6,7 +6,7 @@ Sockets (bound on ``config.host``):
 - ``kv_port`` (PULL): ``KVTransfer`` from prefill servers, all KV heads; with TP, rank 0 receives it and the
   ranks each keep their heads (:meth:`epdserve.tp_runner.TPRunner.write_kv`), so any prefill TP size feeds any
   decode TP size.
-Out: one PUSH socket per prefill bootstrap address, carrying ``KVRegister``.
+Out: one PUSH socket per prefill bootstrap address, carrying ``KVRegister`` and ``KVAck``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import zmq
 from epdserve import transport
 from epdserve.config import DecodeConfig
 from epdserve.decode.scheduler import DecodeScheduler
+from epdserve.kvcache.kv_share import shares_kv
 from epdserve.messages import (AbortRequest, DecodeRequest, KVTransfer, LoadRequest, ServerInfo, ServerInfoRequest,
                                TokenOutputBatch)
 from epdserve.model_runner import runner_from_config
@@ -37,9 +38,10 @@ def serve(config: DecodeConfig) -> None:
     """
     graph_bs = 0 if config.disable_cuda_graph else min(config.cuda_graph_max_bs, config.max_running_requests)
     model_path, runner, context_length = runner_from_config(config, cuda_graph_max_bs=graph_bs)
+    share = shares_kv(config.kv_transfer, runner.device) and config.tp == 1  # TP ranks take KV by host path
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
     sched = DecodeScheduler(runner, context_length=context_length, max_running_requests=config.max_running_requests,
-                            timeout_s=config.request_timeout_s, kv_endpoint=kv_endpoint)
+                            timeout_s=config.request_timeout_s, kv_endpoint=kv_endpoint, accept_shared=share)
     info = ServerInfo(role="decode", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages)
 
@@ -54,8 +56,9 @@ def serve(config: DecodeConfig) -> None:
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
-    log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages)", config.host, config.port,
-             kv_endpoint, model_path, runner.device, runner.num_pages)
+    log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages, KV hand-off %s)",
+             config.host, config.port, kv_endpoint, model_path, runner.device, runner.num_pages,
+             "shared or zmq" if share else "zmq")
     try:
         while not stopping and not runner.failed:
             poller.poll(0 if sched.has_work() else 20)
@@ -81,6 +84,10 @@ def serve(config: DecodeConfig) -> None:
                 log.exception("decode step failed")
                 sched.fail_running(f"decode failed: {e}")
                 outputs, sched.outputs = sched.outputs, []
+            for endpoint, ack in sched.take_acks():
+                if endpoint not in to_bootstrap:
+                    to_bootstrap[endpoint] = transport.connect(ctx, zmq.PUSH, endpoint)
+                transport.send(to_bootstrap[endpoint], ack)
             _send_outputs(requests, outputs)
         if runner.failed:  # a TP rank is gone: fail what this server holds, then stop
             sched.fail_all(f"decode failed: {runner.failed}")

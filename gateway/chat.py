@@ -104,13 +104,16 @@ class ChatService:
             images = list(await asyncio.gather(*(load_image(u, self.media, self.http) for u in urls)))
         except MediaError as e:
             raise APIError(e.status, e.message, param="messages") from None
+        # The chat template and the text's tokens do not depend on the images: they run while the encoder works.
+        pieces = asyncio.get_running_loop().run_in_executor(self._executor, self.builder.tokenize_template,
+                                                            hf_messages)
         try:
             encoded = await self.stages.encode(rid, images) if images else []
             logger.debug("rid=%s encoder answered", rid)
-            prompt = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.builder.build, hf_messages, encoded)
+            prompt = self.builder.splice(await pieces, encoded)
             max_new = self._max_new_tokens(req, len(prompt.input_ids))
         except BaseException as e:
+            pieces.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
             # The encoder may already have pushed this request's embeddings to prefill: let it drop them.
             if images:
                 self.stages.abort(rid)

@@ -2,8 +2,11 @@
 
 The gateway never sees pixels, so it cannot call the processor on images. It gets each image's token count from
 the encoder instead and does the processor's own text expansion: the i-th ``<|image_pad|>`` in the chat-template
-text becomes ``num_tokens_i`` copies, then the whole text is tokenized at once. Tokenizing the expanded text (not
-pieces) is what the processor does, so the ids match it token for token (``tests/test_gateway.py`` checks it).
+text becomes ``num_tokens_i`` copies. The text between image slots is tokenized while the encoder works
+(:meth:`PromptBuilder.tokenize_template`) and the image runs are spliced in once the counts are known
+(:meth:`PromptBuilder.splice`). That equals tokenizing the expanded text at once, as the processor does, because
+``<|image_pad|>`` is a special token: the tokenizer splits the text at every special token before anything else,
+so no token spans a slot (``tests/test_gateway.py`` checks the ids against the processor's).
 """
 
 from __future__ import annotations
@@ -26,6 +29,15 @@ class EncodedImage:
     image_hash: str
     num_tokens: int
     grid_thw: list[int]
+
+
+@dataclass
+class TemplatePieces:
+    """A chat-template text cut at its image slots, each piece tokenized: ``piece_ids[i]`` comes before image
+    ``i`` (the last piece after the last image)."""
+
+    text: str
+    piece_ids: list[list[int]]
 
 
 @dataclass
@@ -89,22 +101,31 @@ class PromptBuilder:
         return self.processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
 
     def build(self, hf_messages: list[dict[str, Any]], images: list[EncodedImage]) -> Prompt:
-        """Tokenize ``hf_messages`` with ``images[i]`` expanded at the i-th image slot.
+        """Tokenize ``hf_messages`` with ``images[i]`` expanded at the i-th image slot (see :meth:`splice`)."""
+        return self.splice(self.tokenize_template(hf_messages), images)
+
+    def tokenize_template(self, hf_messages: list[dict[str, Any]]) -> TemplatePieces:
+        """Apply the chat template and tokenize the text between image slots (no image counts needed yet)."""
+        text = self.template(hf_messages)
+        pieces = text.split(self.image_token)
+        ids = self.tokenizer(pieces, add_special_tokens=False)["input_ids"]
+        return TemplatePieces(text=text, piece_ids=[list(p) for p in ids])
+
+    def splice(self, pieces: TemplatePieces, images: list[EncodedImage]) -> Prompt:
+        """The prompt: ``pieces`` with ``images[i].num_tokens`` image tokens at the i-th slot.
 
         Raises:
             PromptError: the template has a different number of image slots than ``images`` (for example a text
                 part that spells out the image token), or the image runs in the ids do not match the counts.
         """
-        text = self.template(hf_messages)
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise PromptError(f"the prompt has {len(pieces) - 1} image slots but {len(images)} images "
+        if len(pieces.piece_ids) - 1 != len(images):
+            raise PromptError(f"the prompt has {len(pieces.piece_ids) - 1} image slots but {len(images)} images "
                               f"(is {self.image_token!r} written in a text part?)")
-        expanded = [pieces[0]]
-        for img, piece in zip(images, pieces[1:]):
-            expanded.append(self.image_token * img.num_tokens)
-            expanded.append(piece)
-        input_ids = list(self.tokenizer("".join(expanded), add_special_tokens=False)["input_ids"])
+        input_ids = list(pieces.piece_ids[0])
+        for img, piece in zip(images, pieces.piece_ids[1:]):
+            input_ids += [self.image_token_id] * img.num_tokens
+            input_ids += piece
+        text = pieces.text
         runs = _runs(input_ids, self.image_token_id)
         if len(runs) != len(images) or any(n != img.num_tokens for (_, n), img in zip(runs, images)):
             # Adjacent image slots with nothing between them would merge into one run; the Qwen-VL template

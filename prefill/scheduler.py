@@ -2,6 +2,10 @@
 run chunked prefill over KV pages, sample the first token, and hand the KV to the decode server that
 registered for the request's bootstrap room.
 
+Two hand-off paths (``--kv-transfer``): through host memory (the KV is gathered into a host tensor that travels
+over ZeroMQ, and the pages are freed at once), or shared (a decode server on this machine maps this server's
+KV pool and copies the pages device to device; they stay held until its ``KVAck``).
+
 Requests and embeddings arrive in either order (the encoder pushes embeddings while the gateway sends the
 request). Decode registrations can come before or after prefill ends. Everything that waits has a deadline.
 """
@@ -17,7 +21,8 @@ import torch
 from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.radix_cache import RadixCache
-from epdserve.messages import ImageEmbeddings, KVRegister, KVTransfer, Load, PrefillRequest
+from epdserve.kvcache.kv_share import host_id
+from epdserve.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest
 from epdserve.model_runner import ModelRunner
 from epdserve.models.mrope import mrope_positions
 from epdserve.sampling import sample
@@ -42,6 +47,7 @@ class _Req:
     node: object = None  # locked radix node of the matched prefix
     cached: int = 0  # tokens whose KV came from the radix cache
     computed: int = 0  # tokens with KV in this server's pages
+    first_token: int = -1  # sampled once the whole prompt is prefilled
 
     @property
     def n(self) -> int:
@@ -54,23 +60,32 @@ class PrefillScheduler:
     Args:
         runner: the model runner (its KV pool has ``runner.num_pages`` pages of ``runner.page_size`` tokens).
         context_length: longest prompt accepted, in tokens (a prompt must leave room for one output token).
-        max_prefill_tokens: new tokens computed per forward, summed over the batch (chunked prefill bound).
+        max_prefill_tokens: new tokens computed per forward, summed over the batch.
+        chunked_prefill_size: new tokens of one request per forward (chunked prefill, as in Sarathi, Agrawal et
+            al., OSDI 2024, and SGLang's ``--chunked-prefill-size``); 0 = no bound but ``max_prefill_tokens``.
         timeout_s: seconds a request waits for embeddings, or its KV waits for a decode registration.
     """
 
-    def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float):
+    def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float,
+                 chunked_prefill_size: int = 0):
         self.runner = runner
         self.cfg = runner.config
         self.pool = PagePool(runner.num_pages, runner.page_size)
         self.radix = RadixCache(runner.page_size)
         self.context_length = context_length
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunk = chunked_prefill_size if chunked_prefill_size > 0 else max_prefill_tokens
         self.timeout_s = timeout_s
         self.waiting: dict[str, _Req] = {}  # rid -> request waiting for embeddings or pages
         self.running: list[_Req] = []  # requests with pages, partly prefilled (chunked)
         self.embeds: dict[str, tuple[float, dict[str, torch.Tensor]]] = {}  # rid -> (deadline, hash -> [n, h])
-        self.registered: dict[int, tuple[float, str]] = {}  # room -> (deadline, decode KV endpoint)
-        self.finished: dict[int, tuple[float, KVTransfer]] = {}  # room -> (deadline, transfer)
+        self.registered: dict[int, tuple[float, KVRegister]] = {}  # room -> (deadline, decode registration)
+        # room -> (deadline, KV ready to hand off): a transfer (host path, or an error), or a prefilled request
+        # whose pages hold its KV (this pool is shared: the path is chosen when its decode server registers).
+        self.finished: dict[int, tuple[float, KVTransfer | _Req]] = {}
+        self.lent: dict[int, tuple[float, _Req]] = {}  # room -> request whose pages a decode server copies
+        self.pool_handle = runner.kv_handle()  # None: this pool is not shared, KV goes through host memory
+        self.host_id = host_id()
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def add_request(self, msg: PrefillRequest) -> None:
@@ -93,7 +108,14 @@ class PrefillScheduler:
 
     def register(self, msg: KVRegister) -> None:
         """A decode server asks for the KV of ``msg.bootstrap_room`` at ``msg.kv_endpoint``."""
-        self.registered[msg.bootstrap_room] = (time.monotonic() + self.timeout_s, msg.kv_endpoint)
+        self.registered[msg.bootstrap_room] = (time.monotonic() + self.timeout_s, msg)
+
+    def ack(self, msg: KVAck) -> None:
+        """A decode server copied the KV of ``msg.bootstrap_room`` out of this pool: its pages may be reused."""
+        lent = self.lent.pop(msg.bootstrap_room, None)
+        if lent is not None:
+            self._release(lent[1], insert=True)
+            log.debug("rid=%s KV copied by decode, pages released", msg.rid)
 
     def abort(self, rid: str) -> None:
         """Drop ``rid`` wherever it is and free its pages."""
@@ -105,17 +127,21 @@ class PrefillScheduler:
             req = r
         if req is not None:
             self.registered.pop(req.msg.bootstrap_room, None)
-        for room, (_, t) in list(self.finished.items()):
-            if t.rid == rid:
-                del self.finished[room]
-                self.registered.pop(room, None)
+        for table in (self.finished, self.lent):
+            for room, (_, item) in list(table.items()):
+                if (item.rid if isinstance(item, KVTransfer) else item.msg.rid) == rid:
+                    del table[room]
+                    self.registered.pop(room, None)
+                    if isinstance(item, _Req):
+                        self._release(item, insert=False)
 
     def load(self) -> Load:
         """What this scheduler holds now; with no request in flight, ``kv_pages_used == kv_pages_cached``."""
         used = self.pool.num_pages - self.pool.num_free
         return Load(role="prefill", num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
                     kv_pages_used=used, kv_pages_total=self.pool.num_pages, kv_pages_cached=self.radix.num_pages,
-                    rooms=len(self.registered.keys() | self.finished.keys()), embeddings=len(self.embeds))
+                    rooms=len(self.registered.keys() | self.finished.keys() | self.lent.keys()),
+                    embeddings=len(self.embeds))
 
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -131,9 +157,9 @@ class PrefillScheduler:
             self._forward()
         out = []
         for room in [room for room in self.finished if room in self.registered]:
-            _, transfer = self.finished.pop(room)
-            _, endpoint = self.registered.pop(room)
-            out.append((endpoint, transfer))
+            _, item = self.finished.pop(room)
+            _, reg = self.registered.pop(room)
+            out.append((reg.kv_endpoint, self._hand_off(item, reg) if isinstance(item, _Req) else item))
         return out
 
     # ---- internals ----------------------------------------------------------------------------------------
@@ -177,12 +203,17 @@ class PrefillScheduler:
                 del self.waiting[rid]
                 log.warning("rid=%s timed out waiting for image embeddings", rid)
                 self._finish_error(req.msg, "timed out waiting for image embeddings")
-        # Embeddings whose request never came, registrations whose request never came, KV nobody asked for.
+        # Embeddings whose request never came, registrations whose request never came, KV nobody asked for or
+        # never acknowledged (its decode server died): the pages go back.
         active_rids = set(self.waiting) | {r.msg.rid for r in self.running}
         active_rooms = {r.msg.bootstrap_room for r in (*self.waiting.values(), *self.running)} | set(self.finished)
-        for table, active in ((self.embeds, active_rids), (self.registered, active_rooms), (self.finished, ())):
+        for table, active in ((self.embeds, active_rids), (self.registered, active_rooms), (self.finished, ()),
+                              (self.lent, ())):
             for key in [k for k, v in table.items() if v[0] < now and k not in active]:
-                del table[key]
+                _, item = table.pop(key)
+                if isinstance(item, _Req):
+                    log.warning("rid=%s KV not taken by a decode server in time; pages released", item.msg.rid)
+                    self._release(item, insert=True)
 
     def _admit(self) -> None:
         for rid, req in list(self.waiting.items()):
@@ -238,7 +269,7 @@ class PrefillScheduler:
         for req in self.running:
             if budget <= 0:
                 break
-            take = min(req.n - req.computed, budget)
+            take = min(req.n - req.computed, budget, self.chunk)
             batch_reqs.append(req)
             chunks.append((req.computed, req.computed + take))
             budget -= take
@@ -280,17 +311,34 @@ class PrefillScheduler:
         for r in reqs:
             seed = r.msg.sampling.seed
             gens.append(None if seed is None else torch.Generator(device=dev).manual_seed(seed))
+        # .tolist() waits for the forward, so the pages hold the whole KV before any decode server is told.
         first = sample(logits[done], [r.msg.sampling for r in reqs], gens).tolist()
         for req, tok in zip(reqs, first):
             self.running.remove(req)
-            slots = torch.tensor(self.pool.slots(req.pages, 0, req.n), dtype=torch.int64)
-            transfer = KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=tok,
-                                  cached_tokens=req.cached, mrope_position_delta=req.mrope_delta,
-                                  kv=self.runner.read_kv(slots.to(dev)))
-            self._release(req, insert=True)
+            req.first_token = tok
             self.embeds.pop(req.msg.rid, None)
-            self.finished[req.msg.bootstrap_room] = (time.monotonic() + self.timeout_s, transfer)
+            item = req if self.pool_handle is not None else self._host_transfer(req)
+            self.finished[req.msg.bootstrap_room] = (time.monotonic() + self.timeout_s, item)
             log.debug("rid=%s prefilled %d tokens (%d cached)", req.msg.rid, req.n, req.cached)
+
+    def _hand_off(self, req: _Req, reg: KVRegister) -> KVTransfer:
+        """The transfer for a prefilled request whose decode server just registered: shared when that server
+        maps pools of this machine (the pages stay held until its ``KVAck``), else through host memory."""
+        if not (reg.accept_shared and reg.host_id == self.host_id):
+            return self._host_transfer(req)
+        self.lent[req.msg.bootstrap_room] = (time.monotonic() + self.timeout_s, req)
+        return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
+                          cached_tokens=req.cached, mrope_position_delta=req.mrope_delta, pool=self.pool_handle,
+                          kv_pages=req.pages[:self.pool.pages_for(req.n)])
+
+    def _host_transfer(self, req: _Req) -> KVTransfer:
+        """Gather a prefilled request's KV into host memory, free its pages, and return the transfer."""
+        slots = torch.tensor(self.pool.slots(req.pages, 0, req.n), dtype=torch.int64)
+        transfer = KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
+                              cached_tokens=req.cached, mrope_position_delta=req.mrope_delta,
+                              kv=self.runner.read_kv(slots))
+        self._release(req, insert=True)
+        return transfer
 
     def _release(self, req: _Req, *, insert: bool) -> None:
         """Give a request's pages back: full pages into the radix cache (if its KV is complete), the rest to

@@ -6,7 +6,7 @@ Sockets (all bound on ``config.host``):
 - ``embed_port + r`` (PULL): ``ImageEmbeddings`` from encoders for TP rank ``r`` (rank 0 here; ranks 1..tp-1 in
   their own processes, see :mod:`epdserve.tp_runner`). A request is scheduled once every rank holds its
   embeddings (:class:`~epdserve.embed_gate.EmbeddingGate`).
-- ``bootstrap_port`` (PULL): ``KVRegister`` from decode servers (SGLang-style bootstrap rendezvous).
+- ``bootstrap_port`` (PULL): ``KVRegister`` and ``KVAck`` from decode servers (SGLang-style bootstrap rendezvous).
 Out: one PUSH socket per decode KV endpoint, carrying ``KVTransfer``.
 """
 
@@ -19,9 +19,11 @@ import zmq
 
 from epdserve import transport
 from epdserve.config import PrefillConfig
+from epdserve.device import resolve_device
 from epdserve.embed_gate import EmbeddingGate
-from epdserve.messages import (AbortRequest, ImageEmbeddings, KVRegister, PrefillRequest, ServerInfo,
-                               LoadRequest, ServerInfoRequest)
+from epdserve.kvcache.kv_share import shares_kv
+from epdserve.messages import (AbortRequest, ImageEmbeddings, KVAck, KVRegister, LoadRequest, PrefillRequest,
+                               ServerInfo, ServerInfoRequest)
 from epdserve.model_runner import runner_from_config
 from epdserve.prefill.scheduler import PrefillScheduler
 
@@ -36,9 +38,12 @@ def serve(config: PrefillConfig) -> None:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
         zmq.ZMQError: a port is taken.
     """
-    model_path, runner, context_length = runner_from_config(config)
+    # The shared (same-host) KV hand-off maps one pool; a TP server's KV is split over its ranks: host path.
+    share = shares_kv(config.kv_transfer, resolve_device(config.device)) and config.tp == 1
+    model_path, runner, context_length = runner_from_config(config, share_kv=share)
     sched = PrefillScheduler(runner, context_length=context_length,
-                             max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s)
+                             max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,
+                             chunked_prefill_size=config.chunked_prefill_size)
     tp = runner if config.tp > 1 else None  # a TPRunner: embedding receipts from the other ranks
     gate = EmbeddingGate(config.tp, config.request_timeout_s)
     info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
@@ -58,9 +63,9 @@ def serve(config: PrefillConfig) -> None:
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
-    log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages)",
-             config.host, config.port, info.embed_endpoints[0], config.host, config.bootstrap_port, model_path,
-             runner.device, runner.num_pages)
+    log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages, "
+             "KV hand-off %s)", config.host, config.port, info.embed_endpoints[0], config.host, config.bootstrap_port,
+             model_path, runner.device, runner.num_pages, "shared or zmq" if share else "zmq")
     try:
         while not stopping and not runner.failed:
             poller.poll(0 if sched.has_work() else 20)
@@ -86,6 +91,8 @@ def serve(config: PrefillConfig) -> None:
             while (msg := transport.recv(bootstrap)) is not None:
                 if isinstance(msg, KVRegister):
                     sched.register(msg)
+                elif isinstance(msg, KVAck):
+                    sched.ack(msg)
             try:
                 transfers = sched.step()
             except Exception as e:  # a failed forward must not take the server down

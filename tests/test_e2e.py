@@ -35,14 +35,16 @@ def _free_port() -> int:
 def server(tiny_model_path, tmp_path_factory):
     """`epdserve launch` on a free port with the tiny model and two encoders; yields (base_url, log_path).
 
-    Two encoders, so every test here also runs through the gateway's content-hash routing between them.
+    Two encoders, so every test here also runs through the gateway's content-hash routing between them; and
+    the shared KV hand-off (on the CPU the prefill pool in /dev/shm, which decode maps and copies from), so the
+    protocol the GPU's CUDA IPC path uses is checked against transformers here too.
     """
     port = _free_port()
     log_path = tmp_path_factory.mktemp("launch") / "launch.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "epdserve.cli", "--log-level", "DEBUG", "launch", "--model-path", tiny_model_path,
-         "--port", str(port), "--num-encoders", "2"],
+         "--port", str(port), "--num-encoders", "2", "--kv-transfer", "shared"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
@@ -160,6 +162,16 @@ def test_greedy_parity_with_transformers(server, hf, tiny_model_path, photo_path
     assert choice["finish_reason"] == "length"
     assert resp["usage"]["completion_tokens"] == NEW_TOKENS
     assert resp["usage"]["prompt_tokens"] == len(ref_prompt)
+
+
+def test_kv_took_the_shared_path(server):
+    """Runs after the parity cases: every one of them had its KV copied out of the mapped prefill pool and
+    acknowledged (the prefill server released the pages only then)."""
+    _, log_path = server
+    log = log_path.read_text()
+    assert "mapped a prefill KV pool (shm" in log
+    assert log.count("KV copied by decode, pages released") >= len(CASES)
+    assert "KV transfer has shape" not in log
 
 
 def test_openai_client_stream_and_not(server, hf, tiny_model_path, photo_paths):

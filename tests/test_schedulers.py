@@ -12,7 +12,7 @@ from transformers import AutoProcessor
 from epdserve.decode.scheduler import DecodeScheduler
 from epdserve.encoder.vision import VisionEncoder
 from epdserve.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, KVRegister, Load, PrefillRequest,
-                               SamplingParams)
+                               SamplingParams, decode, encode)
 from epdserve.model_runner import ModelRunner
 from epdserve.prefill.scheduler import PrefillScheduler
 
@@ -46,7 +46,7 @@ def photo_request(tiny_model_path, photo_paths):
 
 def _prefill(runner, **kw):
     return PrefillScheduler(runner, context_length=4096, max_prefill_tokens=kw.get("max_prefill_tokens", 8192),
-                            timeout_s=kw.get("timeout_s", 60.0))
+                            timeout_s=kw.get("timeout_s", 60.0), chunked_prefill_size=kw.get("chunk", 0))
 
 
 def _req(photo_request, rid, room, **sampling):
@@ -112,6 +112,26 @@ def test_chunked_prefill_equals_one_shot(runner, photo_request):
     assert _pages_accounted(sched)
 
 
+def test_chunked_prefill_size_lets_a_short_prompt_pass_a_long_one(runner, photo_request):
+    one = _transfer_when_done(_prefill(runner), _req(photo_request, "a", 1), _embeds(photo_request, "a"))
+    sched = _prefill(runner, chunk=16)
+    sched.add_request(_req(photo_request, "long", 1))
+    sched.add_embeddings(_embeds(photo_request, "long"))
+    sched.register(KVRegister(rid="long", bootstrap_room=1, kv_endpoint="tcp://d"))
+    sched.step()  # the long prompt's first chunk
+    short = PrefillRequest(rid="short", input_ids=photo_request[0][:10], images=[],
+                           sampling=SamplingParams(temperature=0), bootstrap_room=2)
+    sched.add_request(short)
+    sched.register(KVRegister(rid="short", bootstrap_room=2, kv_endpoint="tcp://d"))
+    order = [t.rid for _ in range(40) for _, t in sched.step()]
+    assert order == ["short", "long"]  # the short prompt rode along the long one's second chunk
+    assert len(photo_request[0]) > 3 * 16
+    long = _transfer_when_done(_prefill(runner, chunk=16), _req(photo_request, "b", 3), _embeds(photo_request, "b"))
+    assert long.first_token_id == one.first_token_id
+    torch.testing.assert_close(long.kv, one.kv, rtol=1e-5, atol=1e-5)
+    assert _pages_accounted(sched)
+
+
 def test_radix_cache_shares_image_kv_and_separates_other_images(runner, photo_request):
     sched = _prefill(runner)
     first = _transfer_when_done(sched, _req(photo_request, "a", 1), _embeds(photo_request, "a"))
@@ -168,7 +188,77 @@ def test_failures_become_error_transfers(runner, photo_request):
 
 def _decode_sched(runner, **kw):
     return DecodeScheduler(runner, context_length=4096, max_running_requests=kw.get("max_running", 8),
-                           timeout_s=kw.get("timeout_s", 60.0), kv_endpoint="tcp://me")
+                           timeout_s=kw.get("timeout_s", 60.0), kv_endpoint="tcp://me",
+                           accept_shared=kw.get("accept_shared", False))
+
+
+def _decode_tokens(dec, room, max_steps=20):
+    outs = []
+    for _ in range(max_steps):
+        outs += [o for _, o in dec.step()]
+        if any(o.finish_reason for o in outs):
+            break
+    return [t for o in outs for t in o.token_ids], outs[-1]
+
+
+def test_shared_kv_hand_off_holds_pages_until_decode_acks(tiny_model_path, runner, photo_request):
+    """The shared path (CPU: the prefill pool in /dev/shm): decode copies the pages itself, the prefill server
+    keeps them until the KVAck, and the tokens equal the host path's."""
+    n = len(photo_request[0])
+    shared = ModelRunner(tiny_model_path, device=torch.device("cpu"), dtype=torch.float32, num_pages=64,
+                         page_size=PAGE, attention_backend="sdpa", share_kv=True)
+    prefill = _prefill(shared)
+    assert prefill.pool_handle is not None and prefill.pool_handle.shm_path.startswith("/dev/shm/")
+    sampling = SamplingParams(temperature=0, max_new_tokens=5)
+
+    def decode_request(room):
+        return DecodeRequest(rid=f"r{room}", prompt_len=n, sampling=sampling, bootstrap_host="h", bootstrap_port=1,
+                             bootstrap_room=room)
+
+    # Reference: the host path (a decode server that does not map pools gets the KV in the message).
+    dec = _decode_sched(runner)
+    _, reg = dec.add_request(decode_request(1), peer=b"g")
+    assert not reg.accept_shared
+    prefill.add_request(_req(photo_request, "r1", 1))
+    prefill.add_embeddings(_embeds(photo_request, "r1"))
+    prefill.register(reg)
+    (_, host_t), = _run(prefill)
+    assert host_t.kv is not None and host_t.pool is None
+    dec.add_transfer(host_t)
+    want, _ = _decode_tokens(dec, 1)
+
+    dec = _decode_sched(runner, accept_shared=True)
+    endpoint, reg = dec.add_request(decode_request(2), peer=b"g")
+    assert reg.accept_shared and reg.host_id
+    prefill.add_request(_req(photo_request, "r2", 2))
+    prefill.add_embeddings(_embeds(photo_request, "r2"))
+    prefill.register(reg)
+    (kv_endpoint, t), = _run(prefill)
+    assert kv_endpoint == "tcp://me" and t.kv is None and len(t.kv_pages) == -(-n // PAGE)
+    held = prefill.load()
+    assert held.rooms == 1 and held.kv_pages_used > held.kv_pages_cached  # lent pages: not yet reusable
+    dec.add_transfer(decode(encode(t)))  # through the wire codec, as between processes
+    got, last = _decode_tokens(dec, 2)
+    assert got == want and last.cached_tokens == t.cached_tokens
+    (ack_endpoint, ack), = dec.take_acks()
+    assert ack_endpoint == endpoint == "tcp://h:1" and ack.bootstrap_room == 2
+    prefill.ack(ack)
+    assert prefill.load().rooms == 0 and _pages_accounted(prefill)
+    prefill.radix.check_integrity()
+
+    # A pool that cannot be mapped fails that request with an error and still frees the prefill pages.
+    _, reg = dec.add_request(decode_request(3), peer=b"g")
+    prefill.add_request(_req(photo_request, "r3", 3))
+    prefill.add_embeddings(_embeds(photo_request, "r3"))
+    prefill.register(reg)
+    (_, t), = _run(prefill)
+    t.pool.shm_path = "/dev/shm/epdserve-kv-gone"
+    dec.add_transfer(t)
+    _, last = _decode_tokens(dec, 3)
+    assert last.finish_reason == "error" and "KV hand-off failed" in last.error
+    (_, ack), = dec.take_acks()
+    prefill.ack(ack)
+    assert prefill.load().rooms == 0 and _pages_accounted(prefill)
 
 
 def test_decode_batches_frees_pages_and_reports_errors(runner, photo_request):

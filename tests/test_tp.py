@@ -134,10 +134,13 @@ def servers(tiny_model_path, tmp_path_factory):
     procs = {
         "launch": _start(["launch", "--model-path", tiny_model_path, "--port", str(port), "--device", "cpu",
                           "--prefill-tp", "2", "--decode-tp", "2"], launch_log),
-        "prefill1": _start(["prefill", "--model-path", tiny_model_path, "--device", "cpu", "--port", str(p1),
-                            "--embed-port", str(free_port()), "--bootstrap-port", str(free_port())], p1_log),
-        "decode1": _start(["decode", "--model-path", tiny_model_path, "--device", "cpu", "--port", str(d1),
-                           "--kv-port", str(free_port())], d1_log),
+        # The TP=1 servers offer the shared (same-host) KV path; with a TP=2 peer the hand-off must take the
+        # host path in both directions.
+        "prefill1": _start(["prefill", "--model-path", tiny_model_path, "--device", "cpu", "--kv-transfer", "shared",
+                            "--port", str(p1), "--embed-port", str(free_port()), "--bootstrap-port", str(free_port())],
+                           p1_log),
+        "decode1": _start(["decode", "--model-path", tiny_model_path, "--device", "cpu", "--kv-transfer", "shared",
+                           "--port", str(d1), "--kv-port", str(free_port())], d1_log),
     }
     try:
         _wait_for(launch_log, "epdserve ready", procs["launch"])

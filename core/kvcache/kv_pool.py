@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import weakref
+
 import torch
 
 
@@ -15,8 +18,11 @@ class KVPool:
     """
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, shm_path: str = ""):
         """Allocate ``num_layers * 2 * num_pages * page_size * num_kv_heads * head_dim`` elements on ``device``.
+
+        On the CPU, a ``shm_path`` puts the buffer in that new /dev/shm file (removed again when the pool is
+        garbage-collected or the process exits normally) so another process can map it.
 
         Raises:
             ValueError: a non-positive size.
@@ -26,8 +32,15 @@ class KVPool:
             raise ValueError("KVPool sizes must be positive")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
-        self.buffer = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
-                                  device=device)
+        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+        self.shm_path = shm_path if torch.device(device).type == "cpu" else ""
+        if self.shm_path:
+            numel = num_layers * 2 * num_pages * page_size * num_kv_heads * head_dim
+            # A new file reads as zeros, like torch.zeros below.
+            self.buffer = torch.from_file(self.shm_path, shared=True, size=numel, dtype=dtype).view(shape)
+            weakref.finalize(self, os.unlink, self.shm_path)
+        else:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self._flat = self.buffer.view(num_layers, 2, num_pages * page_size, num_kv_heads, head_dim)
 
     @staticmethod
