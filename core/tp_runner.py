@@ -85,8 +85,11 @@ class TPRunner:
         """:meth:`ModelRunner.forward` on every rank; returns rank 0's logits ``[B, vocab]`` (all of the vocabulary).
 
         Raises:
+            ValueError: image rows without ``batch.mm_sources`` (the other ranks could not find them).
             RuntimeError: a rank is lost (a collective fails), or what :meth:`ModelRunner.forward` raises.
         """
+        if batch.mm_embeds is not None and not batch.mm_sources:
+            raise ValueError("a TP forward with image embeddings needs mm_sources")
         mm_mask = None if batch.mm_mask is None else batch.mm_mask.to(torch.uint8)
         self._send(TPForward(
             is_decode=batch.is_decode, num_tokens=int(batch.input_ids.shape[0]), positions=batch.positions,

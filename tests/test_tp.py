@@ -121,6 +121,14 @@ def _stop(proc: subprocess.Popen) -> int | None:
         return None
 
 
+def _stop_all(procs: dict[str, subprocess.Popen]) -> dict[str, int | None]:
+    """SIGINT to all at once (they stop in parallel), then each one's exit code."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    return {name: _stop(proc) for name, proc in procs.items()}
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_model_path, tmp_path_factory):
     """`epdserve launch --prefill-tp 2 --decode-tp 2` and a TP=1 prefill and decode server.
@@ -152,20 +160,33 @@ def servers(tiny_model_path, tmp_path_factory):
         yield {"url": f"http://127.0.0.1:{port}", "log": launch_log, "launch": procs["launch"],
                "prefill": {1: f"tcp://127.0.0.1:{p1}", 2: p2}, "decode": {1: f"tcp://127.0.0.1:{d1}", 2: d2}}
     finally:
-        codes = {name: _stop(proc) for name, proc in procs.items()}
+        codes = _stop_all(procs)
     assert codes["prefill1"] == 0 and codes["decode1"] == 0, codes
 
 
 # ------------------------------------------------------------------------------------ 2/2 through the gateway
 
+@pytest.fixture(scope="module")
+def references(hf, photo_paths):
+    """Per case, transformers' result (computed once for the module): ``(prompt ids, output ids, text)``."""
+    return {case: _hf_reference(hf, _resolve(case, photo_paths), NEW_TOKENS) for case in CASES}
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_gateway_tp2_greedy_matches_transformers(servers, hf, tiny_model_path, photo_paths, case):
+def test_gateway_tp2_greedy_matches_transformers(servers, references, tiny_model_path, photo_paths, case):
     turns = _resolve(case, photo_paths)
-    ref_prompt, ref_ids, ref_text = _hf_reference(hf, turns, NEW_TOKENS)
+    ref_prompt, ref_ids, ref_text = references[case]
     resp = _chat(servers["url"], tiny_model_path, _openai_messages(turns), max_completion_tokens=NEW_TOKENS)
     assert resp["prompt_token_ids"] == ref_prompt
+    n_images = sum(isinstance(p, Path) for _, parts in turns for p in parts)
+    log = servers["log"].read_text()
+    for rank in (0, 1):  # every prefill TP rank got each image's embedding exactly once
+        got = re.findall(rf"rid={resp['id']} TP rank {rank} received the embedding of image (\w+)", log)
+        assert len(got) == n_images and len(set(got)) == n_images, (rank, got)
     assert resp["choices"][0]["token_ids"] == ref_ids
     assert resp["choices"][0]["message"]["content"] == ref_text
+    if case != "one_photo":
+        return
     body = {"model": tiny_model_path, "messages": _openai_messages(turns), "temperature": 0, "stream": True,
             "max_completion_tokens": NEW_TOKENS, "ignore_eos": True}
     with httpx.stream("POST", f"{servers['url']}/v1/chat/completions", json=body, timeout=120) as r:
@@ -174,23 +195,17 @@ def test_gateway_tp2_greedy_matches_transformers(servers, hf, tiny_model_path, p
     assert lines[-1] == "[DONE]"
     streamed = "".join(c["delta"].get("content") or "" for line in lines[:-1] for c in json.loads(line)["choices"])
     assert streamed == ref_text
-    if case == "two_photos":  # every prefill TP rank got each image's embedding exactly once per request
-        log = servers["log"].read_text()
-        for rid in (resp["id"],):
-            for rank in (0, 1):
-                got = re.findall(rf"rid={rid} TP rank {rank} received the embedding of image (\w+)", log)
-                assert len(got) == 2 and len(set(got)) == 2, (rank, got)
 
 
 # ---------------------------------------------------------------------------------------------------- direct
 
-def _reference(hf, turns):
+def _reference(hf, references, case, turns):
     """Prompt ids, image spans + embeddings (transformers' vision tower, as the encoder computes them) and
     greedy output ids of transformers' generate()."""
     from PIL import Image
 
     processor, model = hf
-    ref_prompt, ref_ids, _ = _hf_reference(hf, turns, NEW_TOKENS)
+    ref_prompt, ref_ids, _ = references[case]
     paths = [p for _, parts in turns for p in parts if isinstance(p, Path)]
     spans, embeds = [], []
     if paths:
@@ -246,9 +261,9 @@ def _generate_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: s
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_mixed_tp_pairings_match_transformers(servers, hf, photo_paths, case):
+def test_mixed_tp_pairings_match_transformers(servers, hf, references, photo_paths, case):
     turns = _resolve(case, photo_paths)
-    prompt, spans, embeds, ref_ids = _reference(hf, turns)
+    prompt, spans, embeds, ref_ids = _reference(hf, references, case, turns)
     for ptp, dtp in ((2, 1), (1, 2)):
         got = _generate_direct(servers["prefill"][ptp], servers["decode"][dtp], prompt, spans, embeds,
                                f"direct-{case}-{ptp}{dtp}")
@@ -297,7 +312,7 @@ def test_tp2_greedy_equals_tp1_on_two_gpus(tmp_path_factory):
                                                    q, [], [], f"gpu-{ptp}{dtp}-{i}", new_tokens=steps)
                                   for i, q in enumerate(prompts)]
             finally:
-                codes = {name: _stop(proc) for name, proc in procs.items()}
+                codes = _stop_all(procs)
             assert codes == {"prefill": 0, "decode": 0}, codes
         for pair in ((2, 2), (2, 1)):
             for i, (want, got) in enumerate(zip(outs[1, 1], outs[pair])):
