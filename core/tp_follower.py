@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                     follower.add_embeddings(msg)
             while (msg := transport.recv(ctrl)) is not None:
                 if not follower.handle(msg):
+                    tp.close()  # leave the group before exiting (torch warns about, and may wait on, a live one)
                     return 0
     except Exception:
         log.exception("%s TP rank %d failed", args.role, rank)

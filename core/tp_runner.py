@@ -156,6 +156,8 @@ class TPRunner:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.failed is None:
+            self.tp.close()
         self._ctx.destroy(linger=0)
 
     def _send(self, msg) -> None:

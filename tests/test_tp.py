@@ -222,10 +222,10 @@ def _reference(hf, references, case, turns):
     return ref_prompt, spans, embeds, ref_ids
 
 
-def _generate_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: str,
-                     new_tokens: int = NEW_TOKENS) -> list[int]:
-    """One greedy request straight to a prefill and a decode server over ZeroMQ (the gateway's part), the
-    embeddings pushed to every prefill TP rank (the encoder's part)."""
+def _stream_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: str, new_tokens: int):
+    """Send one greedy request straight to a prefill and a decode server over ZeroMQ (the gateway's part), push
+    its embeddings to every prefill TP rank (the encoder's part), and yield its ``TokenOutput`` s until one has a
+    ``finish_reason``."""
     ctx = zmq.Context()
     try:
         p, d = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
@@ -245,19 +245,27 @@ def _generate_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: s
                 push = ctx.socket(zmq.PUSH)
                 push.connect(ep)
                 push.send_multipart(encode(ImageEmbeddings(rid, [s.image_hash for s in spans], embeds)))
-        ids: list[int] = []
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if not d.poll(1000):
                 continue
             for out in decode(d.recv_multipart()).outputs:
-                assert out.error is None, out.error
-                ids += out.token_ids
+                yield out
                 if out.finish_reason is not None:
-                    return ids
+                    return
         pytest.fail(f"rid={rid}: no finished output")
     finally:
         ctx.destroy(linger=1000)
+
+
+def _generate_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: str,
+                     new_tokens: int = NEW_TOKENS) -> list[int]:
+    """The greedy output ids of one request sent with :func:`_stream_direct`."""
+    ids: list[int] = []
+    for out in _stream_direct(prefill, decode_ep, prompt, spans, embeds, rid, new_tokens):
+        assert out.error is None, out.error
+        ids += out.token_ids
+    return ids
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -323,25 +331,21 @@ def test_tp2_greedy_equals_tp1_on_two_gpus(tmp_path_factory):
 
 # ------------------------------------------------------------------------------------ last: a rank dies
 
-def test_dead_decode_rank_fails_request_and_stops_server(servers, tiny_model_path):
-    """Kill decode TP rank 1 while a long request streams: the request ends with an error, decode rank 0 exits
-    non-zero, and the launcher (watching its children) stops."""
+def test_dead_decode_rank_fails_request_and_stops_server(servers, references):
+    """Kill decode TP rank 1 while a long request runs on it: the request ends with an error output, decode rank 0
+    exits non-zero, and the launcher (watching its children) stops."""
     log_path, launch = servers["log"], servers["launch"]
-    body = {"model": tiny_model_path, "messages": [{"role": "user", "content": "Tell me everything."}],
-            "max_completion_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0}
-    follower = None
-    with httpx.stream("POST", f"{servers['url']}/v1/chat/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: ") and follower is None:
-                pid = subprocess.run(["pgrep", "-f", "tp_follower.* decode --tp-rank 1"], capture_output=True,
-                                     text=True).stdout.split()
-                assert pid, "no decode TP rank 1 process"
-                follower = int(pid[0])
-                os.kill(follower, signal.SIGKILL)
-                break
-        rest = "\n".join(lines)
-    assert "error" in rest.lower(), rest[-2000:]
-    assert launch.wait(timeout=30) == 1
+    prompt = references["text"][0]
+    outs = []
+    for out in _stream_direct(servers["prefill"][1], servers["decode"][2], prompt, [], [], "doomed", 100_000):
+        outs.append(out)
+        if len(outs) == 2:  # decoding: kill rank 1
+            pid = subprocess.run(["pgrep", "-f", "tp_follower.* decode --tp-rank 1"], capture_output=True,
+                                 text=True).stdout.split()
+            assert len(pid) == 1, "no decode TP rank 1 process"
+            os.kill(int(pid[0]), signal.SIGKILL)
+    assert outs[-1].finish_reason == "error" and "decode failed" in outs[-1].error, outs[-1]
+    assert launch.wait(timeout=60) == 1
     log = log_path.read_text()
     assert re.search(r"TP rank 1 exited \(code -9\)", log), log[-3000:]
+    assert "decode (code 1)" in log, log[-3000:]  # the launcher's "stopping: decode (code 1) exited"
