@@ -27,12 +27,12 @@ import torch
 import zmq
 from test_e2e import _chat, _hf_reference, _openai_messages, _resolve, hf  # noqa: F401  (hf: a fixture)
 
+from epdserve.distributed import TPGroup
 from epdserve.embed_gate import EmbeddingGate
 from epdserve.launch import free_port
 from epdserve.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, PrefillRequest, SamplingParams,
                                ServerInfo, ServerInfoRequest, TPEmbedReceipt, decode, encode)
 from epdserve.models.parallel import head_shard
-from epdserve.distributed import TPGroup
 
 NEW_TOKENS = 16
 CASES = ["text", "one_photo", "two_photos"]
