@@ -56,6 +56,8 @@ class LMServerConfig:
                                  "(decode maps the prefill KV pool when both run on this machine and copies pages "
                                  "device to device: CUDA IPC, or /dev/shm on CPU; experimental on CUDA, see "
                                  "docs/performance.md)")
+    tp: int = _f(1, "tensor-parallel ranks: this process is rank 0 and starts ranks 1..tp-1 (one GPU each)")
+    base_gpu_id: int = _f(0, "TP rank r runs on cuda:(base_gpu_id + r) (when the device is cuda or auto)")
 
 
 @dataclass
@@ -132,6 +134,11 @@ class LaunchConfig:
     num_pages: int = _f(0, "KV pages per pool (prefill and decode each); 0 = automatic")
     api_key: str = _f("", "require 'Authorization: Bearer KEY' at the gateway when set")
     num_encoders: int = _f(1, "encoder processes to start; the gateway routes each image to one by content hash")
+    prefill_tp: int = _f(1, "tensor-parallel ranks of the prefill server (one GPU each)")
+    decode_tp: int = _f(1, "tensor-parallel ranks of the decode server (one GPU each)")
+    encoder_gpu: int = _f(0, "GPU of every encoder (cuda:N) when the device is cuda or auto")
+    prefill_base_gpu: int = _f(0, "prefill TP rank r runs on GPU prefill_base_gpu + r")
+    decode_base_gpu: int = _f(0, "decode TP rank r runs on GPU decode_base_gpu + r")
     kv_transfer: str = _f("zmq", "prefill->decode KV path: zmq or shared (see `epdserve prefill --help`)")
 
 

@@ -22,6 +22,9 @@ class ForwardBatch:
         mm_embeds: ``[N, hidden]`` image embeddings (any float dtype) replacing token embeddings where
             ``mm_mask`` is True, in row order; ``N == mm_mask.sum()``.
         mm_mask: ``[T]`` bool.
+        mm_sources: where each block of ``mm_embeds`` rows came from, in order: ``(rid, image_hash, start,
+            end)`` rows of that image's embeddings (lets TP ranks other than 0 gather the same rows from their own
+            copy); None when not known.
     """
 
     is_decode: bool
@@ -33,6 +36,7 @@ class ForwardBatch:
     page_table: list[list[int]]
     mm_embeds: torch.Tensor | None = None
     mm_mask: torch.Tensor | None = None
+    mm_sources: list[tuple[str, str, int, int]] | None = None
 
     @property
     def batch_size(self) -> int:

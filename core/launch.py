@@ -32,10 +32,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(n: int, tries: int = 100) -> int:
+    """The first of ``n`` consecutive TCP ports free on 127.0.0.1 right now (a TP prefill server's embedding ports).
+
+    Raises:
+        RuntimeError: none found in ``tries`` attempts.
+    """
+    for _ in range(tries):
+        first = free_port()
+        socks = []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((_LOCAL, port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
 def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]], list[str], dict[str, str]]:
     """The command line of every process by name (``encoder0``.., ``prefill``, ``decode``, ``gateway``), the
     encoders' addresses, and every process's ``/metrics`` URL by name."""
-    pre, emb, boot, dec, kv = (free_port() for _ in range(5))
+    pre, boot, dec, kv = (free_port() for _ in range(4))
+    emb = free_port_range(cfg.prefill_tp)
     encoders = [f"{_LOCAL}:{free_port()}" for _ in range(cfg.num_encoders)]
     metrics_ports = {name: free_port() for name in [f"encoder{i}" for i in range(cfg.num_encoders)] +
                      ["prefill", "decode"]}
@@ -43,15 +67,21 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
     kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages), "--kv-transfer", cfg.kv_transfer]
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())
     exe = [sys.executable, "-m", "epdserve.cli", "--log-level", level, "--log-format", active_format()]
-    commands = {f"encoder{i}": [*exe, "encoder", *common, "--port", addr.rsplit(":", 1)[1],
-                                "--metrics-port", str(metrics_ports[f"encoder{i}"])]
+    # GPU placement: the encoders on one GPU, each LM server's TP ranks on consecutive GPUs from its base.
+    encoder_device = cfg.device
+    if cfg.device in ("cuda", "auto") and _has_cuda():
+        encoder_device = f"cuda:{cfg.encoder_gpu}"
+    commands = {f"encoder{i}": [*exe, "encoder", *common[:2], "--device", encoder_device, "--dtype", cfg.dtype,
+                                "--port", addr.rsplit(":", 1)[1], "--metrics-port", str(metrics_ports[f"encoder{i}"])]
                 for i, addr in enumerate(encoders)}
     commands |= {
         # --port 0: no HTTP front (that is for a PD router such as smg); the gateway speaks ZMQ to the stages.
         "prefill": [*exe, "prefill", *common, *kv_pool, "--port", "0", "--zmq-port", str(pre), "--embed-port",
-                    str(emb), "--bootstrap-port", str(boot), "--metrics-port", str(metrics_ports["prefill"])],
+                    str(emb), "--bootstrap-port", str(boot), "--metrics-port", str(metrics_ports["prefill"]),
+                    "--tp", str(cfg.prefill_tp), "--base-gpu-id", str(cfg.prefill_base_gpu)],
         "decode": [*exe, "decode", *common, *kv_pool, "--port", "0", "--zmq-port", str(dec), "--kv-port", str(kv),
-                   "--metrics-port", str(metrics_ports["decode"])],
+                   "--metrics-port", str(metrics_ports["decode"]), "--tp", str(cfg.decode_tp),
+                   "--base-gpu-id", str(cfg.decode_base_gpu)],
         "gateway": [*exe, "gateway", "--model-path", model_path, "--served-model-name", cfg.served_model_name,
                     "--host", cfg.host, "--port", str(cfg.port), "--encoder-addr", ",".join(encoders),
                     "--prefill-addr", f"tcp://{_LOCAL}:{pre}", "--decode-addr", f"tcp://{_LOCAL}:{dec}",
@@ -61,6 +91,12 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
     metrics = {"gateway": f"http://{gateway_host}:{cfg.port}/metrics"}
     metrics |= {name: f"http://{_LOCAL}:{port}/metrics" for name, port in metrics_ports.items()}
     return commands, encoders, metrics
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _encoder_serving(addr: str) -> bool:

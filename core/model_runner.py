@@ -7,11 +7,13 @@ import dataclasses
 import torch
 
 from epdserve.attention.base import make_backend
+from epdserve.distributed import TPGroup
 from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
 from epdserve.kvcache.kv_share import export_pool, new_shm_path
 from epdserve.messages import KVPoolHandle
 from epdserve.models.config import ModelConfig
+from epdserve.models.parallel import head_shard
 from epdserve.models.qwen2_vl_lm import Qwen2VLLanguageModel
 from epdserve.models.weights import iter_lm_weights
 
@@ -22,16 +24,26 @@ class ModelRunner:
     """Loads a Qwen2-VL / Qwen2.5-VL language model and runs :class:`ForwardBatch` es over its paged KV cache.
 
     Attributes: ``config`` (:class:`ModelConfig`), ``num_pages``, ``page_size``, ``device``, ``dtype``,
-    ``kv_pool`` (:class:`KVPool`), ``model`` (:class:`Qwen2VLLanguageModel`), ``backend``.
+    ``kv_pool`` (:class:`KVPool`), ``model`` (:class:`Qwen2VLLanguageModel`), ``backend``, ``tp``
+    (:class:`TPGroup`), ``heads`` (this rank's :class:`~epdserve.models.parallel.HeadShard`), ``failed`` (always
+    None here; a TP server's rank-0 runner sets it when a rank is lost).
+
+    With ``tp.size > 1`` this is one TP rank's runner: its weights, KV pool (its KV heads) and attention backend
+    hold this rank's heads, and every rank must make the same calls in the same order (the rank-0 server's
+    :class:`~epdserve.tp_runner.TPRunner` tells the other ranks which). Inputs and outputs stay whole: token ids
+    come from rank 0, logits and the KV that :meth:`read_kv` returns cover every head and the full vocabulary.
     """
+
+    failed: str | None = None
 
     def __init__(self, model_path: str, *, device: torch.device, dtype: torch.dtype, num_pages: int,
                  page_size: int, attention_backend: str = "auto", mem_fraction: float = 0.5,
-                 cuda_graph_max_bs: int = 0, share_kv: bool = False):
+                 cuda_graph_max_bs: int = 0, share_kv: bool = False, tp: TPGroup | None = None):
         """Load config and LM weights (vision weights are skipped), then size and allocate the KV pool.
 
         ``num_pages == 0`` sizes the pool automatically: on CUDA ``mem_fraction`` of the free memory left after
-        loading the weights, on CPU 4096 pages. The pool holds one more page than ``num_pages``: the scratch page
+        loading the weights (the smallest over the TP ranks, so every rank has the same page ids), on CPU 4096
+        pages. The pool holds one more page than ``num_pages``: the scratch page
         that CUDA-graph padding rows write to; pages ``0 .. num_pages - 1`` are the schedulers'.
 
         With the flashinfer backend the model uses flashinfer's fused norm/RoPE/activation kernels, and
@@ -46,22 +58,25 @@ class ModelRunner:
             ValueError: unsupported model, bad weights, bad backend name, or no room for one page.
         """
         self.device, self.dtype, self.page_size = torch.device(device), dtype, page_size
+        self.tp = tp or TPGroup.single(self.device)
         self.config = cfg = ModelConfig.load(model_path)
+        self.heads = head_shard(cfg.num_heads, cfg.num_kv_heads, self.tp)
         # Built on the meta device so no memory is spent on random init; the weights fill it in place.
         with torch.device("meta"):
-            model = Qwen2VLLanguageModel(cfg)
+            model = Qwen2VLLanguageModel(cfg, tp=self.tp)
         model.materialize(self.device, dtype)
         weights = iter_lm_weights(model_path, tie_word_embeddings=cfg.tie_word_embeddings, device=self.device)
         model.load_weights((name, t.to(dtype)) for name, t in weights)
         self.model = model.eval().requires_grad_(False)
         if num_pages <= 0:
-            num_pages = self._auto_pages(mem_fraction)
+            num_pages = self.tp.min_int(self._auto_pages(mem_fraction))
         self.num_pages = num_pages
         self.share_kv = share_kv
         self.kv_pool = KVPool(num_layers=cfg.num_layers, num_pages=num_pages + 1, page_size=page_size,
-                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype, device=self.device,
+                              num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
+                              device=self.device,
                               shm_path=new_shm_path() if share_kv and self.device.type == "cpu" else "")
-        self.backend = make_backend(attention_backend, self.kv_pool, cfg.num_heads)
+        self.backend = make_backend(attention_backend, self.kv_pool, self.heads.num_heads)
         self.model.attn = self.backend
         self.model.use_fused_ops(self.backend.uses_flashinfer)
         self.graphs = None
@@ -77,7 +92,8 @@ class ModelRunner:
         free, _ = torch.cuda.mem_get_info(self.device)
         cfg = self.config
         per_page = KVPool.bytes_per_page(num_layers=cfg.num_layers, page_size=self.page_size,
-                                         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=self.dtype)
+                                         num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim,
+                                         dtype=self.dtype)
         pages = int(free * mem_fraction) // per_page
         if pages < 1:
             raise ValueError(f"no room for a KV page: {free} bytes free, {per_page} bytes per page")
@@ -88,12 +104,18 @@ class ModelRunner:
         request's last new token. New K/V land in ``batch.out_slots``. Decode batches that a CUDA graph covers
         are replayed (their logits are a view valid until the next forward); the rest run eagerly.
 
+        With TP, rank 0's ``input_ids`` are broadcast to the other ranks first (theirs are ignored: any ``[T]``
+        int64 tensor), so ids that rank 0 holds only on the device (overlapped decode) never visit the host.
+
         Raises:
             ValueError: inconsistent page tables / lengths (from the attention backend).
         """
+        dev = self.device
+        if self.tp.size > 1:
+            ids = batch.input_ids.to(dev, torch.int64, non_blocking=True).contiguous()
+            batch = dataclasses.replace(batch, input_ids=self.tp.broadcast(ids))
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(batch)
-        dev = self.device
         batch = dataclasses.replace(
             batch,
             input_ids=batch.input_ids.to(dev, non_blocking=True),
@@ -109,18 +131,40 @@ class ModelRunner:
 
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """KV at ``slots`` ``[n]`` as a contiguous CPU tensor ``[num_layers, 2, n, num_kv_heads, head_dim]`` in the
-        model dtype (the :class:`~epdserve.messages.KVTransfer` payload)."""
+        model dtype (the :class:`~epdserve.messages.KVTransfer` payload), all of the model's KV heads.
+
+        With TP every rank calls it: the ranks' head shards are all-gathered on the device (KV heads replicated
+        over several ranks are taken once), so any rank returns the whole KV.
+        """
         with torch.no_grad():
-            return self.kv_pool.read(slots.to(self.device)).to("cpu").contiguous()
+            kv = self.kv_pool.read(slots.to(self.device))
+            if self.tp.size > 1:
+                kv = self.tp.all_gather(kv, dim=3)
+                replicas = max(1, self.tp.size // self.config.num_kv_heads)
+                if replicas > 1:  # rank r holds KV head r // replicas: keep ranks 0, replicas, 2 * replicas, ...
+                    kv = kv[:, :, :, ::replicas]
+            return kv.to("cpu").contiguous()
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store a received ``kv`` ``[num_layers, 2, n, num_kv_heads, head_dim]`` at ``slots`` ``[n]``.
+        """Store a received ``kv`` ``[num_layers, 2, n, num_kv_heads, head_dim]`` (all of the model's KV heads) at
+        ``slots`` ``[n]``.
+
+        With TP every rank calls it: rank 0's ``kv`` is broadcast (the other ranks pass any tensor of that shape
+        and the model dtype, on their device) and each rank keeps its own heads, so any prefill TP size can feed
+        any decode TP size.
 
         Raises:
             ValueError: ``kv`` has the wrong shape.
         """
         with torch.no_grad():
+            if self.tp.size > 1:
+                kv = self.tp.broadcast(kv.to(self.device, self.dtype).contiguous())
+                kv = kv[:, :, :, self.heads.kv_start:self.heads.kv_start + self.heads.num_kv_heads]
             self.kv_pool.write_all(slots.to(self.device), kv)
+
+    def close(self) -> None:
+        """Release what the runner holds outside this process (nothing for one rank; TP runners stop their
+        ranks)."""
 
     def kv_handle(self) -> KVPoolHandle | None:
         """The handle another process of this machine maps this KV pool with, or None without ``share_kv``."""
@@ -156,25 +200,54 @@ class ModelRunner:
         self.forward(ForwardBatch(True, ids[n:], positions[:, n:], slots[n:], [1], [n + 1], [pages]))
 
 
+def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
+                 share_kv: bool = False) -> ModelRunner:
+    """Build and warm up TP rank ``tp.rank``'s model runner of a prefill or decode server from its
+    :class:`~epdserve.config.LMServerConfig` (every rank calls this with the same ``cfg``; its collectives pair
+    up across ranks), with decode CUDA graphs up to ``cuda_graph_max_bs`` (0: none).
+
+    Raises:
+        ValueError: unknown dtype or attention backend, heads that do not split over the ranks.
+    """
+    from epdserve.device import resolve_dtype
+
+    runner = ModelRunner(model_path, device=tp.device, dtype=resolve_dtype(cfg.dtype, tp.device),
+                         num_pages=cfg.num_pages, page_size=cfg.page_size, attention_backend=cfg.attention_backend,
+                         mem_fraction=cfg.mem_fraction, cuda_graph_max_bs=cuda_graph_max_bs, share_kv=share_kv,
+                         tp=tp)
+    runner.warmup()
+    return runner
+
+
 def runner_from_config(cfg, cuda_graph_max_bs: int = 0, share_kv: bool = False) -> tuple[str, ModelRunner, int]:
     """Build and warm up the model runner of a prefill or decode server from its
     :class:`~epdserve.config.LMServerConfig`, with decode CUDA graphs up to ``cuda_graph_max_bs`` (0: none).
     Returns ``(model_path, runner, context_length)``.
 
-    ``share_kv``: see :class:`ModelRunner`.
+    ``share_kv``: see :class:`ModelRunner` (TP=1 only: the ranks of a TP server keep their KV to themselves,
+    and their KV hand-off goes through host memory).
+
+    With ``cfg.tp > 1`` this process becomes TP rank 0: it starts ranks 1..tp-1 and returns a
+    :class:`~epdserve.tp_runner.TPRunner` (the same interface) that runs every call on all ranks.
 
     Raises:
         FileNotFoundError: ``cfg.model_path`` is not a local checkpoint.
-        ValueError: unknown device, dtype or attention backend.
+        ValueError: unknown device, dtype or attention backend; a bad ``tp``/``base_gpu_id``.
+        RuntimeError: a TP rank failed to start.
     """
-    from epdserve.device import resolve_device, resolve_dtype
+    from epdserve.distributed import rank_device
     from epdserve.models.tiny import resolve_model_path
 
     model_path = resolve_model_path(cfg.model_path)
-    device = resolve_device(cfg.device)
-    runner = ModelRunner(model_path, device=device, dtype=resolve_dtype(cfg.dtype, device), num_pages=cfg.num_pages,
-                         page_size=cfg.page_size, attention_backend=cfg.attention_backend,
-                         mem_fraction=cfg.mem_fraction, cuda_graph_max_bs=cuda_graph_max_bs,
-                         share_kv=share_kv)
-    runner.warmup()
+    if cfg.tp < 1:
+        raise ValueError(f"--tp must be at least 1, got {cfg.tp}")
+    if cfg.tp > 1:
+        from epdserve.tp_runner import start_tp_runner
+
+        runner = start_tp_runner(cfg, model_path, cuda_graph_max_bs)
+    else:
+        tp = TPGroup.single(rank_device(cfg.device, cfg.base_gpu_id, 0))
+        if tp.device.type == "cuda":  # kernels, streams and graphs of this process go to that GPU
+            torch.cuda.set_device(tp.device)
+        runner = build_runner(cfg, model_path, tp, cuda_graph_max_bs, share_kv=share_kv)
     return model_path, runner, cfg.context_length or runner.config.max_position_embeddings

@@ -199,6 +199,15 @@ class DecodeScheduler:
         self.running = []
         self.inflight = None
 
+    def fail_all(self, error: str) -> None:
+        """Before the server stops: end every request (running, waiting for pages or for its KV) with ``error``;
+        the outputs are in :attr:`outputs`."""
+        self.fail_running(error)
+        for seq in [*self.ready, *self.pending.values()]:
+            self._emit(seq, "error", error=error)
+        self.ready.clear()
+        self.pending.clear()
+
     # ---- internals ----------------------------------------------------------------------------------------
     def _check_kv(self, seq: _Seq, msg: KVTransfer) -> str | None:
         cfg = self.runner.config

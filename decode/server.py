@@ -6,7 +6,9 @@ router such as smg and talks to this loop over the ``zmq_port`` socket like any 
 Sockets (bound on ``config.host``):
 - ``zmq_port`` (ROUTER): ``DecodeRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from gateways;
   token outputs go back to the same peer as ``TokenOutputBatch`` (one message per gateway per step).
-- ``kv_port`` (PULL): ``KVTransfer`` from prefill servers.
+- ``kv_port`` (PULL): ``KVTransfer`` from prefill servers, all KV heads; with TP, rank 0 receives it and the
+  ranks each keep their heads (:meth:`epdserve.tp_runner.TPRunner.write_kv`), so any prefill TP size feeds any
+  decode TP size.
 Out: one PUSH socket per prefill bootstrap address, carrying ``KVRegister`` and ``KVAck``.
 """
 
@@ -32,7 +34,8 @@ log = logging.getLogger("epdserve.decode")
 
 
 def serve(config: DecodeConfig) -> None:
-    """Load the model and run the decode loop until SIGINT/SIGTERM.
+    """Load the model (on ``config.tp`` ranks) and run the decode loop until SIGINT/SIGTERM. Returns 0, or 1
+    when a TP rank was lost (its requests fail with an error first).
 
     Raises:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
@@ -40,16 +43,16 @@ def serve(config: DecodeConfig) -> None:
     """
     front = spawn_front("decode", config)  # before the model loads: its /health says 503 meanwhile
     try:
-        _serve(config)
+        return _serve(config)
     finally:
         if front is not None:
             front.stop()
 
 
-def _serve(config: DecodeConfig) -> None:
+def _serve(config: DecodeConfig) -> int:
     graph_bs = 0 if config.disable_cuda_graph else min(config.cuda_graph_max_bs, config.max_running_requests)
     model_path, runner, context_length = runner_from_config(config, cuda_graph_max_bs=graph_bs)
-    share = shares_kv(config.kv_transfer)
+    share = shares_kv(config.kv_transfer) and config.tp == 1  # TP ranks take KV by host path
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
     metrics = DecodeMetrics()
     sched = DecodeScheduler(runner, context_length=context_length, max_running_requests=config.max_running_requests,
@@ -74,7 +77,7 @@ def _serve(config: DecodeConfig) -> None:
              "metrics=%s)", config.host, config.zmq_port, kv_endpoint, model_path, runner.device, runner.num_pages,
              "shared or zmq" if share else "zmq", metrics_server.url)
     try:
-        while not stopping:
+        while not stopping and not runner.failed:
             poller.poll(0 if sched.has_work() else 20)
             metrics.update_load(sched.load)
             while (got := transport.recv_routed(requests)) is not None:
@@ -103,11 +106,22 @@ def _serve(config: DecodeConfig) -> None:
             for endpoint, ack in sched.take_acks():
                 if (sock := transport.connect_cached(ctx, zmq.PUSH, endpoint, to_bootstrap)) is not None:
                     transport.send(sock, ack)
-            by_peer = defaultdict(list)
-            for peer, out in outputs:
-                by_peer[peer].append(out)
-            for peer, outs in by_peer.items():
-                transport.send(requests, TokenOutputBatch(outputs=outs), identity=peer)
+            _send_outputs(requests, outputs)
+        if runner.failed:  # a TP rank is gone: fail what this server holds, then stop
+            sched.fail_all(f"decode failed: {runner.failed}")
+            _send_outputs(requests, sched.outputs)
+            return 1
+        return 0
     finally:
-        ctx.destroy(linger=0)
+        runner.close()
+        ctx.destroy(linger=1000 if runner.failed else 0)
         metrics_server.close()
+
+
+def _send_outputs(requests: zmq.Socket, outputs) -> None:
+    """One ``TokenOutputBatch`` per gateway peer."""
+    by_peer = defaultdict(list)
+    for peer, out in outputs:
+        by_peer[peer].append(out)
+    for peer, outs in by_peer.items():
+        transport.send(requests, TokenOutputBatch(outputs=outs), identity=peer)

@@ -311,7 +311,7 @@ class PrefillScheduler:
             batch_reqs.append(req)
             chunks.append((req.computed, req.computed + take))
             budget -= take
-        ids, pos, slots, mask, mm = [], [], [], [], []
+        ids, pos, slots, mask, mm, sources = [], [], [], [], [], []
         for req, (s, e) in zip(batch_reqs, chunks):
             ids.extend(req.msg.input_ids[s:e])
             pos.append(req.positions[:, s:e])
@@ -323,6 +323,7 @@ class PrefillScheduler:
                 if a < b:
                     m[a - s:b - s] = True
                     mm.append(got[span.image_hash][a - span.offset:b - span.offset])
+                    sources.append((req.msg.rid, span.image_hash, a - span.offset, b - span.offset))
             mask.append(m)
         dev = self.runner.device
         batch = ForwardBatch(
@@ -335,6 +336,7 @@ class PrefillScheduler:
             page_table=[r.pages for r in batch_reqs],
             mm_embeds=torch.cat(mm).to(dev) if mm else None,
             mm_mask=torch.cat(mask).to(dev) if mm else None,
+            mm_sources=sources if mm else None,
         )
         logits = self.runner.forward(batch)
         self.metrics.on_forward(len(batch_reqs))
@@ -401,3 +403,11 @@ class PrefillScheduler:
             self.metrics.on_error("forward_failed")
             self._finish_error(req.msg, error)
         self.running = []
+
+    def fail_all(self, error: str) -> None:
+        """Before the server stops: end every running and waiting request with ``error`` (the error transfers go
+        out on the next :meth:`step` to the decode servers registered for them)."""
+        self.fail_running(error)
+        for req in self.waiting.values():
+            self._finish_error(req.msg, error)
+        self.waiting = {}

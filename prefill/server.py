@@ -6,7 +6,9 @@ router such as smg and talks to this loop over the ``zmq_port`` socket like any 
 Sockets (all bound on ``config.host``):
 - ``zmq_port`` (ROUTER): ``PrefillRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from
   gateways.
-- ``embed_port + r`` (PULL): ``ImageEmbeddings`` from encoders for TP rank ``r`` (one rank today).
+- ``embed_port + r`` (PULL): ``ImageEmbeddings`` from encoders for TP rank ``r`` (rank 0 here; ranks 1..tp-1 in
+  their own processes, see :mod:`epdserve.tp_runner`). A request is scheduled once every rank holds its
+  embeddings (:class:`~epdserve.embed_gate.EmbeddingGate`).
 - ``bootstrap_port`` (PULL): ``KVRegister`` and ``KVAck`` from decode servers (SGLang-style bootstrap rendezvous).
 Out: one PUSH socket per decode KV endpoint, carrying ``KVTransfer``.
 """
@@ -21,6 +23,7 @@ import zmq
 from epdserve import transport
 from epdserve.config import PrefillConfig
 from epdserve.gateway.front_process import spawn_front
+from epdserve.embed_gate import EmbeddingGate
 from epdserve.kvcache.kv_share import shares_kv
 from epdserve.messages import (AbortRequest, ImageEmbeddings, KVAck, KVRegister, LoadRequest, PrefillRequest,
                                ServerInfo, ServerInfoRequest)
@@ -33,7 +36,8 @@ log = logging.getLogger("epdserve.prefill")
 
 
 def serve(config: PrefillConfig) -> None:
-    """Load the model and run the prefill loop until SIGINT/SIGTERM.
+    """Load the model (on ``config.tp`` ranks) and run the prefill loop until SIGINT/SIGTERM. Returns 0, or 1
+    when a TP rank was lost (its requests fail with an error first).
 
     Raises:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
@@ -41,22 +45,25 @@ def serve(config: PrefillConfig) -> None:
     """
     front = spawn_front("prefill", config)  # before the model loads: its /health says 503 meanwhile
     try:
-        _serve(config)
+        return _serve(config)
     finally:
         if front is not None:
             front.stop()
 
 
-def _serve(config: PrefillConfig) -> None:
-    share = shares_kv(config.kv_transfer)
+def _serve(config: PrefillConfig) -> int:
+    # The shared (same-host) KV hand-off maps one pool; a TP server's KV is split over its ranks: host path.
+    share = shares_kv(config.kv_transfer) and config.tp == 1
     model_path, runner, context_length = runner_from_config(config, share_kv=share)
     metrics = PrefillMetrics()
     sched = PrefillScheduler(runner, context_length=context_length,
                              max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,
                              chunked_prefill_size=config.chunked_prefill_size, metrics=metrics)
+    tp = runner if config.tp > 1 else None  # a TPRunner: embedding receipts from the other ranks
+    gate = EmbeddingGate(config.tp, config.request_timeout_s)
     info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages,
-                      embed_endpoints=[f"tcp://{config.host}:{config.embed_port}"],
+                      embed_endpoints=[f"tcp://{config.host}:{config.embed_port + r}" for r in range(config.tp)],
                       bootstrap_host=config.host, bootstrap_port=config.bootstrap_port)
 
     metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port, "prefill")
@@ -67,7 +74,7 @@ def _serve(config: PrefillConfig) -> None:
     bootstrap = transport.bind(ctx, zmq.PULL, config.host, config.bootstrap_port)
     to_decode: dict[str, zmq.Socket] = {}
     poller = zmq.Poller()
-    for sock in (requests, embeds, bootstrap):
+    for sock in (requests, embeds, bootstrap, *([tp.ctrl] if tp else [])):
         poller.register(sock, zmq.POLLIN)
 
     stopping = []
@@ -78,7 +85,7 @@ def _serve(config: PrefillConfig) -> None:
              config.bootstrap_port, model_path, runner.device, runner.num_pages, "shared or zmq" if share else "zmq",
              metrics_server.url)
     try:
-        while not stopping:
+        while not stopping and not runner.failed:
             poller.poll(0 if sched.has_work() else 20)
             metrics.update_load(sched.load)
             while (got := transport.recv_routed(requests)) is not None:
@@ -89,13 +96,19 @@ def _serve(config: PrefillConfig) -> None:
                 elif isinstance(msg, AbortRequest):
                     replies.forget(msg.rid)
                     sched.abort(msg.rid)
+                    gate.abort(msg.rid)
                 elif isinstance(msg, ServerInfoRequest):
                     transport.send(requests, info, identity=peer)
                 elif isinstance(msg, LoadRequest):
                     transport.send(requests, sched.load(), identity=peer)
             while (msg := transport.recv(embeds)) is not None:
                 if isinstance(msg, ImageEmbeddings):
-                    sched.add_embeddings(msg)
+                    gate.add_local(msg)
+            for receipt in tp.receipts() if tp else ():
+                gate.add_receipt(receipt)
+            gate.expire()
+            for msg in gate.ready():
+                sched.add_embeddings(msg)
             while (msg := transport.recv(bootstrap)) is not None:
                 if isinstance(msg, KVRegister):
                     sched.register(msg)
@@ -112,6 +125,15 @@ def _serve(config: PrefillConfig) -> None:
                     transport.send(sock, transfer)
             for peer, out in replies.collect(sched.finished, [t for _, t in transfers]):
                 transport.send(requests, out, identity=peer)
+            if tp:
+                tp.release_embeddings(gate.releasable(sched.embeds))
+        if runner.failed:  # a TP rank is gone: fail what this server holds, then stop
+            sched.fail_all(f"prefill failed: {runner.failed}")
+            for endpoint, transfer in sched.step():
+                transport.send(to_decode.get(endpoint) or transport.connect(ctx, zmq.PUSH, endpoint), transfer)
+            return 1
+        return 0
     finally:
-        ctx.destroy(linger=0)
+        runner.close()
+        ctx.destroy(linger=1000 if runner.failed else 0)
         metrics_server.close()

@@ -14,6 +14,10 @@ Two implementations of the small operations (norms, residual adds, RoPE, SiLU-an
   CUDA graph; fused, it launches ~11. They round differently from transformers (RMSNorm multiplies by the weight
   in float32), so GPU outputs are close to, not bit-equal with, the CPU reference.
 
+Tensor parallelism (:mod:`epdserve.models.parallel`): attention heads and the MLP's intermediate features are split
+over the TP ranks of ``tp`` (q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel with one
+all-reduce each), the embedding and the LM head over the vocabulary. With one rank the layers are the plain ones.
+
 M-RoPE through flashinfer's RoPE kernel: the kernel looks up ``cos_sin_cache[pos_ids[t]]``; we pass this
 forward's own per-token M-RoPE cos|sin table (``[T, head_dim]`` float32) with ``pos_ids = arange(T)``, so one
 kernel serves text and image positions alike.
@@ -28,8 +32,11 @@ import torch
 from torch import nn
 
 from epdserve.attention.base import AttentionBackend
+from epdserve.distributed import TPGroup
 from epdserve.forward_batch import ForwardBatch
 from epdserve.models.config import ModelConfig
+from epdserve.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                      VocabParallelEmbedding, head_shard, split_evenly)
 
 
 def _flashinfer():
@@ -106,13 +113,18 @@ class _Rope:
 
 
 class Attention(nn.Module):
-    """GQA self-attention; q/k/v are one fused projection (with bias), o_proj has none."""
+    """GQA self-attention over this TP rank's heads (``hq`` query, ``hkv`` KV heads; see
+    :func:`~epdserve.models.parallel.head_shard`); q/k/v are one fused projection (with bias), o_proj has none."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
         super().__init__()
-        self.layer_id, self.hq, self.hkv, self.d = layer_id, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=True)
-        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        heads = head_shard(cfg.num_heads, cfg.num_kv_heads, tp)
+        self.layer_id, self.hq, self.hkv, self.d = layer_id, heads.num_heads, heads.num_kv_heads, cfg.head_dim
+        d = self.d
+        kv_part = (cfg.num_kv_heads * d, heads.kv_start * d, self.hkv * d)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [(cfg.num_heads * d, heads.q_start * d, self.hq * d), kv_part, kv_part], bias=True)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, rope: _Rope, attn: AttentionBackend) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``."""
@@ -128,12 +140,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection; the intermediate features are
+    split over the TP ranks."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_size
+        start, local = split_evenly(inter, tp, "intermediate size")
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(inter, start, local)] * 2, bias=False)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,12 +163,12 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = Attention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: _Rope,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,17 +193,24 @@ class Qwen2VLLanguageModel(nn.Module):
 
     ``attn`` (an :class:`AttentionBackend`) must be set before :meth:`forward`; it is a plain attribute, not a
     submodule, so moving the model between devices never touches the KV pool.
+
+    ``tp`` (default: one rank) is this process's TP group; every rank builds the model with its own group and
+    runs every forward, in the same order (the layers' collectives pair up across ranks).
+
+    Raises:
+        ValueError: heads, KV heads or the intermediate size cannot be split over ``tp.size`` ranks.
     """
 
-    def __init__(self, cfg: ModelConfig, attn: AttentionBackend | None = None):
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend | None = None, tp: TPGroup | None = None):
         super().__init__()
+        tp = tp or TPGroup.single()
         self.config = cfg
         self.attn = attn
         self.fused_ops = False
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", self._inv_freq(cfg), persistent=False)
@@ -219,17 +241,16 @@ class Qwen2VLLanguageModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy ``(lm_name, tensor)`` pairs (see :func:`epdserve.models.weights.iter_lm_weights`) into the
-        parameters, filling the fused ``qkv_proj``/``gate_up_proj`` from their parts.
+        parameters, filling the fused ``qkv_proj``/``gate_up_proj`` from their parts. Tensors are full checkpoint
+        tensors; a sharded layer keeps this TP rank's slice (``load_shard``).
 
         Raises:
             ValueError: an unknown name, a shape mismatch, or parameters left unloaded.
         """
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         parts_done: dict[str, int] = {}
-        hq, hkv, d, inter = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, \
-            self.config.intermediate_size
-        sizes = {"qkv_proj": [hq * d, hkv * d, hkv * d], "gate_up_proj": [inter, inter]}
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # shares embed_tokens' parameter
@@ -241,13 +262,18 @@ class Qwen2VLLanguageModel(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the LM")
-            dst = param.data
+            module = modules[target.rpartition(".")[0]]
             if part is not None:
-                dst = dst.split(sizes["qkv_proj" if "qkv_proj" in target else "gate_up_proj"], dim=0)[part]
                 parts_done[target] = parts_done.get(target, 0) + 1
-            if dst.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            if hasattr(module, "load_shard"):
+                try:
+                    module.load_shard(param, tensor, part)
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+            elif param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            else:
+                param.data.copy_(tensor)
             loaded.add(target)
         missing = [n for n in params if n not in loaded]
         partial = [n for n, c in parts_done.items() if c != (3 if "qkv_proj" in n else 2)]

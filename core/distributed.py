@@ -1,0 +1,125 @@
+"""The tensor-parallel (TP) group of one prefill or decode server: its rank, its size and the collectives the
+model and the model runner use.
+
+One process per TP rank, one ``torch.distributed`` process group over all of them: NCCL on CUDA, gloo on the CPU
+(rendezvous over TCP on 127.0.0.1, so a server's ranks sit on one host). NCCL collectives issued by
+``torch.distributed`` on the current stream can be captured in CUDA graphs (as nano-vllm and mini-sglang's
+default ``TorchDistributedImpl`` do), so the decode graphs hold their all-reduces.
+
+A size-1 group (:meth:`TPGroup.single`) makes every collective a no-op and creates no process group: TP=1 runs
+exactly the single-process code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# A collective that waits this long for a peer fails instead of hanging (a dead rank is normally noticed far
+# sooner: see epdserve.tp_runner's watchdog).
+_COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in its server's TP group.
+
+    Attributes:
+        rank: 0 .. size-1; rank 0 is the server process (sockets, scheduler, sampling).
+        size: number of ranks.
+        device: the device this rank computes on (collectives move tensors there).
+    """
+
+    rank: int
+    size: int
+    device: torch.device
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> TPGroup:
+        """The group of a TP=1 server: no process group, every collective a no-op."""
+        return cls(0, 1, torch.device(device))
+
+    @classmethod
+    def init(cls, rank: int, size: int, *, port: int, device: torch.device) -> TPGroup:
+        """Join the ``size``-rank group whose rank 0 listens on ``127.0.0.1:port`` (blocks until all joined).
+
+        NCCL when ``device`` is CUDA (its communicator is created at once, bound to ``device``), else gloo.
+        This initialises ``torch.distributed``'s default group of this process: one TP group per process.
+
+        Raises:
+            RuntimeError: the rendezvous fails or times out (``torch.distributed``).
+        """
+        device = torch.device(device)
+        if size == 1:
+            return cls.single(device)
+        kw = {}
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            kw["device_id"] = device
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=size, timeout=_COLLECTIVE_TIMEOUT, **kw)
+        log.debug("TP rank %d of %d joined on %s", rank, size, device)
+        return cls(rank, size, device)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks in place; returns ``x``."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's ``x`` (same shape on all ranks) along ``dim``, rank order; a new tensor."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        if x.is_cuda:  # one flat NCCL call (also inside a CUDA graph), then ranks moved to ``dim``
+            flat = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(flat, x)
+            parts = flat.unbind(0)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``x`` on every rank with rank ``src``'s ``x`` (same shape and dtype everywhere); returns it."""
+        if self.size > 1:
+            dist.broadcast(x, src)
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (e.g. KV pages every rank has room for)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def close(self) -> None:
+        """Leave the process group (no-op for TP=1). Collectives fail afterwards."""
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rank_device(device: str, base_gpu_id: int, rank: int) -> torch.device:
+    """The device of TP rank ``rank`` of a server configured with ``--device device --base-gpu-id base_gpu_id``:
+    ``cuda:(base + rank)`` on CUDA, where base is ``base_gpu_id`` or the N of ``--device cuda:N``; the CPU
+    otherwise.
+
+    Raises:
+        ValueError: CUDA asked for and not available, or both ``cuda:N`` and a nonzero ``base_gpu_id`` given.
+    """
+    from epdserve.device import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        return dev
+    if dev.index is not None and base_gpu_id:
+        raise ValueError(f"--device {device} and --base-gpu-id {base_gpu_id} both place the GPU; give one")
+    return torch.device("cuda", (dev.index or 0) + base_gpu_id + rank)

@@ -1,0 +1,174 @@
+"""TP ranks 1..N-1 of a prefill or decode server: run the calls rank 0 sends, on this rank's shard of the model.
+
+Started by rank 0 (:func:`epdserve.tp_runner.start_tp_runner`), never by hand::
+
+    python -m epdserve.tp_follower [--log-level L] {prefill,decode} --tp-rank R --dist-port P \\
+        --ctrl-endpoint tcp://127.0.0.1:C [--graph-bs N] <the server's own flags>
+
+A rank joins the process group, builds and warms up its :class:`~epdserve.model_runner.ModelRunner` in step with
+rank 0, then serves two sockets:
+- a DEALER to rank 0's control ROUTER: ``TPForward`` / ``TPReadKV`` / ``TPWriteKV`` / ``TPReleaseEmbeddings`` /
+  ``TPShutdown`` in, run in order; ``TPHello`` and ``TPEmbedReceipt`` out.
+- on a prefill server, a PULL on ``embed_port + rank``: the encoder's ``ImageEmbeddings`` for this rank. The
+  rank keeps its own copy until rank 0 releases it and reports each arrival to rank 0, which schedules a request
+  only once every rank holds its embeddings.
+
+It exits 0 on ``TPShutdown``, 1 when a call fails or its parent (rank 0) is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+
+import torch
+import zmq
+
+from epdserve import transport
+from epdserve.config import DecodeConfig, PrefillConfig, add_config_args, config_from_args
+from epdserve.distributed import TPGroup, rank_device
+from epdserve.forward_batch import ForwardBatch
+from epdserve.messages import (ImageEmbeddings, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings,
+                               TPShutdown, TPWriteKV)
+from epdserve.model_runner import ModelRunner, build_runner
+
+log = logging.getLogger("epdserve.tp")
+
+_PARENT_POLL_S = 0.5
+
+
+def _watch_parent() -> None:
+    """End this process when rank 0 (its parent) is gone, even while it waits inside a collective."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            threading.Event().wait(_PARENT_POLL_S)
+            if os.getppid() != parent:
+                log.error("TP rank: rank 0 (pid %d) is gone; exiting", parent)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+class Follower:
+    """One TP rank > 0: its runner, its copy of image embeddings, and the handling of rank 0's calls.
+
+    Args:
+        runner: this rank's model runner (``runner.tp.rank > 0``).
+        report: sends a message to rank 0 (the control DEALER).
+    """
+
+    def __init__(self, runner: ModelRunner, report):
+        self.runner, self.rank, self._report = runner, runner.tp.rank, report
+        self.embeds: dict[str, dict[str, torch.Tensor]] = {}  # rid -> image hash -> [n, hidden]
+        self._inflight: torch.cuda.Event | None = None  # the previous forward's end on the device
+
+    def add_embeddings(self, msg: ImageEmbeddings) -> None:
+        """Keep this rank's copy of ``msg``'s embeddings and tell rank 0 it has them."""
+        by_hash = self.embeds.setdefault(msg.rid, {})
+        for h, emb in zip(msg.image_hashes, msg.embeddings):
+            by_hash[h] = emb
+            log.debug("rid=%s TP rank %d received the embedding of image %s", msg.rid, self.rank, h[:12])
+        self._report(TPEmbedReceipt(rank=self.rank, rid=msg.rid, image_hashes=list(msg.image_hashes)))
+
+    def handle(self, msg) -> bool:
+        """Run one call from rank 0. Returns False on ``TPShutdown``.
+
+        Raises:
+            KeyError: a forward names embeddings this rank does not hold (rank 0 broke its promise).
+            RuntimeError: a collective failed (another rank is gone).
+        """
+        runner, dev = self.runner, self.runner.device
+        if isinstance(msg, TPForward):
+            mm_embeds = mm_mask = None
+            if msg.mm_sources:
+                mm_embeds = torch.cat([self.embeds[rid][h][s:e] for rid, h, s, e in msg.mm_sources])
+                mm_mask = msg.mm_mask.to(torch.bool)
+            runner.forward(ForwardBatch(
+                is_decode=msg.is_decode, input_ids=torch.zeros(msg.num_tokens, dtype=torch.int64, device=dev),
+                positions=msg.positions, out_slots=msg.out_slots, q_lens=msg.q_lens, kv_lens=msg.kv_lens,
+                page_table=msg.page_table, mm_embeds=mm_embeds, mm_mask=mm_mask))
+            if dev.type == "cuda":
+                # At most one forward queued ahead of the device, as on rank 0 (its overlap scheduler): a host far
+                # ahead would re-plan attention into host buffers that earlier, unexecuted copies still read.
+                done = torch.cuda.Event()
+                done.record()
+                if self._inflight is not None:
+                    self._inflight.synchronize()
+                self._inflight = done
+        elif isinstance(msg, TPReadKV):
+            runner.read_kv(msg.slots)
+        elif isinstance(msg, TPWriteKV):
+            runner.write_kv(msg.slots, torch.empty(msg.shape, dtype=runner.dtype, device=dev))
+        elif isinstance(msg, TPReleaseEmbeddings):
+            for rid in msg.rids:
+                self.embeds.pop(rid, None)
+        elif isinstance(msg, TPShutdown):
+            return False
+        return True
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m epdserve.tp_follower", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="role", required=True)
+    for role, cls in (("prefill", PrefillConfig), ("decode", DecodeConfig)):
+        p = sub.add_parser(role)
+        p.add_argument("--tp-rank", type=int, required=True)
+        p.add_argument("--dist-port", type=int, required=True)
+        p.add_argument("--ctrl-endpoint", required=True)
+        p.add_argument("--graph-bs", type=int, default=0, help="decode CUDA graphs up to this batch (rank 0's)")
+        add_config_args(p, cls)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one TP rank until rank 0 says stop. Returns the exit code."""
+    from epdserve.cli import setup_logging
+
+    args = _parser().parse_args(argv)
+    setup_logging(args.log_level)
+    cfg = config_from_args(PrefillConfig if args.role == "prefill" else DecodeConfig, args)
+    rank = args.tp_rank
+    _watch_parent()
+    tp = TPGroup.init(rank, cfg.tp, port=args.dist_port, device=rank_device(cfg.device, cfg.base_gpu_id, rank))
+    runner = build_runner(cfg, cfg.model_path, tp, args.graph_bs)
+    ctx = zmq.Context()
+    try:
+        ctrl = ctx.socket(zmq.DEALER)
+        ctrl.setsockopt(zmq.IDENTITY, f"rank{rank}".encode())
+        ctrl.setsockopt(zmq.LINGER, 0)
+        ctrl.setsockopt(zmq.SNDHWM, 0)
+        ctrl.setsockopt(zmq.RCVHWM, 0)
+        ctrl.connect(args.ctrl_endpoint)
+        poller = zmq.Poller()
+        poller.register(ctrl, zmq.POLLIN)
+        embeds = None
+        if args.role == "prefill":
+            embeds = transport.bind(ctx, zmq.PULL, cfg.host, cfg.embed_port + rank)
+            poller.register(embeds, zmq.POLLIN)
+        follower = Follower(runner, lambda m: transport.send(ctrl, m))
+        transport.send(ctrl, TPHello(rank=rank))
+        log.debug("%s TP rank %d serving on %s", args.role, rank, runner.device)
+        while True:
+            poller.poll(1000)
+            while embeds is not None and (msg := transport.recv(embeds)) is not None:
+                if isinstance(msg, ImageEmbeddings):
+                    follower.add_embeddings(msg)
+            while (msg := transport.recv(ctrl)) is not None:
+                if not follower.handle(msg):
+                    tp.close()  # leave the group before exiting (torch warns about, and may wait on, a live one)
+                    return 0
+    except Exception:
+        log.exception("%s TP rank %d failed", args.role, rank)
+        return 1
+    finally:
+        ctx.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
