@@ -67,9 +67,9 @@ class StageProcs:
               "--request-timeout-s", str(self.request_timeout_s)]
         args = {
             "encoder": ["encoder", *common, "--port", str(p["encoder"]), "--max-message-mb", "16"],
-            "prefill": ["prefill", *lm, "--port", str(p["prefill"]), "--embed-port", str(p["embed"]),
-                        "--bootstrap-port", str(p["bootstrap"])],
-            "decode": ["decode", *lm, "--port", str(p["decode"]), "--kv-port", str(p["kv"])],
+            "prefill": ["prefill", *lm, "--port", "0", "--zmq-port", str(p["prefill"]),
+                        "--embed-port", str(p["embed"]), "--bootstrap-port", str(p["bootstrap"])],
+            "decode": ["decode", *lm, "--port", "0", "--zmq-port", str(p["decode"]), "--kv-port", str(p["kv"])],
         }[name]
         return [sys.executable, "-m", "epdserve.cli", "--log-level", "INFO", *args]
 

@@ -82,7 +82,7 @@ def test_launch_places_stages_and_tp_ranks(tiny_model_path):
 
     cfg = LaunchConfig(model_path=tiny_model_path, device="cpu", prefill_tp=2, decode_tp=4, prefill_base_gpu=1,
                        decode_base_gpu=3)
-    cmds, _ = _commands(cfg, tiny_model_path)
+    cmds, _, _ = _commands(cfg, tiny_model_path)
 
     def flag(name, key):
         cmd = cmds[name]
@@ -145,10 +145,10 @@ def servers(tiny_model_path, tmp_path_factory):
         # The TP=1 servers offer the shared (same-host) KV path; with a TP=2 peer the hand-off must take the
         # host path in both directions.
         "prefill1": _start(["prefill", "--model-path", tiny_model_path, "--device", "cpu", "--kv-transfer", "shared",
-                            "--port", str(p1), "--embed-port", str(free_port()), "--bootstrap-port", str(free_port())],
-                           p1_log),
+                            "--port", "0", "--zmq-port", str(p1), "--embed-port", str(free_port()),
+                            "--bootstrap-port", str(free_port())], p1_log),
         "decode1": _start(["decode", "--model-path", tiny_model_path, "--device", "cpu", "--kv-transfer", "shared",
-                           "--port", str(d1), "--kv-port", str(free_port())], d1_log),
+                           "--port", "0", "--zmq-port", str(d1), "--kv-port", str(free_port())], d1_log),
     }
     try:
         _wait_for(launch_log, "epdserve ready", procs["launch"])
@@ -308,10 +308,11 @@ def test_tp2_greedy_equals_tp1_on_two_gpus(tmp_path_factory):
             common = ["--model-path", path, "--device", "cuda", "--num-pages", "4096"]
             logs = {k: tmp / f"{k}-{ptp}{dtp}.log" for k in ("prefill", "decode")}
             procs = {
-                "prefill": _start(["prefill", *common, "--tp", str(ptp), "--port", str(ports["p"]), "--embed-port",
-                                   str(ports["e"]), "--bootstrap-port", str(ports["b"])], logs["prefill"]),
-                "decode": _start(["decode", *common, "--tp", str(dtp), "--port", str(ports["d"]), "--kv-port",
-                                  str(ports["kv"])], logs["decode"]),
+                "prefill": _start(["prefill", *common, "--tp", str(ptp), "--port", "0", "--zmq-port",
+                                   str(ports["p"]), "--embed-port", str(ports["e"]), "--bootstrap-port",
+                                   str(ports["b"])], logs["prefill"]),
+                "decode": _start(["decode", *common, "--tp", str(dtp), "--port", "0", "--zmq-port",
+                                  str(ports["d"]), "--kv-port", str(ports["kv"])], logs["decode"]),
             }
             try:
                 for name, proc in procs.items():
