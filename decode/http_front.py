@@ -53,7 +53,7 @@ class DecodeFrontStages:
         self._image_processor = builder.processor.image_processor
         await self.scheduler.start()
 
-    async def encode(self, rid: str, images: list[bytes]) -> list[EncodedImage]:
+    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None) -> list[EncodedImage]:
         """Each image's token count and grid from its size (what the prefill side's encoder reports).
 
         Raises:
@@ -93,7 +93,8 @@ class DecodeFrontStages:
         for rid in [rid for rid, (since, _, _) in self._primed.items() if now - since > max_age_s]:
             self.discard(rid)
 
-    def generate(self, prefill_req: PrefillRequest, decode_req: DecodeRequest) -> AsyncIterator[TokenOutput]:
+    def generate(self, prefill_req: PrefillRequest, decode_req: DecodeRequest,
+                 deadline: float | None = None) -> AsyncIterator[TokenOutput]:
         """Run the decode leg (or take over the one :meth:`first_output` started): its outputs until one has a
         ``finish_reason``."""
         primed = self._primed.pop(decode_req.rid, None)

@@ -193,7 +193,8 @@ class SchedulerClient:
 
 class FrontStages(Protocol):
     """What a role gives :class:`ChatService` in place of the gateway's ``StageClient`` (see
-    ``epdserve.prefill.http_front`` and ``epdserve.decode.http_front``)."""
+    ``epdserve.prefill.http_front`` and ``epdserve.decode.http_front``). ``deadline`` is accepted for
+    ``ChatService``'s sake and not used: behind a PD router the router bounds each request."""
 
     role: str
     scheduler: SchedulerClient
@@ -209,9 +210,9 @@ class FrontStages(Protocol):
 
     async def start(self, builder: PromptBuilder) -> None: ...
 
-    async def encode(self, rid: str, images: list[bytes]) -> list[EncodedImage]: ...
+    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None) -> list[EncodedImage]: ...
 
-    def generate(self, prefill_req, decode_req) -> AsyncIterator[TokenOutput]: ...
+    def generate(self, prefill_req, decode_req, deadline: float | None = None) -> AsyncIterator[TokenOutput]: ...
 
     def abort(self, rid: str) -> None: ...
 

@@ -71,7 +71,7 @@ class PrefillFrontStages:
         except TimeoutError as e:
             logger.warning("%s", e)  # the pool has marked them down and probes them
 
-    async def encode(self, rid: str, images: list[bytes]) -> list[EncodedImage]:
+    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None) -> list[EncodedImage]:
         """Encode ``images``; the embeddings go to every TP rank of this server.
 
         Raises:
@@ -81,7 +81,8 @@ class PrefillFrontStages:
             raise StageError("this prefill server has no --encoder-urls, so it cannot take images", 400)
         return await self.encoder.encode(rid, images, list(self.scheduler.info.embed_endpoints))
 
-    def generate(self, prefill_req: PrefillRequest, decode_req: DecodeRequest) -> AsyncIterator[TokenOutput]:
+    def generate(self, prefill_req: PrefillRequest, decode_req: DecodeRequest,
+                 deadline: float | None = None) -> AsyncIterator[TokenOutput]:
         """Run the prefill leg: one output, the first token (``finish_reason="length"``) or an error."""
         return self.scheduler.run(prefill_req)
 
