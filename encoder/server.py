@@ -113,20 +113,13 @@ def add_servicer(servicer: EncoderServicer, server: grpc.aio.Server) -> None:
     """Register ``servicer`` as ``epdserve.v1.Encoder`` on ``server`` (as the generated
     ``add_EncoderServicer_to_server`` does, but with requests that do not parse answered INVALID_ARGUMENT)."""
     pb2 = encoder_pb2
-    handlers = {
-        "Encode": grpc.unary_unary_rpc_method_handler(
-            servicer.Encode, request_deserializer=_lenient(pb2.EncodeRequest.FromString),
-            response_serializer=pb2.EncodeResponse.SerializeToString),
-        "GetLoad": grpc.unary_unary_rpc_method_handler(
-            servicer.GetLoad, request_deserializer=_lenient(pb2.EncoderLoadRequest.FromString),
-            response_serializer=pb2.EncoderLoad.SerializeToString),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetModelInfo, request_deserializer=_lenient(pb2.GetModelInfoRequest.FromString),
-            response_serializer=pb2.GetModelInfoResponse.SerializeToString),
-        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetServerInfo, request_deserializer=_lenient(pb2.GetServerInfoRequest.FromString),
-            response_serializer=pb2.GetServerInfoResponse.SerializeToString),
-    }
+    methods = {"Encode": (pb2.EncodeRequest, pb2.EncodeResponse), "GetLoad": (pb2.EncoderLoadRequest, pb2.EncoderLoad),
+               "GetModelInfo": (pb2.GetModelInfoRequest, pb2.GetModelInfoResponse),
+               "GetServerInfo": (pb2.GetServerInfoRequest, pb2.GetServerInfoResponse)}
+    handlers = {name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name),
+                                                          request_deserializer=_lenient(req.FromString),
+                                                          response_serializer=resp.SerializeToString)
+                for name, (req, resp) in methods.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
