@@ -69,7 +69,7 @@ class PrefillConfig(LMServerConfig):
     zmq_port: int = _f(30001, "ZMQ port for requests from epdserve gateways and the HTTP front")
     encoder_urls: str = _f("", "encoders (gRPC host:port[,host:port...]) the HTTP front sends a request's images to, "
                                "each image to one chosen by its content hash")
-    embed_port: int = _f(30101, "ZMQ port receiving image embeddings; TP rank r listens on embed_port + r")
+    embed_port: int = _f(30101, "ZMQ port receiving image embeddings (TP rank 0; other ranks bind free ports)")
     bootstrap_port: int = _f(8998, "ZMQ port where decode servers register for a request's KV (bootstrap)")
     max_prefill_tokens: int = _f(8192, "new tokens computed in one prefill forward (several requests batch)")
     chunked_prefill_size: int = _f(2048, "most new tokens of one request in one prefill forward: a longer prompt is "

@@ -1,7 +1,7 @@
 """Rank 0 of a TP prefill server: hand image embeddings to the scheduler only once every TP rank holds them.
 
-The encoder pushes each request's embeddings to every rank's endpoint separately (``embed_port + rank``), so they
-arrive at different times, or (a rank's socket being down) not at all. A forward that uses an image needs its
+The encoder pushes each request's embeddings to every rank's endpoint separately (``ServerInfo.embed_endpoints``),
+so they arrive at different times, or (a rank's socket being down) not at all. A forward that uses an image needs its
 rows on every rank, so rank 0 holds its own copy of an image's embedding here until each other rank has reported
 the same (request id, image hash) (:class:`~epdserve.messages.TPEmbedReceipt`); only then does the scheduler see
 it. A request whose embeddings never reach some rank therefore waits in the scheduler, which fails it cleanly at

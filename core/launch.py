@@ -32,34 +32,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def free_port_range(n: int, tries: int = 100) -> int:
-    """The first of ``n`` consecutive TCP ports free on 127.0.0.1 right now (a TP prefill server's embedding ports).
-
-    Raises:
-        RuntimeError: none found in ``tries`` attempts.
-    """
-    for _ in range(tries):
-        first = free_port()
-        socks = []
-        try:
-            for port in range(first, first + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((_LOCAL, port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports found")
-
-
 def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]], list[str], dict[str, str]]:
     """The command line of every process by name (``encoder0``.., ``prefill``, ``decode``, ``gateway``), the
     encoders' addresses, and every process's ``/metrics`` URL by name."""
-    pre, boot, dec, kv = (free_port() for _ in range(4))
-    emb = free_port_range(cfg.prefill_tp)
+    pre, emb, boot, dec, kv = (free_port() for _ in range(5))
     encoders = [f"{_LOCAL}:{free_port()}" for _ in range(cfg.num_encoders)]
     metrics_ports = {name: free_port() for name in [f"encoder{i}" for i in range(cfg.num_encoders)] +
                      ["prefill", "decode"]}

@@ -261,9 +261,11 @@ def input_ids_digest(input_ids: list[int]) -> str:
 
 @dataclass
 class TPHello:
-    """TP rank ``rank`` -> rank 0: loaded, warmed up, listening (for embeddings on a prefill server)."""
+    """TP rank ``rank`` -> rank 0: loaded, warmed up, listening (for embeddings on a prefill server, at
+    ``embed_endpoint``, a port the rank bound itself so no two processes race for one chosen in advance)."""
 
     rank: int
+    embed_endpoint: str = ""
 
 
 @dataclass

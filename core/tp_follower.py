@@ -9,9 +9,9 @@ A rank joins the process group, builds and warms up its :class:`~epdserve.model_
 rank 0, then serves two sockets:
 - a DEALER to rank 0's control ROUTER: ``TPForward`` / ``TPReadKV`` / ``TPWriteKV`` / ``TPReleaseEmbeddings`` /
   ``TPShutdown`` in, run in order; ``TPHello`` and ``TPEmbedReceipt`` out.
-- on a prefill server, a PULL on ``embed_port + rank``: the encoder's ``ImageEmbeddings`` for this rank. The
-  rank keeps its own copy until rank 0 releases it and reports each arrival to rank 0, which schedules a request
-  only once every rank holds its embeddings.
+- on a prefill server, a PULL on a port it binds itself (reported to rank 0 in ``TPHello``): the encoder's
+  ``ImageEmbeddings`` for this rank. The rank keeps its own copy until rank 0 releases it and reports each
+  arrival to rank 0, which schedules a request only once every rank holds its embeddings.
 
 It exits 0 on ``TPShutdown``, 1 when a call fails or its parent (rank 0) is gone.
 """
@@ -149,10 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         poller.register(ctrl, zmq.POLLIN)
         embeds = None
         if args.role == "prefill":
-            embeds = transport.bind(ctx, zmq.PULL, cfg.host, cfg.embed_port + rank)
+            embeds = transport.bind(ctx, zmq.PULL, cfg.host, 0)  # any free port: reported to rank 0 below
             poller.register(embeds, zmq.POLLIN)
         follower = Follower(runner, lambda m: transport.send(ctrl, m))
-        transport.send(ctrl, TPHello(rank=rank))
+        endpoint = embeds.getsockopt_string(zmq.LAST_ENDPOINT) if embeds is not None else ""
+        transport.send(ctrl, TPHello(rank=rank, embed_endpoint=endpoint))
         log.debug("%s TP rank %d serving on %s", args.role, rank, runner.device)
         while True:
             poller.poll(1000)

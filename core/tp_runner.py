@@ -75,6 +75,7 @@ class TPRunner:
         self.device, self.dtype, self.tp, self.heads = local.device, local.dtype, local.tp, local.heads
         self._ctx, self.ctrl, self._procs = ctx, ctrl, procs
         self._receipts: list[TPEmbedReceipt] = []
+        self.embed_endpoints: list[str] = []  # ranks 1..N-1's embedding endpoints (prefill), set at start
         self.failed: str | None = None
         self._closing = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
@@ -222,7 +223,7 @@ def start_tp_runner(cfg, model_path: str, cuda_graph_max_bs: int = 0) -> TPRunne
             # Own session: a Ctrl-C at the terminal reaches rank 0 only, which then stops the ranks in order.
             procs[rank] = subprocess.Popen(cmd, start_new_session=True)
         runner = _start_rank0(cfg, model_path, cuda_graph_max_bs, device, dist_port, procs)
-        _wait_hellos(ctrl, procs)
+        embed_endpoints = _wait_hellos(ctrl, procs)
     except BaseException:
         for proc in procs.values():
             proc.kill()
@@ -230,7 +231,9 @@ def start_tp_runner(cfg, model_path: str, cuda_graph_max_bs: int = 0) -> TPRunne
         ctx.destroy(linger=0)
         raise
     log.info("%s TP ranks 0..%d ready (rank 0 on %s)", role, cfg.tp - 1, device)
-    return TPRunner(runner, ctx, ctrl, procs)
+    tp_runner = TPRunner(runner, ctx, ctrl, procs)
+    tp_runner.embed_endpoints = [embed_endpoints[r] for r in sorted(embed_endpoints)]
+    return tp_runner
 
 
 def _start_rank0(cfg, model_path, cuda_graph_max_bs, device, dist_port, procs) -> ModelRunner:
@@ -256,8 +259,10 @@ def _start_rank0(cfg, model_path, cuda_graph_max_bs, device, dist_port, procs) -
         done.set()
 
 
-def _wait_hellos(ctrl: zmq.Socket, procs: dict[int, subprocess.Popen]) -> None:
+def _wait_hellos(ctrl: zmq.Socket, procs: dict[int, subprocess.Popen]) -> dict[int, str]:
+    """Wait for every rank's ``TPHello``; returns each rank's embedding endpoint (prefill) by rank."""
     waiting, deadline = set(procs), time.monotonic() + _START_TIMEOUT_S
+    endpoints: dict[int, str] = {}
     while waiting:
         dead = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
         if dead:
@@ -268,3 +273,5 @@ def _wait_hellos(ctrl: zmq.Socket, procs: dict[int, subprocess.Popen]) -> None:
             got = transport.recv_routed(ctrl)
             if got is not None and isinstance(got[1], TPHello):
                 waiting.discard(got[1].rank)
+                endpoints[got[1].rank] = got[1].embed_endpoint
+    return endpoints

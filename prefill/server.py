@@ -6,7 +6,7 @@ router such as smg and talks to this loop over the ``zmq_port`` socket like any 
 Sockets (all bound on ``config.host``):
 - ``zmq_port`` (ROUTER): ``PrefillRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from
   gateways.
-- ``embed_port + r`` (PULL): ``ImageEmbeddings`` from encoders for TP rank ``r`` (rank 0 here; ranks 1..tp-1 in
+- ``embed_port`` (PULL): ``ImageEmbeddings`` from encoders for TP rank 0; ranks 1..tp-1 bind their own (in
   their own processes, see :mod:`epdserve.tp_runner`). A request is scheduled once every rank holds its
   embeddings (:class:`~epdserve.embed_gate.EmbeddingGate`).
 - ``bootstrap_port`` (PULL): ``KVRegister`` and ``KVAck`` from decode servers (SGLang-style bootstrap rendezvous).
@@ -63,7 +63,8 @@ def _serve(config: PrefillConfig) -> int:
     gate = EmbeddingGate(config.tp, config.request_timeout_s)
     info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages,
-                      embed_endpoints=[f"tcp://{config.host}:{config.embed_port + r}" for r in range(config.tp)],
+                      embed_endpoints=[f"tcp://{config.host}:{config.embed_port}",
+                                       *(tp.embed_endpoints if tp else [])],
                       bootstrap_host=config.host, bootstrap_port=config.bootstrap_port)
 
     metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port, "prefill")
