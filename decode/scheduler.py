@@ -25,7 +25,7 @@ import torch
 
 from epdserve.device import to_device
 from epdserve.forward_batch import ForwardBatch
-from epdserve.kvcache.page_pool import PagePool
+from epdserve.kvcache.page_pool import PagePool, page_slots
 from epdserve.kvcache.kv_share import PeerPools, host_id
 from epdserve.messages import DecodeRequest, KVAck, KVRegister, KVTransfer, Load, TokenOutput
 from epdserve.metrics import DecodeMetrics
@@ -280,8 +280,8 @@ class DecodeScheduler:
     def _copy_shared_kv(self, seq: _Seq, transfer: KVTransfer, slots: torch.Tensor) -> str | None:
         """Copy ``seq``'s KV out of the prefill pool that ``transfer.pool`` maps into ``slots``; queue its
         ``KVAck`` for when the copy has run. Returns an error message when the pool cannot be mapped."""
-        ps = transfer.pool.shape[3]
-        src = torch.tensor([transfer.kv_pages[i // ps] * ps + i % ps for i in range(seq.msg.prompt_len)],
+        # The prefill pool's page size (shape[3]) may differ from this pool's.
+        src = torch.tensor(page_slots(transfer.kv_pages, transfer.pool.shape[3], 0, seq.msg.prompt_len),
                            dtype=torch.int64)
         ack = KVAck(rid=seq.msg.rid, bootstrap_room=transfer.bootstrap_room)
         try:

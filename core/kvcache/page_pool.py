@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def page_slots(pages: list[int], page_size: int, start: int, end: int) -> list[int]:
+    """KV slots (``page * page_size + offset``) of tokens ``start .. end-1`` of a sequence whose KV sits in
+    ``pages`` of ``page_size`` tokens, in order."""
+    return [pages[i // page_size] * page_size + i % page_size for i in range(start, end)]
+
+
 class OutOfPages(RuntimeError):
     """Raised by :meth:`PagePool.alloc` when fewer pages are free than asked for."""
 
@@ -32,10 +38,9 @@ class PagePool:
         return -(-num_tokens // self.page_size)
 
     def slots(self, pages: list[int], start: int, end: int) -> list[int]:
-        """KV slots (``page * page_size + offset``) of tokens ``start .. end-1`` of a sequence whose KV sits in
-        ``pages``, in order."""
-        ps = self.page_size
-        return [pages[i // ps] * ps + i % ps for i in range(start, end)]
+        """KV slots of tokens ``start .. end-1`` of a sequence whose KV sits in ``pages`` of this pool
+        (:func:`page_slots`)."""
+        return page_slots(pages, self.page_size, start, end)
 
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` free pages. Raises :class:`OutOfPages` (state unchanged) when fewer are free."""
