@@ -111,8 +111,8 @@ def _start(cmd: list[str], log_path: Path) -> subprocess.Popen:
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def _stop(proc: subprocess.Popen) -> int | None:
-    if proc.poll() is None:
+def _stop(proc: subprocess.Popen, signalled: bool = False) -> int | None:
+    if not signalled and proc.poll() is None:
         proc.send_signal(signal.SIGINT)
     try:
         return proc.wait(timeout=30)
@@ -126,7 +126,9 @@ def _stop_all(procs: dict[str, subprocess.Popen]) -> dict[str, int | None]:
     for proc in procs.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-    return {name: _stop(proc) for name, proc in procs.items()}
+    # No second SIGINT: one arriving while a server is already exiting meets Python's restored default handler
+    # and kills it (exit code -2).
+    return {name: _stop(proc, signalled=True) for name, proc in procs.items()}
 
 
 @pytest.fixture(scope="module")
