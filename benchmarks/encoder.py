@@ -8,6 +8,8 @@ concurrent clients straight to the encoder's gRPC servicer (``EncoderServicer.En
 server's own batcher; no gRPC transport, embeddings returned in the response as without ``targets``). Every
 image is distinct random noise (seeded), JPEG-encoded, and the embedding cache is off, so each request hashes,
 decodes, preprocesses and runs the tower: B=1 is one request at a time, B=32 shows cross-request batching.
+Each row also times the vision tower alone (``tower ms``: one call on min(B, 16) preprocessed images), which
+separates the tower from the host work around it (JPEG decoding, hashing, the image processor).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import torch
 import zmq.asyncio
 from PIL import Image
 
@@ -65,10 +68,44 @@ async def _measure(servicer: EncoderServicer, images: list[bytes], concurrency: 
     return {"seconds": time.perf_counter() - t0, "latencies": latencies}
 
 
+def _tower_ms(encoder: VisionEncoder, width: int, height: int, n: int, reps: int = 10) -> float:
+    """Milliseconds per call of the vision tower alone on ``n`` processed ``width``x``height`` images (the image
+    processor's output made once, outside the timing), synchronized with the device."""
+    images = [random_image(np.random.default_rng(i), width, height) for i in range(n)]
+    kwargs = {"device": encoder.device} if encoder.device.type == "cuda" else {}
+    inputs = encoder.image_processor(images=images, return_tensors="pt", **kwargs)
+    pixels = inputs["pixel_values"].to(encoder.device).type(encoder.dtype)
+    grid = inputs["image_grid_thw"]
+    rows = [tuple(r) for r in grid.tolist()]
+
+    def call():
+        with torch.inference_mode():
+            if encoder.tower is not None:
+                return encoder.tower.run(pixels, rows)
+            return encoder.model(pixels, grid_thw=grid.to(encoder.device)).pooler_output
+
+    for _ in range(3):  # the second call captures the graph when graphs are on
+        call()
+    sync = torch.cuda.synchronize if encoder.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        call()
+    sync()
+    return (time.perf_counter() - t0) / reps * 1000
+
+
 async def run(args: argparse.Namespace) -> list[dict]:
-    """One result row per (image size, batch level); see the module docstring."""
+    """One result row per (CUDA-graph setting, image size, batch level); see the module docstring."""
+    rows = []
+    for graphs in args.cuda_graphs:
+        rows += await _run_one(args, graphs)
+    return rows
+
+
+async def _run_one(args: argparse.Namespace, graphs: int) -> list[dict]:
     device = resolve_device(args.device)
-    encoder = VisionEncoder(resolve_model_path(args.model_path), device, resolve_dtype(args.dtype, device))
+    encoder = VisionEncoder(resolve_model_path(args.model_path), device, resolve_dtype(args.dtype, device), graphs)
     tower = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-vision")
     zmq_ctx = zmq.asyncio.Context()
     rng = np.random.default_rng(args.seed)
@@ -81,7 +118,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
                 batcher = EncodeBatcher(tower, args.batch_wait_ms, args.max_batch_patches)
                 servicer = EncoderServicer(EmbeddingCache(0), EmbeddingPusher(zmq_ctx), batcher, 1 << 40)
                 servicer.encoder = encoder
-                await _measure(servicer, _jpegs(rng, width, height, args.warmup), min(batch, args.warmup))
+                for _ in range(2):  # twice: a tower shape is graphed on its second use
+                    await _measure(servicer, _jpegs(rng, width, height, args.warmup), min(batch, args.warmup))
                 calls0 = batcher.calls
                 m = await _measure(servicer, _jpegs(rng, width, height, args.num_images), batch)
                 calls = batcher.calls - calls0
@@ -91,7 +129,10 @@ async def run(args: argparse.Namespace) -> list[dict]:
                              "mean_latency_ms": float(lat_ms.mean()),
                              "p99_latency_ms": float(np.percentile(lat_ms, 99)),
                              "tower_calls": calls, "mean_images_per_call": args.num_images / calls,
-                             "patches_per_image": patches, "tokens_per_image": patches // encoder.merge_size**2})
+                             "patches_per_image": patches, "tokens_per_image": patches // encoder.merge_size**2,
+                             "cuda_graphs": graphs,
+                             "tower_ms": await asyncio.get_running_loop().run_in_executor(
+                                 tower, _tower_ms, encoder, width, height, min(batch, 16))})
                 await servicer.aclose()
     finally:
         tower.shutdown()
@@ -100,13 +141,14 @@ async def run(args: argparse.Namespace) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    head = (f"{'image':>10} {'batch':>5} {'images/s':>9} {'mean ms':>8} {'p99 ms':>8} {'calls':>6} {'img/call':>8} "
-            f"{'tokens':>6}")
+    head = (f"{'graphs':>6} {'image':>10} {'batch':>5} {'images/s':>9} {'mean ms':>8} {'p99 ms':>8} {'calls':>6} "
+            f"{'img/call':>8} {'tokens':>6} {'tower ms':>15}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['image_size']:>10} {r['batch']:>5} {r['images_per_s']:>9.1f} {r['mean_latency_ms']:>8.1f} "
-                     f"{r['p99_latency_ms']:>8.1f} {r['tower_calls']:>6} {r['mean_images_per_call']:>8.2f} "
-                     f"{r['tokens_per_image']:>6}")
+        lines.append(f"{r['cuda_graphs']:>6} {r['image_size']:>10} {r['batch']:>5} {r['images_per_s']:>9.1f} "
+                     f"{r['mean_latency_ms']:>8.1f} {r['p99_latency_ms']:>8.1f} {r['tower_calls']:>6} "
+                     f"{r['mean_images_per_call']:>8.2f} {r['tokens_per_image']:>6} "
+                     f"{r['tower_ms']:>7.1f} ({min(r['batch'], 16):>2} img)")
     return "\n".join(lines)
 
 
@@ -123,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-wait-ms", type=float, default=2.0, help="the encoder's --batch-wait-ms")
     p.add_argument("--max-batch-patches", type=int, default=16384, help="the encoder's --max-batch-patches")
     p.add_argument("--seed", type=int, default=0, help="seed of the random images")
+    p.add_argument("--cuda-graphs", nargs="+", type=int, default=[0],
+                   help="the encoder's --cuda-graphs; several values run side by side (e.g. 0 32)")
     p.add_argument("--output-json", help="also write the config and the rows here")
     args = p.parse_args(argv)
     for size in args.image_sizes:

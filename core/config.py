@@ -34,6 +34,9 @@ class EncoderConfig:
                                        "runs alone")
     metrics_port: int = _f(50151, "HTTP port of /metrics (Prometheus text format) next to the gRPC port; 0 = a "
                                   "free port")
+    cuda_graphs: int = _f(0, "vision-tower CUDA graphs to keep, one per image grid and power-of-two batch size, "
+                             "captured on a shape's second use (CUDA, bf16/fp16); 0 = eager (the default until "
+                             "measured on a GPU, see docs/performance.md)")
 
 
 @dataclass
@@ -140,6 +143,7 @@ class LaunchConfig:
     prefill_base_gpu: int = _f(0, "prefill TP rank r runs on GPU prefill_base_gpu + r")
     decode_base_gpu: int = _f(0, "decode TP rank r runs on GPU decode_base_gpu + r")
     kv_transfer: str = _f("zmq", "prefill->decode KV path: zmq or shared (see `epdserve prefill --help`)")
+    encoder_cuda_graphs: int = _f(0, "vision-tower CUDA graphs per encoder (see `epdserve encoder --help`)")
 
 
 def _base_type(tp):

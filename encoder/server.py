@@ -439,7 +439,8 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
         await server.start()
         loop = asyncio.get_running_loop()
         model_path = await loop.run_in_executor(tower, resolve_model_path, config.model_path)
-        servicer.encoder = await loop.run_in_executor(tower, VisionEncoder, model_path, device, dtype)
+        servicer.encoder = await loop.run_in_executor(tower, VisionEncoder, model_path, device, dtype,
+                                                      config.cuda_graphs)
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("encoder ready on %s (model=%s, device=%s, dtype=%s, metrics=%s)",

@@ -118,18 +118,22 @@ class VisionEncoder:
         hidden_size: width of the embeddings (the language model's hidden size).
         image_processor: the checkpoint's transformers image processor.
         model: the vision tower (transformers module, eval mode, no grad).
+        tower: on CUDA with packed attention, the :class:`~epdserve.encoder.vision_graph.TowerGraphs` that runs
+            :attr:`model` (CUDA graphs or eagerly with precomputed metadata); None on the CPU (the plain call).
 
     Not thread-safe: call :meth:`encode` from one thread at a time.
     """
 
     def __init__(self, model_path: str | Path, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | str = "auto") -> None:
+                 dtype: torch.dtype | str = "auto", cuda_graphs: int = 0) -> None:
         """Load the image processor and the vision tower.
 
         Args:
             model_path: local checkpoint directory (``config.json``, processor config, safetensors).
             device: a ``torch.device`` or a name understood by :func:`epdserve.device.resolve_device`.
             dtype: a ``torch.dtype`` or a name understood by :func:`epdserve.device.resolve_dtype`.
+            cuda_graphs: on CUDA in fp16/bf16, how many vision-tower CUDA graphs (one per image grid and batch
+                size) to keep, see :mod:`epdserve.encoder.vision_graph`; 0 runs the tower eagerly.
 
         Raises:
             ValueError: unsupported model type, missing or unexpected vision tensors, processor/tower mismatch,
@@ -141,6 +145,7 @@ class VisionEncoder:
         from transformers.initialization import no_init_weights
 
         self.model_path = str(model_path)
+        self.tower = None  # CUDA: runs the tower (graphs or eager with precomputed metadata); CPU: the plain call
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self.device)
         config = AutoConfig.from_pretrained(self.model_path)
@@ -165,6 +170,9 @@ class VisionEncoder:
             # One packed kernel per layer, not one per window. Set after construction: at construction
             # transformers would look for a "flash" implementation on its kernel hub.
             model.config._attn_implementation = register()
+            from epdserve.encoder.vision_graph import TowerGraphs
+
+            self.tower = TowerGraphs(model, self.device, cuda_graphs)
         missing, unexpected = model.load_state_dict(load_vision_state_dict(self.model_path), strict=False)
         if missing or unexpected:
             raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "
@@ -213,8 +221,12 @@ class VisionEncoder:
         grid = inputs["image_grid_thw"]
         # Same cast as transformers' get_image_features, so the outputs match it exactly.
         pixels = inputs["pixel_values"].to(self.device).type(self.dtype)
-        out = self.model(pixels, grid_thw=grid.to(self.device)).pooler_output
-        sizes = [self.num_tokens(row) for row in grid.tolist()]
+        rows = grid.tolist()
+        if self.tower is not None:
+            out = self.tower.run(pixels, [tuple(r) for r in rows])
+        else:
+            out = self.model(pixels, grid_thw=grid.to(self.device)).pooler_output
+        sizes = [self.num_tokens(row) for row in rows]
         out = out.to("cpu")  # one device-to-host copy for the batch; the cache and the wire need host memory
         # clone: each cached embedding owns its memory instead of pinning the whole batch.
-        return [(emb.clone(), row) for emb, row in zip(torch.split(out, sizes), grid.tolist())]
+        return [(emb.clone(), row) for emb, row in zip(torch.split(out, sizes), rows)]

@@ -1,0 +1,152 @@
+"""CUDA graphs of a transformers Qwen2-VL / Qwen2.5-VL vision tower, one per (image grid, number of images).
+
+Why: eagerly the 3B tower spends ~41 ms of host time launching ~1,000 small kernels per call against ~11 ms of
+GPU work for one 448x448 image (docs/performance.md), so a lone image waits on Python, not on the GPU. A replayed
+graph launches them all at once.
+
+What makes the tower capturable: everything it derives from ``grid_thw`` on the host (rotary position ids,
+``cu_seqlens``, Qwen2.5-VL's window index, the max sequence lengths that ``.item()`` would sync for) is
+computed once per grid by transformers' own helpers (``transformers.vision_utils``) and passed back to the
+tower's ``forward`` as the precomputed kwargs transformers accepts for exactly this. The graphed call is then the
+unchanged transformers forward. Only the packed-attention implementation
+(:mod:`epdserve.encoder.varlen_attention`) is capturable, so graphs are for CUDA with that attention.
+
+A batch is split into groups of images with the same grid, and each group into power-of-two chunks; each chunk
+replays the graph of ``(grid, chunk size)``. Graphs are captured on a key's second use (a one-off image size runs eagerly, with the
+precomputed metadata) and kept in an LRU of :data:`MAX_GRAPHS`; all share one memory pool, which is safe because
+the graphs replay one at a time on one thread. Same technique as SGLang's and vLLM's CUDA-graph runners for the LM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+
+log = logging.getLogger(__name__)
+
+Grid = tuple[int, int, int]
+
+
+def tower_metadata(model: torch.nn.Module, grids: list[Grid], device: torch.device) -> dict:
+    """The tower inputs transformers derives from ``grid_thw``, precomputed for ``grids`` (one ``(t, h, w)`` per
+    image, in patches) and placed on ``device``: ``position_ids`` ``[P, 2]`` int64, ``cu_seqlens`` int32 and
+    ``max_seqlen`` (patches), plus for a windowed tower (Qwen2.5-VL) ``window_index`` ``[P / merge**2]`` int64,
+    ``cu_window_seqlens`` int32 and ``max_window_seqlen``. Pass a copy as ``**kwargs`` to the tower's ``forward``
+    (it pops them)."""
+    grid = torch.tensor(grids, dtype=torch.int64)
+    cu = get_vision_cu_seqlens(grid)
+    meta = {"position_ids": get_vision_position_ids(grid, model.spatial_merge_size).to(device),
+            "cu_seqlens": cu.to(device), "max_seqlen": int((cu[1:] - cu[:-1]).max())}
+    if getattr(model, "window_size", None):
+        index, cu_win = get_vision_window_index(grid, spatial_merge_size=model.spatial_merge_size,
+                                                window_size=model.window_size, patch_size=model.patch_size)
+        meta.update(window_index=index.to(device), cu_window_seqlens=cu_win.to(device),
+                    max_window_seqlen=int((cu_win[1:] - cu_win[:-1]).max()))
+    return meta
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    pixels: torch.Tensor  # static input [n * t*h*w, patch_dim]
+    out: torch.Tensor  # static output [n * tokens, hidden]
+
+
+class TowerGraphs:
+    """Runs a vision tower on a batch of images through per-``(grid, n)`` CUDA graphs (see the module doc).
+
+    Not thread-safe: call :meth:`run` from one thread (the encoder's tower thread).
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_graphs: int):
+        """``model``: a transformers Qwen2-VL / Qwen2.5-VL vision tower on ``device`` (CUDA) whose attention is
+        :mod:`epdserve.encoder.varlen_attention`; ``max_graphs``: graphs kept (LRU), 0 = eager only."""
+        self.model, self.device, self.max_graphs = model, device, max_graphs
+        self._graphs: OrderedDict[tuple[Grid, int], _Graph] = OrderedDict()
+        self._seen: set[tuple[Grid, int]] = set()
+        self._meta: OrderedDict[tuple[Grid, int], dict] = OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle() if max_graphs else None
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def run(self, pixels: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
+        """The tower's merged output for images packed in ``pixels`` (``[sum t*h*w, patch_dim]``, the processor's
+        ``pixel_values`` in the tower dtype, on the device) with patch grids ``grids``: ``[sum tokens_i,
+        hidden]`` in image order, equal to ``model(pixels, grid_thw=...).pooler_output``."""
+        starts = [0]
+        for t, h, w in grids:
+            starts.append(starts[-1] + t * h * w)
+        groups: dict[Grid, list[int]] = {}
+        for i, g in enumerate(grids):
+            groups.setdefault(tuple(g), []).append(i)
+        per_image: list[torch.Tensor | None] = [None] * len(grids)
+        for grid, idx in groups.items():
+            while idx:
+                # Power-of-two chunks keep the graphs per grid at log2(batch): 13 images replay 8 + 4 + 1.
+                n = 1 << (len(idx).bit_length() - 1)
+                chunk, idx = idx[:n], idx[n:]
+                if chunk == list(range(chunk[0], chunk[0] + n)):  # consecutive: a view, no copy
+                    chunk_pixels = pixels[starts[chunk[0]]:starts[chunk[-1] + 1]]
+                else:
+                    chunk_pixels = torch.cat([pixels[starts[i]:starts[i + 1]] for i in chunk])
+                out = self._run_group(chunk_pixels, grid, n)
+                for i, emb in zip(chunk, out.chunk(n)):
+                    per_image[i] = emb
+        return per_image[0] if len(per_image) == 1 else torch.cat(per_image)
+
+    def _run_group(self, pixels: torch.Tensor, grid: Grid, n: int) -> torch.Tensor:
+        key = (grid, n)
+        g = self._graphs.get(key)
+        if g is None and self.max_graphs and key in self._seen:
+            try:
+                g = self._capture(key, pixels)
+            except RuntimeError as e:  # e.g. an op that cannot be captured: serve eagerly from now on
+                log.warning("vision-tower CUDA graph capture failed, running the tower eagerly: %s", e)
+                self.max_graphs = 0
+                self._graphs.clear()
+        if g is not None:
+            self._graphs.move_to_end(key)
+            g.pixels.copy_(pixels)
+            g.graph.replay()
+            return g.out.clone()  # the next replay reuses g.out and the shared pool
+        self._seen.add(key)
+        return self._forward(pixels, key)
+
+    def _metadata(self, key: tuple[Grid, int]) -> dict:
+        meta = self._meta.get(key)
+        if meta is None:
+            meta = self._meta[key] = tower_metadata(self.model, [key[0]] * key[1], self.device)
+            while len(self._meta) > 4 * max(self.max_graphs, 16):
+                self._meta.popitem(last=False)
+        self._meta.move_to_end(key)
+        return meta
+
+    def _forward(self, pixels: torch.Tensor, key: tuple[Grid, int]) -> torch.Tensor:
+        # With every kwarg precomputed the tower never reads grid_thw's values; a host tensor keeps a host-to-
+        # device copy out of the captured stream.
+        grid = torch.tensor([key[0]] * key[1])
+        return self.model(pixels, grid_thw=grid, **dict(self._metadata(key))).pooler_output
+
+    def _capture(self, key: tuple[Grid, int], pixels: torch.Tensor) -> _Graph:
+        while len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)
+        static = pixels.clone()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up off the capture (lazy inits, autotuning)
+            self._forward(static, key)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the encoder's other threads (image decoding, the event loop) may touch CUDA meanwhile.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._forward(static, key)
+        g = self._graphs[key] = _Graph(graph, static, out)
+        log.debug("captured a vision-tower graph for %d image(s) of grid %s (%d graphs)", key[1], key[0],
+                  len(self._graphs))
+        return g
