@@ -29,6 +29,8 @@ from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position
 log = logging.getLogger(__name__)
 
 Grid = tuple[int, int, int]
+# Metadata sets kept (a few KB to MBs of index tensors each); batches of recurring shapes reuse theirs.
+_MAX_METADATA = 256
 
 
 def tower_metadata(model: torch.nn.Module, grids: list[Grid], device: torch.device) -> dict:
@@ -54,6 +56,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     pixels: torch.Tensor  # static input [n * t*h*w, patch_dim]
     out: torch.Tensor  # static output [n * tokens, hidden]
+    meta: dict  # the metadata tensors the graph reads (held here: the metadata LRU may drop its entry)
 
 
 class TowerGraphs:
@@ -68,8 +71,8 @@ class TowerGraphs:
         self.model, self.device, self.max_graphs = model, device, max_graphs
         self._graphs: OrderedDict[tuple[Grid, int], _Graph] = OrderedDict()
         self._seen: set[tuple[Grid, int]] = set()
-        self._meta: OrderedDict[tuple[Grid, int], dict] = OrderedDict()
-        self._pool = torch.cuda.graph_pool_handle() if max_graphs else None
+        self._meta: OrderedDict[tuple[Grid, ...], dict] = OrderedDict()  # by the grids of one tower call
+        self._pool = None  # one memory pool for all graphs, made at the first capture
 
     @property
     def num_graphs(self) -> int:
@@ -79,6 +82,8 @@ class TowerGraphs:
         """The tower's merged output for images packed in ``pixels`` (``[sum t*h*w, patch_dim]``, the processor's
         ``pixel_values`` in the tower dtype, on the device) with patch grids ``grids``: ``[sum tokens_i,
         hidden]`` in image order, equal to ``model(pixels, grid_thw=...).pooler_output``."""
+        if not self.max_graphs:  # eager: the whole batch in one call
+            return self._forward(pixels, tuple(map(tuple, grids)))
         starts = [0]
         for t, h, w in grids:
             starts.append(starts[-1] + t * h * w)
@@ -116,22 +121,18 @@ class TowerGraphs:
             g.graph.replay()
             return g.out.clone()  # the next replay reuses g.out and the shared pool
         self._seen.add(key)
-        return self._forward(pixels, key)
+        return self._forward(pixels, (grid,) * n)
 
-    def _metadata(self, key: tuple[Grid, int]) -> dict:
-        meta = self._meta.get(key)
+    def _forward(self, pixels: torch.Tensor, grids: tuple[Grid, ...]) -> torch.Tensor:
+        meta = self._meta.get(grids)
         if meta is None:
-            meta = self._meta[key] = tower_metadata(self.model, [key[0]] * key[1], self.device)
-            while len(self._meta) > 4 * max(self.max_graphs, 16):
+            meta = self._meta[grids] = tower_metadata(self.model, list(grids), self.device)
+            while len(self._meta) > _MAX_METADATA:
                 self._meta.popitem(last=False)
-        self._meta.move_to_end(key)
-        return meta
-
-    def _forward(self, pixels: torch.Tensor, key: tuple[Grid, int]) -> torch.Tensor:
+        self._meta.move_to_end(grids)
         # With every kwarg precomputed the tower never reads grid_thw's values; a host tensor keeps a host-to-
         # device copy out of the captured stream.
-        grid = torch.tensor([key[0]] * key[1])
-        return self.model(pixels, grid_thw=grid, **dict(self._metadata(key))).pooler_output
+        return self.model(pixels, grid_thw=torch.tensor(grids), **dict(meta)).pooler_output
 
     def _capture(self, key: tuple[Grid, int], pixels: torch.Tensor) -> _Graph:
         while len(self._graphs) >= self.max_graphs:
@@ -139,14 +140,17 @@ class TowerGraphs:
         static = pixels.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        grids = (key[0],) * key[1]
         with torch.cuda.stream(stream):  # warm-up off the capture (lazy inits, autotuning)
-            self._forward(static, key)
+            self._forward(static, grids)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the encoder's other threads (image decoding, the event loop) may touch CUDA meanwhile.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(static, key)
-        g = self._graphs[key] = _Graph(graph, static, out)
+            out = self._forward(static, grids)
+        g = self._graphs[key] = _Graph(graph, static, out, self._meta[grids])
         log.debug("captured a vision-tower graph for %d image(s) of grid %s (%d graphs)", key[1], key[0],
                   len(self._graphs))
         return g

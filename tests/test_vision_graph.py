@@ -52,18 +52,20 @@ def test_precomputed_metadata_equals_transformers_call(cpu_encoder):
 
 @torch.inference_mode()
 def test_grouped_run_gives_each_image_its_own_rows(cpu_encoder):
-    # Eager TowerGraphs (0 graphs) splits the batch by grid and into power-of-two chunks; every image's rows
-    # equal the tower on that image alone, in the caller's order.
+    # With graphs on, TowerGraphs splits the batch by grid and into power-of-two chunks (a shape's first use runs
+    # eagerly, so this runs on the CPU); every image's rows equal the tower on that image alone, in order.
     enc = cpu_encoder
     images = _images()
     pixels, grid = _inputs(enc, images)
     rows = [tuple(r) for r in grid.tolist()]
-    out = TowerGraphs(enc.model, enc.device, max_graphs=0).run(pixels, rows)
     sizes = [enc.num_tokens(r) for r in rows]
-    assert out.shape == (sum(sizes), enc.hidden_size)
-    for img, got in zip(images, torch.split(out, sizes)):
-        p1, g1 = _inputs(enc, [img])
-        torch.testing.assert_close(got, enc.model(p1, grid_thw=g1).pooler_output, atol=1e-5, rtol=1e-5)
+    alone = [enc.model(*_inputs(enc, [img])[:1], grid_thw=_inputs(enc, [img])[1]).pooler_output for img in images]
+    for max_graphs in (8, 0):  # 0: the whole batch in one eager call
+        tower = TowerGraphs(enc.model, enc.device, max_graphs=max_graphs)
+        out = tower.run(pixels, rows)
+        assert out.shape == (sum(sizes), enc.hidden_size) and tower.num_graphs == 0
+        for got, want in zip(torch.split(out, sizes), alone):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
