@@ -208,7 +208,9 @@ class KVTransfer:
 
     Shared path (same machine): ``kv`` is None and the KV stays in the prefill pool that ``pool`` maps, in pages
     ``kv_pages`` of ``pool.shape[3]`` tokens each (token ``i`` at page ``kv_pages[i // page_size]``); the decode
-    server copies it out and answers with :class:`KVAck`.
+    server copies it out and answers with :class:`KVAck`. The prefill server holds the pages until the ack or
+    until ``lend_until`` (wall clock, ``time.time()``; the two servers share a machine, hence a clock), after
+    which the decode server must not copy them: they may hold another request's KV.
     """
 
     rid: str
@@ -222,6 +224,7 @@ class KVTransfer:
     error: str | None = None
     sent_at: float = 0.0
     input_digest: str = ""  # the PrefillRequest's digest of the ids this KV was computed from
+    lend_until: float = 0.0
 
 
 @dataclass

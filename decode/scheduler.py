@@ -35,6 +35,10 @@ from epdserve.sampling import sample
 
 log = logging.getLogger(__name__)
 
+# A shared KV copy is only queued this long before the prefill server's lend deadline, so that it runs on the
+# device (behind at most a few queued steps) before the pages can be handed to another request.
+_LEND_MARGIN_S = 5.0
+
 
 @dataclass
 class _Seq:
@@ -147,7 +151,10 @@ class DecodeScheduler:
         """Drop ``rid`` wherever it is and free its pages."""
         for room in [room for room, s in self.pending.items() if s.msg.rid == rid]:
             del self.pending[room]
-        self.ready = deque(s for s in self.ready if s.msg.rid != rid)
+        for seq in [s for s in self.ready if s.msg.rid == rid]:
+            self.ready.remove(seq)
+            if seq.transfer is not None and seq.transfer.pool is not None:  # the prefill server may free them now
+                self._acks.append((None, _bootstrap(seq.msg), KVAck(rid=rid, bootstrap_room=seq.msg.bootstrap_room)))
         for seq in [s for s in self.running if s.msg.rid == rid]:
             self.running.remove(seq)
             self.pool.free(seq.pages)
@@ -284,6 +291,10 @@ class DecodeScheduler:
         src = torch.tensor(page_slots(transfer.kv_pages, transfer.pool.shape[3], 0, seq.msg.prompt_len),
                            dtype=torch.int64)
         ack = KVAck(rid=seq.msg.rid, bootstrap_room=transfer.bootstrap_room)
+        if transfer.lend_until and time.time() > transfer.lend_until - _LEND_MARGIN_S:
+            self._acks.append((None, _bootstrap(seq.msg), ack))
+            return ("KV hand-off expired: the prefill server releases lent pages after its --request-timeout-s, and "
+                    "this request waited too long for decode pages to copy them into")
         try:
             self.runner.copy_kv_from(self.peer_pools.get(transfer.pool), src, slots)
         except (RuntimeError, ValueError) as e:

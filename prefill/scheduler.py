@@ -369,7 +369,8 @@ class PrefillScheduler:
         self.lent[req.msg.bootstrap_room] = (time.monotonic() + self.timeout_s, req)
         return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
                           cached_tokens=req.cached, mrope_position_delta=req.mrope_delta, pool=self.pool_handle,
-                          kv_pages=req.pages[:self.pool.pages_for(req.n)], input_digest=req.msg.input_digest)
+                          kv_pages=req.pages[:self.pool.pages_for(req.n)], input_digest=req.msg.input_digest,
+                          lend_until=time.time() + self.timeout_s)
 
     def _host_transfer(self, req: _Req) -> KVTransfer:
         """Gather a prefilled request's KV into host memory, free its pages, and return the transfer."""

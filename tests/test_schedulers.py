@@ -260,6 +260,40 @@ def test_shared_kv_hand_off_holds_pages_until_decode_acks(tiny_model_path, runne
     prefill.ack(ack)
     assert prefill.load().rooms == 0 and _pages_accounted(prefill)
 
+    # Pages lent past the prefill server's deadline may already hold other KV: decode fails the request instead
+    # of copying them, and acks.
+    _, reg = dec.add_request(decode_request(4), peer=b"g")
+    prefill.add_request(_req(photo_request, "r4", 4))
+    prefill.add_embeddings(_embeds(photo_request, "r4"))
+    prefill.register(reg)
+    (_, t), = _run(prefill)
+    assert t.lend_until > time.time() + 30  # the scheduler's timeout
+    t.lend_until = time.time() + 1.0  # inside the safety margin
+    copies = []
+    dec.runner.copy_kv_from = lambda *a: copies.append(a)
+    try:
+        dec.add_transfer(t)
+        _, last = _decode_tokens(dec, 4)
+    finally:
+        del dec.runner.copy_kv_from
+    assert last.finish_reason == "error" and "expired" in last.error and not copies
+    (_, ack), = dec.take_acks()
+    prefill.ack(ack)
+    assert prefill.load().rooms == 0 and _pages_accounted(prefill)
+    assert dec.load().kv_pages_used == 0
+
+    # Aborted on decode before its copy (waiting for pages): the ack lets the prefill server free them now.
+    _, reg = dec.add_request(decode_request(5), peer=b"g")
+    prefill.add_request(_req(photo_request, "r5", 5))
+    prefill.add_embeddings(_embeds(photo_request, "r5"))
+    prefill.register(reg)
+    (_, t), = _run(prefill)
+    dec.add_transfer(t)
+    dec.abort("r5")
+    (_, ack), = dec.take_acks()
+    prefill.ack(ack)
+    assert prefill.load().rooms == 0 and _pages_accounted(prefill)
+
 
 def test_decode_batches_frees_pages_and_reports_errors(runner, photo_request):
     prefill = _prefill(runner)
