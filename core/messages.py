@@ -367,6 +367,10 @@ _KINDS: dict[str, type] = {
 }
 
 
+_FIELD_NAMES: dict[str, frozenset[str]] = {
+    name: frozenset(f.name for f in dataclasses.fields(cls)) for name, cls in _KINDS.items()}
+
+
 def encode(msg: Any) -> list[bytes | memoryview]:
     """Encode a registered dataclass to ZeroMQ frames (header + one raw frame per tensor).
 
@@ -424,13 +428,16 @@ def decode(frames: list) -> Any:
             cls = _KINDS.get(kind)
             if cls is None:
                 raise WireError(f"unknown message kind {kind!r}")
-            names = {f.name for f in dataclasses.fields(cls)}
+            names = _FIELD_NAMES[kind]
             try:
                 return cls(**{k: unpack(v) for k, v in value.items() if k in names})
             except TypeError as e:
                 raise WireError(f"bad fields for {kind}: {e}") from e
         if isinstance(value, list):
-            return [unpack(v) for v in value]
+            # Token id lists are most of a decode step's message: leave lists of scalars as msgpack made them.
+            if any(isinstance(v, (dict, list)) for v in value):
+                return [unpack(v) for v in value]
+            return value
         return value
 
     msg = unpack(header)

@@ -39,35 +39,52 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, vars(messages))
 
 
-def _conforms(value: Any, tp: Any) -> bool:
-    """True when ``value`` (as msgpack decoded it) has the annotated type ``tp``; ints must fit int64 (seeds:
-    uint64) and floats must be finite."""
+def _int_ok(v: Any) -> bool:
+    return type(v) is int and SEED_MIN <= v <= SEED_MAX  # type(), not isinstance: bool is an int subclass
+
+
+@cache
+def _checker(tp: Any):
+    """A predicate: does a value (as msgpack decoded it) have the annotated type ``tp``? Ints must fit int64
+    (seeds: uint64) and floats must be finite. Built once per type: the gateway checks every
+    ``TokenOutputBatch`` of every decode step, so walking the annotations per message would cost more than the
+    message's own decoding."""
     origin = typing.get_origin(tp)
     if origin is typing.Union or origin is UnionType:
-        return any(_conforms(value, a) for a in typing.get_args(tp))
+        options = [_checker(a) for a in typing.get_args(tp)]
+        return lambda v: any(ok(v) for ok in options)
     if tp is type(None):
-        return value is None
+        return lambda v: v is None
     if origin is list:
         (item,) = typing.get_args(tp)
-        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+        if item is int:  # token ids: one pass for the types, min/max for the range
+            return lambda v: isinstance(v, list) and all(type(x) is int for x in v) and (
+                not v or (SEED_MIN <= min(v) and max(v) <= SEED_MAX))
+        ok_item = _checker(item)
+        return lambda v: isinstance(v, list) and all(ok_item(x) for x in v)
     if tp is bool:
-        return isinstance(value, bool)
+        return lambda v: isinstance(v, bool)
     if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool) and SEED_MIN <= value <= SEED_MAX
+        return _int_ok
     if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if tp is str:
-        return isinstance(value, str)
+        return lambda v: isinstance(v, str)
     if tp is torch.Tensor:
-        return isinstance(value, torch.Tensor)
+        return lambda v: isinstance(v, torch.Tensor)
     if dataclasses.is_dataclass(tp):
-        return isinstance(value, tp) and _fields_conform(value)
-    return True  # Any and types the wire never carries
+        return lambda v: isinstance(v, tp) and _fields_conform(v)
+    return lambda v: True  # Any and types the wire never carries
+
+
+@cache
+def _field_checkers(cls: type) -> list[tuple[str, Any]]:
+    hints = _hints(cls)
+    return [(f.name, _checker(hints[f.name])) for f in dataclasses.fields(cls)]
 
 
 def _fields_conform(msg: Any) -> bool:
-    hints = _hints(type(msg))
-    return all(_conforms(getattr(msg, f.name), hints[f.name]) for f in dataclasses.fields(msg))
+    return all(ok(getattr(msg, name)) for name, ok in _field_checkers(type(msg)))
 
 
 def _ints_fit(values, lo: int = INT64_MIN, hi: int = INT64_MAX) -> bool:

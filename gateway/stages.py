@@ -13,7 +13,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import zmq
@@ -142,10 +143,39 @@ class GrpcEncoderClient:
 
 @dataclass
 class _Route:
-    """Where the outputs of one request in flight go."""
+    """Where the outputs of one request in flight go: ``items`` holds TokenOutputs, or a StageError that ends the
+    request; ``wake`` is set whenever an item is added."""
 
-    queue: asyncio.Queue  # TokenOutput, or a StageError that ends the request
+    items: deque = field(default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
     started: bool = False  # decode has sent an output: prefill is done with this request
+
+    def put(self, item: TokenOutput | StageError) -> None:
+        self.items.append(item)
+        self.wake.set()
+
+    async def take(self, timeout: float | None) -> TokenOutput:
+        """The next output; outputs that queued up meanwhile come merged into one (their token ids joined, the
+        last one's counts and finish reason), so a gateway that falls behind a decode step sends fewer, larger
+        SSE events instead of a growing backlog of one-token events.
+
+        Raises:
+            StageError: the request ended on a stage error (after the outputs queued before it were taken).
+            TimeoutError: nothing arrived within ``timeout`` seconds.
+        """
+        while not self.items:
+            self.wake.clear()
+            await asyncio.wait_for(self.wake.wait(), timeout)
+        item = self.items.popleft()
+        if isinstance(item, StageError):
+            raise item
+        if not self.items or not isinstance(self.items[0], TokenOutput) or item.finish_reason is not None:
+            return item
+        ids = list(item.token_ids)
+        while self.items and isinstance(self.items[0], TokenOutput) and item.finish_reason is None:
+            item = self.items.popleft()
+            ids += item.token_ids
+        return replace(item, token_ids=ids)
 
 
 class StageClient:
@@ -306,14 +336,14 @@ class StageClient:
         route = self._routes.get(out.rid)
         if route is not None:  # outputs of finished or aborted requests are dropped
             route.started = True
-            route.queue.put_nowait(out)
+            route.put(out)
 
     def _on_down(self, role: str, reason: str) -> None:
         err = StageError(f"the {role} server went down ({reason}); retry later", 503)
         failed = 0
         for route in self._routes.values():
             if role == "decode" or not route.started:
-                route.queue.put_nowait(err)
+                route.put(err)
                 failed += 1
         if failed:
             logger.warning("%d request(s) in flight ended: the %s server is down", failed, role)
@@ -369,7 +399,7 @@ class StageClient:
         if (why := self.unavailable()) is not None:
             raise StageError(why, 503)
         rid = prefill_req.rid
-        route = _Route(asyncio.Queue())
+        route = _Route()
         self._routes[rid] = route
         finished = False
         try:
@@ -381,11 +411,9 @@ class StageClient:
             while True:
                 timeout = None if deadline is None else deadline - time.monotonic()
                 try:
-                    item = await asyncio.wait_for(route.queue.get(), timeout)
+                    item = await route.take(timeout)
                 except TimeoutError:
                     raise StageError("the request did not finish within the server's deadline", 504) from None
-                if isinstance(item, StageError):
-                    raise item
                 finished = item.finish_reason is not None
                 yield item
                 if finished:

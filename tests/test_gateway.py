@@ -463,13 +463,40 @@ def test_stream_shape(gw, tiny_model_path, photo_paths):
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert len(chunks[0]["prompt_token_ids"]) > 100
+    # The fake decode sends its three tokens at once, so they may come as fewer chunks (queued outputs merge).
     contents = [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]]
-    assert contents == REPLY
-    assert [c["choices"][0]["token_ids"] for c in chunks[1:-2]] == [[i] for i in REPLY_IDS]
+    assert "".join(contents) == "".join(REPLY) and all(contents)
+    ids = [c["choices"][0]["token_ids"] for c in chunks[1:-2]]
+    assert sum(ids, []) == REPLY_IDS
+    assert [TOKENIZER.decode(i) for i in ids] == contents
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == []
     usage = chunks[-1]["usage"]
     assert usage["completion_tokens"] == 3 and usage["prompt_tokens"] == len(chunks[0]["prompt_token_ids"])
+
+
+def test_queued_outputs_merge_up_to_a_finish_or_an_error():
+    from epdserve.gateway.stages import _Route
+
+    async def scenario():
+        route = _Route()
+        for i, finish in ((1, None), (2, None), (3, "length"), (4, None)):
+            route.put(TokenOutput("r", [i], finish, completion_tokens=i))
+        first = await route.take(1.0)
+        assert (first.token_ids, first.finish_reason, first.completion_tokens) == ([1, 2, 3], "length", 3)
+        assert (await route.take(1.0)).token_ids == [4]  # nothing merges past a finish
+        route.put(TokenOutput("r", [5]))
+        route.put(StageError("decode went down", 503))
+        assert (await route.take(1.0)).token_ids == [5]  # the outputs before an error still go out
+        with pytest.raises(StageError):
+            await route.take(1.0)
+        with pytest.raises(TimeoutError):
+            await route.take(0.05)
+        later = asyncio.get_running_loop().call_later(0.05, route.put, TokenOutput("r", [6]))
+        assert (await route.take(5.0)).token_ids == [6]  # a waiting take wakes on a put
+        later.cancel()
+
+    asyncio.run(scenario())
 
 
 def test_stream_without_usage(gw, tiny_model_path):
