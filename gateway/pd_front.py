@@ -55,7 +55,7 @@ from epdserve.gateway.prompt import EncodedImage, PromptBuilder
 from epdserve.gateway.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, Delta, ModelCard, ModelList,
 )
-from epdserve.gateway.stages import StageError
+from epdserve.gateway.stages import OutputRoute, StageError
 from epdserve.messages import (
     AbortRequest, Load, LoadRequest, ServerInfo, ServerInfoRequest, TokenOutput, TokenOutputBatch, WireError,
     decode, encode, input_ids_digest,
@@ -92,7 +92,7 @@ class SchedulerClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
-        self._routes: dict[str, asyncio.Queue[TokenOutput]] = {}
+        self._routes: dict[str, OutputRoute] = {}
         self._loads: list[asyncio.Future[Load]] = []
         self._reader: asyncio.Task | None = None
         self._sends: set[asyncio.Task] = set()
@@ -128,8 +128,8 @@ class SchedulerClient:
                 continue
             outs = msg.outputs if isinstance(msg, TokenOutputBatch) else [msg] if isinstance(msg, TokenOutput) else []
             for out in outs:
-                if (queue := self._routes.get(out.rid)) is not None:
-                    queue.put_nowait(out)
+                if (route := self._routes.get(out.rid)) is not None:
+                    route.put(out)
             if isinstance(msg, Load):
                 while self._loads:
                     fut = self._loads.pop(0)
@@ -159,13 +159,13 @@ class SchedulerClient:
         ``contextlib.aclosing``.
         """
         rid = msg.rid
-        queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
-        self._routes[rid] = queue
+        route = OutputRoute()  # outputs that queue up while the client is served go out merged
+        self._routes[rid] = route
         finished = False
         try:
             await self._sock.send_multipart(encode(msg))
             while True:
-                out = await queue.get()
+                out = await route.take(None)
                 finished = out.finish_reason is not None
                 yield out
                 if finished:

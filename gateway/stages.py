@@ -142,7 +142,7 @@ class GrpcEncoderClient:
 
 
 @dataclass
-class _Route:
+class OutputRoute:
     """Where the outputs of one request in flight go: ``items`` holds TokenOutputs, or a StageError that ends the
     request; ``wake`` is set whenever an item is added."""
 
@@ -205,7 +205,7 @@ class StageClient:
         self._ctx: zmq.asyncio.Context | None = None
         self._prefill: zmq.asyncio.Socket | None = None
         self._decode: zmq.asyncio.Socket | None = None
-        self._routes: dict[str, _Route] = {}  # rid -> its outputs
+        self._routes: dict[str, OutputRoute] = {}  # rid -> its outputs
         self._readers: list[asyncio.Task] = []
 
     @property
@@ -399,7 +399,7 @@ class StageClient:
         if (why := self.unavailable()) is not None:
             raise StageError(why, 503)
         rid = prefill_req.rid
-        route = _Route()
+        route = OutputRoute()
         self._routes[rid] = route
         finished = False
         try:

@@ -476,10 +476,10 @@ def test_stream_shape(gw, tiny_model_path, photo_paths):
 
 
 def test_queued_outputs_merge_up_to_a_finish_or_an_error():
-    from epdserve.gateway.stages import _Route
+    from epdserve.gateway.stages import OutputRoute
 
     async def scenario():
-        route = _Route()
+        route = OutputRoute()
         for i, finish in ((1, None), (2, None), (3, "length"), (4, None)):
             route.put(TokenOutput("r", [i], finish, completion_tokens=i))
         first = await route.take(1.0)
