@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,6 +33,7 @@ from epdserve.encoder.vision import VisionEncoder
 from epdserve.models.tiny import resolve_model_path
 from epdserve.proto import encoder_pb2
 
+from .report import print_rows
 from .synth import parse_size, random_image
 
 
@@ -177,10 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.batch) < 1 or args.num_images < 1 or args.warmup < 1:
         p.error("--batch, --num-images and --warmup must be >= 1")
     rows = asyncio.run(run(args))
-    print(_table(rows))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"config": vars(args), "results": rows}, f, indent=2)
+    print_rows(_table(rows), rows, args)
     return 0
 
 

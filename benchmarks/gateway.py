@@ -35,6 +35,8 @@ from epdserve.messages import (
 )
 from epdserve.launch import free_port
 
+from .report import print_rows
+
 _TEXT = ("The quick brown fox jumps over the lazy dog while a small bird sings in the old oak tree near the river, "
          "and the children laugh as they run across the green field under a bright summer sky. ")
 
@@ -187,10 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.concurrency) < 1 or args.step_ms <= 0 or args.output_len < 2 or args.rounds < 1:
         p.error("--concurrency, --rounds >= 1, --step-ms > 0, --output-len >= 2")
     rows = run(args)
-    print(_table(rows))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"config": vars(args), "results": rows}, f, indent=2)
+    print_rows(_table(rows), rows, args)
     return 0
 
 

@@ -120,6 +120,14 @@ def sweep_payload(config: dict[str, Any], runs: list[dict[str, Any]]) -> dict[st
     }
 
 
+def print_rows(table: str, rows: list[dict], args: Any) -> None:
+    """A table-style benchmark's ending (bench.encoder, bench.gateway, bench.step): print ``table``, and write
+    ``{"config": vars(args), "results": rows}`` to ``args.output_json`` when given."""
+    print(table)
+    if args.output_json:
+        write_json(args.output_json, {"config": vars(args), "results": rows})
+
+
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     """Write ``payload`` as indented JSON (parent folders created)."""
     path = Path(path)
