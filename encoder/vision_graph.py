@@ -29,8 +29,9 @@ from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position
 log = logging.getLogger(__name__)
 
 Grid = tuple[int, int, int]
-# Metadata sets kept (a few KB to MBs of index tensors each); batches of recurring shapes reuse theirs.
-_MAX_METADATA = 256
+# Metadata sets kept, on the device (index tensors: ~16 bytes per patch, so up to MBs for a large batch); batches
+# of recurring shapes reuse theirs.
+_MAX_METADATA = 32
 
 
 def tower_metadata(model: torch.nn.Module, grids: list[Grid], device: torch.device) -> dict:
