@@ -32,7 +32,8 @@ from epdserve.gateway.chat import APIError, ChatService
 from epdserve.gateway.media import MediaPolicy
 from epdserve.gateway.observability import ClosingStreamingResponse, RequestIds, add_observability_routes
 from epdserve.gateway.prompt import PromptBuilder
-from epdserve.gateway.protocol import ChatCompletionRequest, ModelCard, ModelList
+from epdserve.gateway.generate import generate_events, generate_json
+from epdserve.gateway.protocol import ChatCompletionRequest, GenerateRequest, ModelCard, ModelList
 from epdserve.gateway.stages import StageClient, StageError
 from epdserve.logging_setup import set_request_context
 from epdserve.metrics import GatewayMetrics
@@ -175,11 +176,19 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Response:
+        return await _handle(request, _chat)
+
+    @app.post("/generate", dependencies=[Depends(authorize)])
+    async def generate(request: Request) -> Response:
+        """SGLang's native API: text or token ids in, no chat template (see ``epdserve.gateway.generate``)."""
+        return await _handle(request, _generate)
+
+    async def _handle(request: Request, handler) -> Response:
         rid = request.state.rid = gw.requests.open(request.headers.get("x-request-id"))
         set_request_context(rid)  # this task serves one request: its log lines all name it
         streaming = False  # a stream's response releases the id itself, once it is over
         try:
-            response = await _chat(request, rid)
+            response = await handler(request, rid)
             streaming = isinstance(response, ClosingStreamingResponse)
             return response
         except APIError as e:
@@ -208,6 +217,27 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
                            param="model", code="model_not_found")
         if (problem := req.unsupported()) is not None:
             raise APIError(400, problem)
+
+        async def complete(prepared) -> dict:
+            return (await gw.chat.complete(prepared)).model_dump()
+
+        return await _admitted(request, lambda deadline: gw.chat.prepare(rid, req, deadline), req.stream,
+                               lambda prepared: gw.chat.stream(prepared), complete)
+
+    async def _generate(request: Request, rid: str) -> Response:
+        try:
+            req = GenerateRequest.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise APIError(400, describe_validation_error(e), param=first_error_param(e)) from None
+        if (problem := req.unsupported()) is not None:
+            raise APIError(400, problem)
+        return await _admitted(request, lambda deadline: gw.chat.prepare_ids(rid, req, deadline), req.stream,
+                               lambda prepared: generate_events(gw.chat, prepared),
+                               lambda prepared: generate_json(gw.chat, prepared))
+
+    async def _admitted(request: Request, prepare, stream: bool, events, complete) -> Response:
+        """Serve one validated request: wait for an admission slot, ``prepare(deadline)`` the stage requests,
+        then answer with SSE from ``events(prepared)`` or JSON from ``await complete(prepared)``."""
         if not gw.ready:
             raise APIError(503, "the server is starting: the stages are not ready yet")
         if (why := gw.stages.unavailable()) is not None:
@@ -218,18 +248,16 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
             raise APIError(e.status, e.message, headers={"Retry-After": str(e.retry_after_s)}) from None
         streaming = False
         try:
-            chat = gw.chat
             timeout = config.request_timeout_s
             deadline = time.monotonic() + timeout if timeout > 0 else None
-            prepared = await until_disconnect(request, chat.prepare(rid, req, deadline))
-            if req.stream:
-                # Starlette cancels the body iterator when the client disconnects; ChatService.stream aborts then.
+            prepared = await until_disconnect(request, prepare(deadline))
+            if stream:
+                # Starlette cancels the body iterator when the client disconnects; the iterator aborts then.
                 streaming = True
-                return ClosingStreamingResponse(chat.stream(prepared), media_type="text/event-stream",
+                return ClosingStreamingResponse(events(prepared), media_type="text/event-stream",
                                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                                 on_close=lambda: _stream_closed(prepared))
-            response = await until_disconnect(request, chat.complete(prepared))
-            return JSONResponse(response.model_dump())
+            return JSONResponse(await until_disconnect(request, complete(prepared)))
         finally:
             if not streaming:
                 gw.admission.release()

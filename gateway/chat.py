@@ -24,7 +24,7 @@ from epdserve.gateway.media import MediaError, MediaPolicy, load_image
 from epdserve.gateway.prompt import Prompt, PromptBuilder, PromptError, to_hf_messages
 from epdserve.gateway.protocol import (
     AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChunkChoice,
-    Delta, ErrorInfo, ErrorResponse, Usage,
+    Delta, ErrorInfo, ErrorResponse, GenerateRequest, Usage,
 )
 from epdserve.gateway.stages import StageClient, StageError
 from epdserve.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenOutput
@@ -69,7 +69,7 @@ class PreparedChat:
     """A request ready to send to the stages."""
 
     rid: str
-    request: ChatCompletionRequest
+    request: ChatCompletionRequest | None  # None for a /generate request (see ChatService.prepare_ids)
     prompt: Prompt
     prefill: PrefillRequest
     decode: DecodeRequest
@@ -133,7 +133,8 @@ class ChatService:
             encoded = await trace.encode(self.stages.encode(rid, images, deadline)) if images else []
             logger.debug("rid=%s encoder answered", rid)
             prompt = self.builder.splice(await pieces, encoded)
-            max_new = self._max_new_tokens(req, len(prompt.input_ids))
+            max_new = self._max_new_tokens(req.requested_max_tokens(), len(prompt.input_ids), "messages",
+                                           "max_completion_tokens")
         except BaseException as e:
             pieces.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
             # The encoder may already have pushed this request's embeddings to prefill: let it drop them.
@@ -154,6 +155,40 @@ class ChatService:
             ignore_eos=req.ignore_eos,
             seed=req.seed,
         )
+        logger.debug("rid=%s prompt_tokens=%d images=%d max_new_tokens=%d", rid, len(prompt.input_ids),
+                     len(images), max_new)
+        return PreparedChat(rid, req, prompt, *self._stage_requests(rid, prompt, sampling), trace, deadline)
+
+    async def prepare_ids(self, rid: str, req: GenerateRequest, deadline: float | None = None) -> PreparedChat:
+        """The stage requests of an SGLang-style ``/generate`` request: ``req.text`` tokenized as is (no chat
+        template, the tokenizer's own special-token rule) or ``req.input_ids`` taken as they are.
+
+        Raises:
+            APIError: 400 for an unsupported feature, a token id outside the vocabulary or a prompt over the
+                context length; 503 when the stages are not ready.
+        """
+        if (problem := req.unsupported()) is not None:
+            raise APIError(400, problem)
+        if req.input_ids is not None:
+            ids = list(req.input_ids)
+            vocab = len(self._detok_tokenizer)
+            if max(ids) >= vocab:
+                raise APIError(400, f"token id {max(ids)} is outside the vocabulary ({vocab} ids)", param="input_ids")
+        else:
+            tokenizer = self.builder.tokenizer
+            ids = await asyncio.get_running_loop().run_in_executor(self._executor, tokenizer.encode, req.text)
+        sp = req.sampling_params
+        max_new = self._max_new_tokens(sp.max_new_tokens, len(ids), "input_ids", "max_new_tokens")
+        sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=max_new,
+                                  stop=sp.stop_list(), stop_token_ids=list(sp.stop_token_ids or []),
+                                  ignore_eos=sp.ignore_eos, seed=sp.sampling_seed)
+        prompt = Prompt(ids, [], req.text or "")
+        logger.debug("rid=%s /generate prompt_tokens=%d max_new_tokens=%d", rid, len(ids), max_new)
+        return PreparedChat(rid, None, prompt, *self._stage_requests(rid, prompt, sampling), self.metrics.trace(),
+                            deadline)
+
+    def _stage_requests(self, rid: str, prompt: Prompt, sampling: SamplingParams) -> tuple[PrefillRequest,
+                                                                                          DecodeRequest]:
         room = secrets.randbits(63)  # rendezvous key between this request's prefill and decode
         info = self.stages.prefill_info
         prefill = PrefillRequest(rid=rid, input_ids=prompt.input_ids, images=prompt.images, sampling=sampling,
@@ -161,26 +196,52 @@ class ChatService:
         decode = DecodeRequest(rid=rid, prompt_len=len(prompt.input_ids), sampling=sampling,
                                bootstrap_host=info.bootstrap_host, bootstrap_port=info.bootstrap_port,
                                bootstrap_room=room)
-        logger.debug("rid=%s prompt_tokens=%d images=%d max_new_tokens=%d", rid, len(prompt.input_ids),
-                     len(images), max_new)
-        return PreparedChat(rid, req, prompt, prefill, decode, trace, deadline)
+        return prefill, decode
 
-    def _max_new_tokens(self, req: ChatCompletionRequest, prompt_len: int) -> int:
+    def _max_new_tokens(self, wanted: int | None, prompt_len: int, prompt_param: str, max_param: str) -> int:
         context = self.stages.context_length
         if prompt_len >= context:
             raise APIError(400, f"the prompt has {prompt_len} tokens, but the model's context length is "
-                                f"{context} tokens", param="messages", code="context_length_exceeded")
+                                f"{context} tokens", param=prompt_param, code="context_length_exceeded")
         left = context - prompt_len
-        wanted = req.requested_max_tokens()
         if wanted is not None:
             if prompt_len + wanted > context:
                 raise APIError(400, f"the prompt has {prompt_len} tokens and {wanted} completion tokens were "
                                     f"requested, {prompt_len + wanted} in all, but the model's context length "
-                                    f"is {context} tokens", param="max_completion_tokens",
-                               code="context_length_exceeded")
+                                    f"is {context} tokens", param=max_param, code="context_length_exceeded")
             return wanted
         # A server default must never make a request fail, so it is clipped to what is left of the context.
         return min(self.max_tokens_default, left) if self.max_tokens_default > 0 else left
+
+    async def outputs(self, chat: PreparedChat) -> AsyncIterator[tuple[str, TokenOutput]]:
+        """``chat``'s outputs as ``(text delta, output)``, up to the one with a finish reason (cut at a stop
+        string), recording the request's trace. Closing the iterator early aborts the request on the stages.
+
+        Raises:
+            APIError: 500 when a stage reports an error, 503 when a stage it needs is or goes down, 504 past the
+                deadline.
+        """
+        detok = self._detokenizer(chat)
+        n_tokens = 0
+        try:
+            async with aclosing(self.stages.generate(chat.prefill, chat.decode, chat.deadline)) as outputs:
+                async for out in outputs:
+                    text, final = _detokenize(detok, out)
+                    chat.trace.output(len(final.token_ids))
+                    if final.finish_reason == "error":
+                        logger.warning("rid=%s failed: %s", chat.rid, final.error)
+                        chat.trace.fail("generation_failed")
+                        raise APIError(500, final.error or "generation failed")
+                    n_tokens += len(final.token_ids)
+                    if final.finish_reason is not None:
+                        chat.trace.finish(final.finish_reason, self._usage(chat, final, n_tokens))
+                    yield text, final
+                    if final.finish_reason is not None:
+                        return  # on a stop string: leaving the iterator aborts the request at prefill and decode
+        except StageError as e:
+            logger.warning("rid=%s failed: %s", chat.rid, e.message)
+            chat.trace.fail(f"http_{e.status}")
+            raise APIError.from_stage(e) from None
 
     async def complete(self, chat: PreparedChat) -> ChatCompletionResponse:
         """Run ``chat`` to the end and build the ``chat.completion`` response.

@@ -18,7 +18,8 @@ tokenization never shares a GIL with the scheduler loop; it talks to the loop ov
 exactly as a gateway does. It dies with its parent (``PR_SET_PDEATHSIG``), so a killed server refuses
 connections at once and the router moves on.
 
-Routes: ``POST /v1/chat/completions``, ``GET /health`` (200 once the processor is loaded and the scheduler
+Routes: ``POST /v1/chat/completions``, ``POST /generate`` (SGLang's native API: text or token ids, no chat
+template; ``epdserve.gateway.generate``), ``GET /health`` (200 once the processor is loaded and the scheduler
 answered), ``/v1/models``, ``/model_info``, ``/server_info``, ``/loads`` (and SGLang's older names ``/get_model_info``,
 ``/get_server_info``, and ``/v1/loads``).
 """
@@ -50,10 +51,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.gateway.app import ClientGone, describe_validation_error, first_error_param, until_disconnect
 from epdserve.gateway.chat import APIError, ChatService, PreparedChat
+from epdserve.gateway.generate import generate_events, generate_json
 from epdserve.gateway.media import MediaPolicy
 from epdserve.gateway.prompt import EncodedImage, PromptBuilder
 from epdserve.gateway.protocol import (
-    ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, Delta, ModelCard, ModelList,
+    ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, Delta, GenerateRequest, ModelCard, ModelList,
 )
 from epdserve.gateway.stages import OutputRoute, StageError
 from epdserve.messages import (
@@ -353,15 +355,27 @@ def create_front_app(front: Front) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        return await _handle(request, _chat, ChatCompletionRequest)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await _handle(request, _generate, GenerateRequest)
+
+    async def _handle(request: Request, handler, schema: type[BaseModel]) -> Response:
         body = await request.body()
         try:
-            req = ChatCompletionRequest.model_validate_json(body)
+            req = schema.model_validate_json(body)
             fields = BootstrapFields.model_validate_json(body)
         except ValidationError as e:
             raise APIError(400, describe_validation_error(e), param=first_error_param(e)) from None
         rid = room_rid(fields.bootstrap_room)
         try:
-            return await _chat(request, rid, req, fields)
+            if (problem := req.unsupported()) is not None:
+                raise APIError(400, problem)
+            check_bootstrap(front.role, fields)
+            if not front.ready:
+                raise APIError(503, "the server is starting")
+            return await handler(request, rid, req, fields)
         except APIError as e:
             logger.info("rid=%s -> %d: %s", rid, e.status, e.message)
             raise
@@ -376,11 +390,6 @@ def create_front_app(front: Front) -> FastAPI:
         if req.model != front.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {front.model_name!r}",
                            param="model", code="model_not_found")
-        if (problem := req.unsupported()) is not None:
-            raise APIError(400, problem)
-        check_bootstrap(front.role, fields)
-        if not front.ready:
-            raise APIError(503, "the server is starting")
         chat = front.chat
         prepared = bind_room(await until_disconnect(request, chat.prepare(rid, req)), fields)
         if front.role == "prefill":
@@ -392,17 +401,32 @@ def create_front_app(front: Front) -> FastAPI:
                                         choices=[ChunkChoice(delta=Delta(role="assistant",
                                                                          content=response.choices[0].message.content),
                                                              finish_reason=response.choices[0].finish_reason)])
-            events = [f"data: {chunk.model_dump_json()}\n\n", "data: [DONE]\n\n"]
-            return Response("".join(events), media_type="text/event-stream")
+            return Response(f"data: {chunk.model_dump_json()}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
         if req.stream:
-            first = await until_disconnect(request, front.stages.first_output(prepared.decode))
-            if first.finish_reason == "error":
-                front.stages.discard(prepared.rid)
-                raise APIError(500, first.error or "generation failed")
+            await _prime(request, prepared)
             return StreamingResponse(chat.stream(prepared), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         response = await until_disconnect(request, chat.complete(prepared))
         return JSONResponse(response.model_dump())
+
+    async def _generate(request: Request, rid: str, req: GenerateRequest, fields: BootstrapFields) -> Response:
+        chat = front.chat
+        prepared = bind_room(await until_disconnect(request, chat.prepare_ids(rid, req)), fields)
+        if req.stream and front.role == "decode":
+            await _prime(request, prepared)
+            return StreamingResponse(generate_events(chat, prepared), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        body = await until_disconnect(request, generate_json(chat, prepared))  # prefill: the first token only
+        if req.stream:
+            return Response(f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
+        return JSONResponse(body)
+
+    async def _prime(request: Request, prepared: PreparedChat) -> None:
+        # A stream's HTTP status waits for the first token: a failure before it stays retryable by the router.
+        first = await until_disconnect(request, front.stages.first_output(prepared.decode))
+        if first.finish_reason == "error":
+            front.stages.discard(prepared.rid)
+            raise APIError(500, first.error or "generation failed")
 
     return app
 

@@ -206,3 +206,67 @@ class ErrorResponse(BaseModel):
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
 
     error: ErrorInfo
+
+
+# ---- SGLang's native /generate (text or token ids in, text and token ids out) ------------------------------
+
+class GenerateSamplingParams(BaseModel):
+    """``sampling_params`` of SGLang's ``/generate`` (``sglang/srt/sampling/sampling_params.py``): the same
+    defaults (``max_new_tokens`` 128, ``temperature`` 1, ``top_k`` -1). Unknown fields are ignored; the ones that
+    would change the answer and are not implemented are refused by :meth:`GenerateRequest.unsupported`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_new_tokens: int = Field(default=128, ge=1, le=_INT64_MAX)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: _Int64 = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[_TokenId] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
+    n: int = Field(default=1, ge=1)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class GenerateRequest(BaseModel):
+    """One SGLang ``/generate`` request: exactly one of ``text`` (tokenized as is, no chat template) and
+    ``input_ids``. ``stream`` answers with SSE events carrying the text and ids so far (SGLang's default)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | None = None
+    input_ids: list[_TokenId] | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    stream: bool = False
+    rid: str | None = Field(default=None, max_length=256)
+    image_data: object | None = None
+    return_logprob: bool = False
+
+    def unsupported(self) -> str | None:
+        """A message naming the first problem or unimplemented feature of this request, else None."""
+        if (self.text is None) == (self.input_ids is None):
+            return "give exactly one of text and input_ids"
+        if self.input_ids is not None and not self.input_ids:
+            return "input_ids is empty"
+        if self.image_data is not None:
+            return "image_data is not supported on /generate; send images to /v1/chat/completions"
+        if self.return_logprob:
+            return "logprobs are not supported"
+        sp = self.sampling_params
+        if sp.n != 1:
+            return "n > 1 is not supported"
+        if sp.min_p or sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
+            return "min_p and the penalties are not supported"
+        if not sp.skip_special_tokens:
+            return "skip_special_tokens=false is not supported"
+        return None

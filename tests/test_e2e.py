@@ -249,3 +249,54 @@ def test_sampling_parameters(server, hf, tiny_model_path, photo_paths):
     body = {"model": tiny_model_path, "messages": messages, "max_tokens": 5, "ignore_eos": True}
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
     assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"
+
+
+def _sse_events(response) -> list:
+    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_generate_with_token_ids_or_text_matches_transformers(server, hf, photo_paths):
+    # SGLang's native /generate: the chat-templated prompt's ids (or its text, tokenized as is) in, greedy ids and
+    # their text out, equal to transformers' generate(); streamed events carry the text and ids so far.
+    url, _ = server
+    processor, _ = hf
+    turns = _resolve("text", photo_paths)
+    ref_prompt, ref_ids, ref_text = _hf_reference(hf, turns)
+    text = processor.apply_chat_template([{"role": "user", "content": turns[0][1][0]}], add_generation_prompt=True,
+                                         tokenize=False)
+    sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    for prompt in ({"input_ids": ref_prompt}, {"text": text}):
+        r = httpx.post(f"{url}/generate", json={**prompt, "sampling_params": sampling}, timeout=120)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["output_ids"] == ref_ids and body["text"] == ref_text
+        meta = body["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": NEW_TOKENS}
+        assert meta["prompt_tokens"] == len(ref_prompt) and meta["completion_tokens"] == NEW_TOKENS
+    with httpx.stream("POST", f"{url}/generate", json={"input_ids": ref_prompt, "sampling_params": sampling,
+                                                       "stream": True}, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["output_ids"] == ref_ids and chunks[-1]["text"] == ref_text
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    for a, b in zip(chunks, chunks[1:]):  # cumulative, as SGLang streams by default
+        assert b["text"].startswith(a["text"]) and b["output_ids"][:len(a["output_ids"])] == a["output_ids"]
+
+
+def test_generate_rejects_what_it_cannot_serve(server):
+    url, _ = server
+    bad = [({"text": "a", "input_ids": [1]}, "exactly one"), ({}, "exactly one"),
+           ({"input_ids": [1], "image_data": "x.png"}, "image_data"),
+           ({"input_ids": [10**9]}, "outside the vocabulary"),
+           ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10**7}}, "context length"),
+           ({"input_ids": [1], "sampling_params": {"n": 2}}, "n > 1"),
+           ({"input_ids": "abc"}, "input_ids")]
+    for body, message in bad:
+        r = httpx.post(f"{url}/generate", json=body, timeout=30)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+    r = httpx.post(f"{url}/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
+                   timeout=60)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) <= 2  # still serving

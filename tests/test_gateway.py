@@ -764,7 +764,7 @@ def test_max_new_tokens_budget(builder):
         svc = ChatService(SimpleNamespace(context_length=100), builder, "m", MediaPolicy(max_bytes=1), default)
         try:
             req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **kw)
-            return svc._max_new_tokens(req, 60)
+            return svc._max_new_tokens(req.requested_max_tokens(), 60, "messages", "max_completion_tokens")
         finally:
             svc.close()
 

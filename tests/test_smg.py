@@ -84,6 +84,22 @@ def test_openai_client_through_smg_matches_transformers(cluster, hf, tiny_model_
     assert chunks[-1].usage.completion_tokens == NEW_TOKENS
 
 
+def test_generate_with_token_ids_through_smg_matches_transformers(cluster, hf, photo_paths):
+    # smg routes SGLang's native /generate to both legs as it does chat completions.
+    ref_prompt, ref_ids, ref_text = _hf_reference(hf, _resolve("text", photo_paths), NEW_TOKENS)
+    body = {"input_ids": ref_prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0,
+                                                         "ignore_eos": True}}
+    r = httpx.post(f"{cluster.url}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == ref_ids and r.json()["text"] == ref_text
+    with httpx.stream("POST", f"{cluster.url}/generate", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["output_ids"] == ref_ids and last["text"] == ref_text
+
+
 def test_front_info_routes_and_protocol_errors(cluster, tiny_model_path):
     pre, dec = _front(cluster, "prefill0"), _front(cluster, "decode0")
     for url, role in ((pre, "prefill"), (dec, "decode")):
