@@ -12,8 +12,9 @@ unchanged transformers forward. Only the packed-attention implementation
 (:mod:`epdserve.encoder.varlen_attention`) is capturable, so graphs are for CUDA with that attention.
 
 A batch is split into groups of images with the same grid, and each group into power-of-two chunks; each chunk
-replays the graph of ``(grid, chunk size)``. Graphs are captured on a key's second use (a one-off image size runs eagerly, with the
-precomputed metadata) and kept in an LRU of :data:`MAX_GRAPHS`; all share one memory pool, which is safe because
+replays the graph of ``(grid, chunk size)``. Graphs are captured on a key's second use (a one-off image size runs
+eagerly, with the precomputed metadata) and kept in an LRU of ``--cuda-graphs`` entries (without graphs the whole
+batch runs eagerly in one call); all share one memory pool, which is safe because
 the graphs replay one at a time on one thread. Same technique as SGLang's and vLLM's CUDA-graph runners for the LM.
 """
 

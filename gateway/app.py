@@ -32,8 +32,10 @@ from epdserve.gateway.chat import APIError, ChatService
 from epdserve.gateway.media import MediaPolicy
 from epdserve.gateway.observability import ClosingStreamingResponse, RequestIds, add_observability_routes
 from epdserve.gateway.prompt import PromptBuilder
-from epdserve.gateway.generate import generate_events, generate_json
-from epdserve.gateway.protocol import ChatCompletionRequest, GenerateRequest, ModelCard, ModelList
+from epdserve.gateway.generate import completion_events, completion_json, generate_events, generate_json
+from epdserve.gateway.protocol import (
+    ChatCompletionRequest, CompletionRequest, GenerateRequest, ModelCard, ModelList,
+)
 from epdserve.gateway.stages import StageClient, StageError
 from epdserve.logging_setup import set_request_context
 from epdserve.metrics import GatewayMetrics
@@ -178,6 +180,11 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
     async def chat_completions(request: Request) -> Response:
         return await _handle(request, _chat)
 
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request) -> Response:
+        """OpenAI's legacy completions: a prompt (text or token ids) in, no chat template."""
+        return await _handle(request, _completion)
+
     @app.post("/generate", dependencies=[Depends(authorize)])
     async def generate(request: Request) -> Response:
         """SGLang's native API: text or token ids in, no chat template (see ``epdserve.gateway.generate``)."""
@@ -234,6 +241,20 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
         return await _admitted(request, lambda deadline: gw.chat.prepare_ids(rid, req, deadline), req.stream,
                                lambda prepared: generate_events(gw.chat, prepared),
                                lambda prepared: generate_json(gw.chat, prepared))
+
+    async def _completion(request: Request, rid: str) -> Response:
+        try:
+            req = CompletionRequest.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise APIError(400, describe_validation_error(e), param=first_error_param(e)) from None
+        if req.model != gw.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {gw.model_name!r}",
+                           param="model", code="model_not_found")
+        if (problem := req.unsupported()) is not None:
+            raise APIError(400, problem)
+        return await _admitted(request, lambda deadline: gw.chat.prepare_ids(rid, req.as_generate(), deadline),
+                               req.stream, lambda prepared: completion_events(gw.chat, prepared, req),
+                               lambda prepared: completion_json(gw.chat, prepared, req))
 
     async def _admitted(request: Request, prepare, stream: bool, events, complete) -> Response:
         """Serve one validated request: wait for an admission slot, ``prepare(deadline)`` the stage requests,

@@ -177,6 +177,8 @@ class ChatService:
         else:
             tokenizer = self.builder.tokenizer
             ids = await asyncio.get_running_loop().run_in_executor(self._executor, tokenizer.encode, req.text)
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="text")
         sp = req.sampling_params
         max_new = self._max_new_tokens(sp.max_new_tokens, len(ids), "input_ids", "max_new_tokens")
         sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=max_new,

@@ -18,10 +18,10 @@ tokenization never shares a GIL with the scheduler loop; it talks to the loop ov
 exactly as a gateway does. It dies with its parent (``PR_SET_PDEATHSIG``), so a killed server refuses
 connections at once and the router moves on.
 
-Routes: ``POST /v1/chat/completions``, ``POST /generate`` (SGLang's native API: text or token ids, no chat
-template; ``epdserve.gateway.generate``), ``GET /health`` (200 once the processor is loaded and the scheduler
-answered), ``/v1/models``, ``/model_info``, ``/server_info``, ``/loads`` (and SGLang's older names ``/get_model_info``,
-``/get_server_info``, and ``/v1/loads``).
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``POST /generate`` (SGLang's native API);
+the last two take text or token ids without a chat template (``epdserve.gateway.generate``). ``GET /health``
+(200 once the processor is loaded and the scheduler answered), ``/v1/models``, ``/model_info``, ``/server_info``,
+``/loads`` (and SGLang's older names ``/get_model_info``, ``/get_server_info``, and ``/v1/loads``).
 """
 
 from __future__ import annotations
@@ -51,11 +51,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.gateway.app import ClientGone, describe_validation_error, first_error_param, until_disconnect
 from epdserve.gateway.chat import APIError, ChatService, PreparedChat
-from epdserve.gateway.generate import generate_events, generate_json
+from epdserve.gateway.generate import completion_events, completion_json, generate_events, generate_json
 from epdserve.gateway.media import MediaPolicy
 from epdserve.gateway.prompt import EncodedImage, PromptBuilder
 from epdserve.gateway.protocol import (
-    ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, Delta, GenerateRequest, ModelCard, ModelList,
+    ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, CompletionRequest, Delta, GenerateRequest, ModelCard,
+    ModelList,
 )
 from epdserve.gateway.stages import OutputRoute, StageError
 from epdserve.messages import (
@@ -361,6 +362,10 @@ def create_front_app(front: Front) -> FastAPI:
     async def generate(request: Request) -> Response:
         return await _handle(request, _generate, GenerateRequest)
 
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _handle(request, _completion, CompletionRequest)
+
     async def _handle(request: Request, handler, schema: type[BaseModel]) -> Response:
         body = await request.body()
         try:
@@ -417,6 +422,21 @@ def create_front_app(front: Front) -> FastAPI:
             return StreamingResponse(generate_events(chat, prepared), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         body = await until_disconnect(request, generate_json(chat, prepared))  # prefill: the first token only
+        if req.stream:
+            return Response(f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
+        return JSONResponse(body)
+
+    async def _completion(request: Request, rid: str, req: CompletionRequest, fields: BootstrapFields) -> Response:
+        if req.model != front.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {front.model_name!r}",
+                           param="model", code="model_not_found")
+        chat = front.chat
+        prepared = bind_room(await until_disconnect(request, chat.prepare_ids(rid, req.as_generate())), fields)
+        if req.stream and front.role == "decode":
+            await _prime(request, prepared)
+            return StreamingResponse(completion_events(chat, prepared, req), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        body = await until_disconnect(request, completion_json(chat, prepared, req))  # prefill: the first token
         if req.stream:
             return Response(f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
         return JSONResponse(body)

@@ -270,3 +270,81 @@ class GenerateRequest(BaseModel):
         if not sp.skip_special_tokens:
             return "skip_special_tokens=false is not supported"
         return None
+
+
+# ---- OpenAI's (legacy) completions: a prompt in, text out, no chat template --------------------------------
+
+class CompletionRequest(BaseModel):
+    """``POST /v1/completions`` body: ``prompt`` is one string or one list of token ids (batches of prompts are
+    refused). ``max_tokens`` defaults to 16, as in OpenAI's API and vLLM."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | list[_TokenId] | list[str] | list[list[_TokenId]]
+    max_tokens: int | None = Field(default=16, ge=1, le=_INT64_MAX)
+    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: _Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[_TokenId] | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
+    n: int = Field(default=1, ge=1)
+    best_of: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def unsupported(self) -> str | None:
+        """A message naming the first requested feature the gateway does not implement, else None."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                return "a batch of prompts is not supported: send one prompt per request"
+        if self.n != 1 or (self.best_of or 1) != 1:
+            return "n > 1 and best_of > 1 are not supported"
+        if self.logprobs:
+            return "logprobs are not supported"
+        if self.echo or self.suffix:
+            return "echo and suffix are not supported"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty and frequency_penalty are not supported"
+        return None
+
+    def as_generate(self) -> GenerateRequest:
+        """The same request in ``/generate``'s terms (call after :meth:`unsupported` said None)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+        sampling = GenerateSamplingParams(
+            max_new_tokens=16 if self.max_tokens is None else self.max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, sampling_seed=self.seed)
+        return GenerateRequest(text=text, input_ids=ids, sampling_params=sampling, stream=self.stream)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = _Extension
+
+
+class CompletionResponse(BaseModel):
+    """A ``text_completion`` answer, or (streamed) one event of it; the usage event has empty ``choices``."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = _Extension
+    prompt_token_ids: list[int] | None = _Extension

@@ -300,3 +300,30 @@ def test_generate_rejects_what_it_cannot_serve(server):
     r = httpx.post(f"{url}/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
                    timeout=60)
     assert r.status_code == 200 and len(r.json()["output_ids"]) <= 2  # still serving
+
+
+def test_completions_with_the_openai_client_match_transformers(server, hf, tiny_model_path, photo_paths):
+    # OpenAI's legacy completions (a prompt, no chat template) through the official client, text and token-id
+    # prompts, streaming and not: the greedy text equals transformers' generate() on the same ids.
+    openai = pytest.importorskip("openai")
+    url, _ = server
+    processor, _ = hf
+    turns = _resolve("text", photo_paths)
+    ref_prompt, ref_ids, ref_text = _hf_reference(hf, turns)
+    text = processor.apply_chat_template([{"role": "user", "content": turns[0][1][0]}], add_generation_prompt=True,
+                                         tokenize=False)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
+    kw = dict(model=tiny_model_path, max_tokens=NEW_TOKENS, temperature=0)
+    for prompt in (text, ref_prompt):
+        resp = client.completions.create(prompt=prompt, **kw, extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert resp.object == "text_completion" and resp.choices[0].text == ref_text
+        assert resp.choices[0].finish_reason == "length" and resp.choices[0].model_extra["token_ids"] == ref_ids
+        assert resp.usage.prompt_tokens == len(ref_prompt) and resp.usage.completion_tokens == NEW_TOKENS
+    chunks = list(client.completions.create(prompt=text, **kw, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref_text
+    assert chunks[-1].usage.completion_tokens == NEW_TOKENS
+    r = httpx.post(f"{url}/v1/completions", json={"model": tiny_model_path, "prompt": ["a", "b"]}, timeout=30)
+    assert r.status_code == 400 and "batch" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", json={"model": "other", "prompt": "a"}, timeout=30)
+    assert r.status_code == 404

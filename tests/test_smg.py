@@ -84,8 +84,8 @@ def test_openai_client_through_smg_matches_transformers(cluster, hf, tiny_model_
     assert chunks[-1].usage.completion_tokens == NEW_TOKENS
 
 
-def test_generate_with_token_ids_through_smg_matches_transformers(cluster, hf, photo_paths):
-    # smg routes SGLang's native /generate to both legs as it does chat completions.
+def test_generate_and_completions_through_smg_match_transformers(cluster, hf, tiny_model_path, photo_paths):
+    # smg routes SGLang's native /generate and OpenAI's /v1/completions to both legs as it does chat completions.
     ref_prompt, ref_ids, ref_text = _hf_reference(hf, _resolve("text", photo_paths), NEW_TOKENS)
     body = {"input_ids": ref_prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0,
                                                          "ignore_eos": True}}
@@ -98,6 +98,14 @@ def test_generate_with_token_ids_through_smg_matches_transformers(cluster, hf, p
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["output_ids"] == ref_ids and last["text"] == ref_text
+    # ... and OpenAI's completions, the same way (smg takes string prompts only there).
+    turn = _resolve("text", photo_paths)[0][1][0]
+    text = hf[0].apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True, tokenize=False)
+    r = httpx.post(f"{cluster.url}/v1/completions", json={"model": tiny_model_path, "prompt": text,
+                                                         "max_tokens": NEW_TOKENS, "temperature": 0,
+                                                         "ignore_eos": True, "return_token_ids": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == ref_ids and r.json()["choices"][0]["text"] == ref_text
 
 
 def test_front_info_routes_and_protocol_errors(cluster, tiny_model_path):
