@@ -118,8 +118,9 @@ class VisionEncoder:
         hidden_size: width of the embeddings (the language model's hidden size).
         image_processor: the checkpoint's transformers image processor.
         model: the vision tower (transformers module, eval mode, no grad).
-        tower: on CUDA with packed attention, the :class:`~epdserve.encoder.vision_graph.TowerGraphs` that runs
-            :attr:`model` (CUDA graphs or eagerly with precomputed metadata); None on the CPU (the plain call).
+        tower: on CUDA with packed attention and ``cuda_graphs > 0``, the
+            :class:`~epdserve.encoder.vision_graph.TowerGraphs` that runs :attr:`model` from CUDA graphs; otherwise
+            None (transformers' plain call).
 
     Not thread-safe: call :meth:`encode` from one thread at a time.
     """
@@ -145,7 +146,7 @@ class VisionEncoder:
         from transformers.initialization import no_init_weights
 
         self.model_path = str(model_path)
-        self.tower = None  # CUDA: runs the tower (graphs or eager with precomputed metadata); CPU: the plain call
+        self.tower = None
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self.device)
         config = AutoConfig.from_pretrained(self.model_path)
@@ -170,9 +171,10 @@ class VisionEncoder:
             # One packed kernel per layer, not one per window. Set after construction: at construction
             # transformers would look for a "flash" implementation on its kernel hub.
             model.config._attn_implementation = register()
-            from epdserve.encoder.vision_graph import TowerGraphs
+            if cuda_graphs > 0:  # 0 keeps transformers' plain call, the path measured in docs/performance.md
+                from epdserve.encoder.vision_graph import TowerGraphs
 
-            self.tower = TowerGraphs(model, self.device, cuda_graphs)
+                self.tower = TowerGraphs(model, self.device, cuda_graphs)
         missing, unexpected = model.load_state_dict(load_vision_state_dict(self.model_path), strict=False)
         if missing or unexpected:
             raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "

@@ -73,22 +73,24 @@ def test_grouped_run_gives_each_image_its_own_rows(cpu_encoder):
 @torch.inference_mode()
 def test_cuda_graphs_match_eager_and_stay_bounded(tiny_model_path):
     enc = VisionEncoder(tiny_model_path, "cuda", "bfloat16", cuda_graphs=2)
-    eager = VisionEncoder(tiny_model_path, "cuda", "bfloat16", cuda_graphs=0)
+    assert VisionEncoder(tiny_model_path, "cuda", "bfloat16", cuda_graphs=0).tower is None  # the plain call
     images = _images()
     pixels, grid = _inputs(enc, images)
     rows = [tuple(r) for r in grid.tolist()]
-    want = eager.tower.run(pixels, rows)
-    first = enc.tower.run(pixels, rows)  # first sight of every (grid, n): eager
+    plain = enc.model(pixels, grid_thw=grid.to(enc.device)).pooler_output
+    first = enc.tower.run(pixels, rows)  # first sight of every (grid, n): eager, chunk by chunk
     assert enc.tower.num_graphs == 0
     second = enc.tower.run(pixels, rows)  # second sight: captured, at most 2 kept
     assert enc.tower.num_graphs == 2
     third = enc.tower.run(pixels, rows)  # replays (and re-captures what the LRU dropped)
-    for got in (first, second, third):
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
-    # A replay reads its new input: other pixels give the eager answer for those pixels.
-    other = _images([(56, 56)] * 2)
-    p2, g2 = _inputs(enc, other)
+    for got in (second, third):  # the same kernels on the same chunks
+        torch.testing.assert_close(got, first, atol=0, rtol=0)
+    # Chunks change the GEMMs' shapes, so against the whole-batch call only up to bf16 rounding.
+    torch.testing.assert_close(first.float(), plain.float(), atol=2e-2, rtol=2e-2)
+    # A replay reads its new input: other pixels (a shape already graphed) give the plain call's answer for them.
+    p2, g2 = _inputs(enc, _images([(56, 56)] * 2))
     r2 = [tuple(r) for r in g2.tolist()]
-    enc.tower.run(p2, r2)
-    enc.tower.run(p2, r2)
-    torch.testing.assert_close(enc.tower.run(p2, r2), eager.tower.run(p2, r2), atol=0, rtol=0)
+    want2 = enc.model(p2, grid_thw=g2.to(enc.device)).pooler_output
+    assert not torch.allclose(want2.float(), first[:want2.shape[0]].float(), atol=0.1)  # really other images
+    for _ in range(3):
+        torch.testing.assert_close(enc.tower.run(p2, r2).float(), want2.float(), atol=2e-2, rtol=2e-2)
