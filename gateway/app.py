@@ -23,7 +23,7 @@ import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.config import GatewayConfig
@@ -215,15 +215,7 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
                 gw.requests.close(rid)
 
     async def _chat(request: Request, rid: str) -> Response:
-        try:
-            req = ChatCompletionRequest.model_validate_json(await request.body())
-        except ValidationError as e:
-            raise APIError(400, describe_validation_error(e), param=first_error_param(e)) from None
-        if req.model != gw.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {gw.model_name!r}",
-                           param="model", code="model_not_found")
-        if (problem := req.unsupported()) is not None:
-            raise APIError(400, problem)
+        req = parse_request(await request.body(), ChatCompletionRequest, gw.model_name)
 
         async def complete(prepared) -> dict:
             return (await gw.chat.complete(prepared)).model_dump()
@@ -232,26 +224,13 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
                                lambda prepared: gw.chat.stream(prepared), complete)
 
     async def _generate(request: Request, rid: str) -> Response:
-        try:
-            req = GenerateRequest.model_validate_json(await request.body())
-        except ValidationError as e:
-            raise APIError(400, describe_validation_error(e), param=first_error_param(e)) from None
-        if (problem := req.unsupported()) is not None:
-            raise APIError(400, problem)
+        req = parse_request(await request.body(), GenerateRequest, None)
         return await _admitted(request, lambda deadline: gw.chat.prepare_ids(rid, req, deadline), req.stream,
                                lambda prepared: generate_events(gw.chat, prepared),
                                lambda prepared: generate_json(gw.chat, prepared))
 
     async def _completion(request: Request, rid: str) -> Response:
-        try:
-            req = CompletionRequest.model_validate_json(await request.body())
-        except ValidationError as e:
-            raise APIError(400, describe_validation_error(e), param=first_error_param(e)) from None
-        if req.model != gw.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {gw.model_name!r}",
-                           param="model", code="model_not_found")
-        if (problem := req.unsupported()) is not None:
-            raise APIError(400, problem)
+        req = parse_request(await request.body(), CompletionRequest, gw.model_name)
         return await _admitted(request, lambda deadline: gw.chat.prepare_ids(rid, req.as_generate(), deadline),
                                req.stream, lambda prepared: completion_events(gw.chat, prepared, req),
                                lambda prepared: completion_json(gw.chat, prepared, req))
@@ -311,6 +290,25 @@ async def _wait_disconnect(request: Request) -> None:
     # The body has been read, so the only message left to receive is http.disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def parse_request(body: bytes, schema: type[BaseModel], model_name: str | None):
+    """``body`` validated as ``schema`` (a request model with ``unsupported()``) and checked against the served
+    ``model_name`` (None: the schema names no model, as SGLang's ``/generate``).
+
+    Raises:
+        APIError: 400 for a schema error or an unsupported feature, 404 for another model.
+    """
+    try:
+        req = schema.model_validate_json(body)
+    except ValidationError as e:
+        raise APIError(400, describe_validation_error(e), param=first_error_param(e)) from None
+    if model_name is not None and req.model != model_name:
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    if (problem := req.unsupported()) is not None:
+        raise APIError(400, problem)
+    return req
 
 
 def describe_validation_error(e: ValidationError) -> str:

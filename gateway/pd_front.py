@@ -49,7 +49,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from epdserve.gateway.app import ClientGone, describe_validation_error, first_error_param, until_disconnect
+from epdserve.gateway.app import (
+    ClientGone, describe_validation_error, first_error_param, parse_request, until_disconnect,
+)
 from epdserve.gateway.chat import APIError, ChatService, PreparedChat
 from epdserve.gateway.generate import completion_events, completion_json, generate_events, generate_json
 from epdserve.gateway.media import MediaPolicy
@@ -369,14 +371,12 @@ def create_front_app(front: Front) -> FastAPI:
     async def _handle(request: Request, handler, schema: type[BaseModel]) -> Response:
         body = await request.body()
         try:
-            req = schema.model_validate_json(body)
             fields = BootstrapFields.model_validate_json(body)
         except ValidationError as e:
             raise APIError(400, describe_validation_error(e), param=first_error_param(e)) from None
         rid = room_rid(fields.bootstrap_room)
         try:
-            if (problem := req.unsupported()) is not None:
-                raise APIError(400, problem)
+            req = parse_request(body, schema, front.model_name if "model" in schema.model_fields else None)
             check_bootstrap(front.role, fields)
             if not front.ready:
                 raise APIError(503, "the server is starting")
@@ -392,9 +392,6 @@ def create_front_app(front: Front) -> FastAPI:
             raise APIError(500, f"internal error: {e}") from None
 
     async def _chat(request: Request, rid: str, req: ChatCompletionRequest, fields: BootstrapFields) -> Response:
-        if req.model != front.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {front.model_name!r}",
-                           param="model", code="model_not_found")
         chat = front.chat
         prepared = bind_room(await until_disconnect(request, chat.prepare(rid, req)), fields)
         if front.role == "prefill":
@@ -415,29 +412,25 @@ def create_front_app(front: Front) -> FastAPI:
         return JSONResponse(response.model_dump())
 
     async def _generate(request: Request, rid: str, req: GenerateRequest, fields: BootstrapFields) -> Response:
-        chat = front.chat
-        prepared = bind_room(await until_disconnect(request, chat.prepare_ids(rid, req)), fields)
-        if req.stream and front.role == "decode":
-            await _prime(request, prepared)
-            return StreamingResponse(generate_events(chat, prepared), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        body = await until_disconnect(request, generate_json(chat, prepared))  # prefill: the first token only
-        if req.stream:
-            return Response(f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
-        return JSONResponse(body)
+        return await _prompt_leg(request, rid, req, fields, req.stream, generate_events, generate_json)
 
     async def _completion(request: Request, rid: str, req: CompletionRequest, fields: BootstrapFields) -> Response:
-        if req.model != front.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {front.model_name!r}",
-                           param="model", code="model_not_found")
+        return await _prompt_leg(request, rid, req.as_generate(), fields, req.stream,
+                                 lambda chat, p: completion_events(chat, p, req),
+                                 lambda chat, p: completion_json(chat, p, req))
+
+    async def _prompt_leg(request: Request, rid: str, gen: GenerateRequest, fields: BootstrapFields, stream: bool,
+                          events, answer) -> Response:
+        """One leg of a prompt-in request (``/generate``, ``/v1/completions``): the decode leg streams or answers
+        in full; the prefill leg answers once prefill is done (the first token), in the requested shape."""
         chat = front.chat
-        prepared = bind_room(await until_disconnect(request, chat.prepare_ids(rid, req.as_generate())), fields)
-        if req.stream and front.role == "decode":
+        prepared = bind_room(await until_disconnect(request, chat.prepare_ids(rid, gen)), fields)
+        if stream and front.role == "decode":
             await _prime(request, prepared)
-            return StreamingResponse(completion_events(chat, prepared, req), media_type="text/event-stream",
+            return StreamingResponse(events(chat, prepared), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        body = await until_disconnect(request, completion_json(chat, prepared, req))  # prefill: the first token
-        if req.stream:
+        body = await until_disconnect(request, answer(chat, prepared))
+        if stream:
             return Response(f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
         return JSONResponse(body)
 

@@ -214,9 +214,13 @@ def test_killing_a_decode_server_mid_run(cluster, tiny_model_path, tmp_path):
     requests = result["doc"]["requests"]
     failed = [r for r in requests if not r["success"]]
     assert len(failed) < len(requests) // 2
-    # Only streams that had begun may break (a decode front answers 200 with its first token); everything else was
-    # retried elsewhere by smg.
-    assert all(r["http_status"] == 200 and r["num_events"] > 0 for r in failed), [r["error"] for r in failed]
+    # Only streams that had begun may break (a decode front answers 200 with its first token), and requests smg was
+    # still sending to decode1 when it died: smg does not replay a POST it may have half delivered ("error sending
+    # request", 502; seen in a CI run). Everything else was retried elsewhere by smg.
+    dead = _front(cluster, "decode1")
+    assert all((r["http_status"] == 200 and r["num_events"] > 0) or
+               (r["http_status"] == 502 and f"error sending request for url ({dead}/" in (r["error"] or ""))
+               for r in failed), [r["error"] for r in failed]
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{_front(cluster, 'decode1')}/health")  # the front died with its server
     _wait_baseline(cluster, ["prefill0", "decode0"], TIMEOUT_S + 10)
