@@ -337,22 +337,12 @@ def main(config: GatewayConfig) -> None:
     import uvicorn
 
     app = create_app(config)
+    # loop="asyncio" even where uvloop is installed: the encoder client is grpc.aio, and under uvloop a CI run saw
+    # image requests outlive a killed encoder (its health probe never timed out). The HTTP parser is httptools.
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           access_log=False))
-    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        ok = runner.run(_serve(server, app.state.gateway))
-    if not ok:
+                                           access_log=False, loop="asyncio"))
+    if not asyncio.run(_serve(server, app.state.gateway)):
         sys.exit(1)
-
-
-def event_loop_factory():
-    """uvloop's event loop when it is installed (libuv: a cheaper loop iteration and socket write per streamed
-    chunk, as uvicorn's "auto" setting and SGLang's and vLLM's servers use), else None (asyncio's default)."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 async def _serve(server, gw: Gateway) -> bool:

@@ -502,8 +502,11 @@ def main(argv: list[str] | None = None) -> int:
                   extra_info=stages.server_info_fields())
     import uvicorn
 
+    # loop="asyncio" even where uvloop is installed: the encoder client is grpc.aio, and under uvloop a CI run saw
+    # image requests outlive a killed encoder (its health probe never timed out). The HTTP parser is httptools.
     server = uvicorn.Server(uvicorn.Config(create_front_app(front), host=config.host, port=config.port,
-                                           log_level="warning", access_log=False, timeout_graceful_shutdown=2))
+                                           log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+                                           loop="asyncio"))
     logger.info("%s front listening on http://%s:%d", args.role, config.host, config.port)
     server.run()
     return 0

@@ -255,15 +255,19 @@ def _sse_events(response) -> list:
     return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
 
 
+def _templated_text_reference(hf, photo_paths):
+    """The "text" case's reference ``(prompt ids, greedy ids, text)`` and its chat-templated prompt as a string."""
+    turns = _resolve("text", photo_paths)
+    text = hf[0].apply_chat_template([{"role": "user", "content": turns[0][1][0]}], add_generation_prompt=True,
+                                     tokenize=False)
+    return (*_hf_reference(hf, turns), text)
+
+
 def test_generate_with_token_ids_or_text_matches_transformers(server, hf, photo_paths):
     # SGLang's native /generate: the chat-templated prompt's ids (or its text, tokenized as is) in, greedy ids and
     # their text out, equal to transformers' generate(); streamed events carry the text and ids so far.
     url, _ = server
-    processor, _ = hf
-    turns = _resolve("text", photo_paths)
-    ref_prompt, ref_ids, ref_text = _hf_reference(hf, turns)
-    text = processor.apply_chat_template([{"role": "user", "content": turns[0][1][0]}], add_generation_prompt=True,
-                                         tokenize=False)
+    ref_prompt, ref_ids, ref_text, text = _templated_text_reference(hf, photo_paths)
     sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     for prompt in ({"input_ids": ref_prompt}, {"text": text}):
         r = httpx.post(f"{url}/generate", json={**prompt, "sampling_params": sampling}, timeout=120)
@@ -307,11 +311,7 @@ def test_completions_with_the_openai_client_match_transformers(server, hf, tiny_
     # prompts, streaming and not: the greedy text equals transformers' generate() on the same ids.
     openai = pytest.importorskip("openai")
     url, _ = server
-    processor, _ = hf
-    turns = _resolve("text", photo_paths)
-    ref_prompt, ref_ids, ref_text = _hf_reference(hf, turns)
-    text = processor.apply_chat_template([{"role": "user", "content": turns[0][1][0]}], add_generation_prompt=True,
-                                         tokenize=False)
+    ref_prompt, ref_ids, ref_text, text = _templated_text_reference(hf, photo_paths)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
     kw = dict(model=tiny_model_path, max_tokens=NEW_TOKENS, temperature=0)
     for prompt in (text, ref_prompt):
