@@ -64,6 +64,10 @@ class APIError(Exception):
                                              code=self.code))
 
 
+class GenerationFailed(APIError):
+    """A stage reported an error for the request (HTTP 500)."""
+
+
 @dataclass
 class PreparedChat:
     """A request ready to send to the stages."""
@@ -217,12 +221,15 @@ class ChatService:
 
     async def outputs(self, chat: PreparedChat) -> AsyncIterator[tuple[str, TokenOutput]]:
         """``chat``'s outputs as ``(text delta, output)``, up to the one with a finish reason (cut at a stop
-        string), recording the request's trace. Closing the iterator early aborts the request on the stages.
+        string), each recorded in the request's trace; the trace is finished once that last one has been taken.
+        Closing the iterator early aborts the request on the stages. The one loop over a request's outputs behind
+        every answer shape (:meth:`complete`, :meth:`stream`, ``epdserve.gateway.generate``).
 
         Raises:
-            APIError: 500 when a stage reports an error, 503 when a stage it needs is or goes down, 504 past the
-                deadline.
+            GenerationFailed: a stage reported an error for the request (500).
+            APIError: 503 when a stage it needs is or goes down, 504 past the deadline.
         """
+        t0 = time.monotonic()
         detok = self._detokenizer(chat)
         n_tokens = 0
         try:
@@ -232,71 +239,78 @@ class ChatService:
                     chat.trace.output(len(final.token_ids))
                     if final.finish_reason == "error":
                         logger.warning("rid=%s failed: %s", chat.rid, final.error)
-                        chat.trace.fail("generation_failed")
-                        raise APIError(500, final.error or "generation failed")
+                        raise GenerationFailed(500, final.error or "generation failed")
                     n_tokens += len(final.token_ids)
-                    if final.finish_reason is not None:
-                        chat.trace.finish(final.finish_reason, self._usage(chat, final, n_tokens))
                     yield text, final
-                    if final.finish_reason is not None:
-                        return  # on a stop string: leaving the iterator aborts the request at prefill and decode
-        except StageError as e:
-            logger.warning("rid=%s failed: %s", chat.rid, e.message)
-            chat.trace.fail(f"http_{e.status}")
-            raise APIError.from_stage(e) from None
-
-    async def complete(self, chat: PreparedChat) -> ChatCompletionResponse:
-        """Run ``chat`` to the end and build the ``chat.completion`` response.
-
-        Raises:
-            APIError: 500 when a stage reports an error, 503 when a stage it needs is or goes down, 504 past the
-                deadline.
-        """
-        t0 = time.monotonic()
-        detok = self._detokenizer(chat)
-        texts: list[str] = []
-        token_ids: list[int] = []
-        final: TokenOutput | None = None
-        try:
-            async with aclosing(self.stages.generate(chat.prefill, chat.decode, chat.deadline)) as outputs:
-                async for out in outputs:
-                    text, final = _detokenize(detok, out)
-                    chat.trace.output(len(final.token_ids))
-                    texts.append(text)
-                    token_ids.extend(final.token_ids)
                     if final.finish_reason is not None:
                         break  # on a stop string: leaving the iterator aborts the request at prefill and decode
         except StageError as e:
             logger.warning("rid=%s failed: %s", chat.rid, e.message)
             raise APIError.from_stage(e) from None
-        if final.finish_reason == "error":
-            logger.warning("rid=%s failed: %s", chat.rid, final.error)
-            raise APIError(500, final.error or "generation failed")
-        usage = self._usage(chat, final, len(token_ids))
+        usage = self.usage(chat, final, n_tokens)
         chat.trace.finish(final.finish_reason, usage)
         logger.debug("rid=%s finished (%s): %d+%d tokens in %.3f s", chat.rid, final.finish_reason,
                      usage.prompt_tokens, usage.completion_tokens, time.monotonic() - t0)
+
+    async def collect(self, chat: PreparedChat) -> tuple[str, list[int], TokenOutput]:
+        """Run ``chat`` to the end: its whole text, its output token ids, and the last output (with the finish
+        reason and the stage's counts). Raises as :meth:`outputs`."""
+        texts: list[str] = []
+        token_ids: list[int] = []
+        async with aclosing(self.outputs(chat)) as outputs:
+            async for text, final in outputs:
+                texts.append(text)
+                token_ids += final.token_ids
+        return "".join(texts), token_ids, final
+
+    async def sse(self, chat: PreparedChat, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Yield the SSE ``events`` of a started response, then ``data: [DONE]``. A failure on the way (a stage
+        error, a stage going down, the deadline) can only be reported in the stream: it becomes an
+        ``{"error": ...}`` event before ``[DONE]``, and the request's trace records it."""
+        try:
+            async with aclosing(events):  # a client gone closes this; the request is aborted at once
+                async for event in events:
+                    yield event
+        except GenerationFailed as e:
+            chat.trace.fail("generation_failed")
+            yield f"data: {e.body().model_dump_json()}\n\n"
+        except APIError as e:
+            chat.trace.fail(f"http_{e.status}")
+            yield f"data: {e.body().model_dump_json()}\n\n"
+        except Exception as e:
+            logger.exception("rid=%s stream failed", chat.rid)
+            chat.trace.fail("internal")
+            yield f"data: {APIError(500, f'internal error: {e}').body().model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def complete(self, chat: PreparedChat) -> ChatCompletionResponse:
+        """Run ``chat`` to the end and build the ``chat.completion`` response.
+
+        Raises:
+            APIError: as :meth:`outputs`.
+        """
+        text, token_ids, final = await self.collect(chat)
         rti = chat.request.return_token_ids
         return ChatCompletionResponse(
-            id=chat.rid, model=self.model_name, usage=usage,
-            choices=[Choice(message=AssistantMessage(content="".join(texts)), finish_reason=final.finish_reason,
+            id=chat.rid, model=self.model_name, usage=self.usage(chat, final, len(token_ids)),
+            choices=[Choice(message=AssistantMessage(content=text), finish_reason=final.finish_reason,
                             token_ids=token_ids if rti else None)],
             prompt_token_ids=chat.prompt.input_ids if rti else None,
         )
 
-    async def stream(self, chat: PreparedChat) -> AsyncIterator[str]:
-        """Yield the SSE events of ``chat``: a role chunk, content chunks, a finish chunk, an optional usage chunk,
-        then ``data: [DONE]``. A stage error, a stage going down (503) and the deadline (504) become an
-        ``{"error": ...}`` event before ``[DONE]``.
+    def stream(self, chat: PreparedChat) -> AsyncIterator[str]:
+        """The SSE events of ``chat``: a role chunk, content chunks, a finish chunk, an optional usage chunk, then
+        ``data: [DONE]``; a failure once streaming has begun becomes an error event (:meth:`sse`).
 
         Closing the iterator early (client gone) aborts the request on the stages, and so does a stop string: the
         stream then ends with the text cut before it and ``finish_reason`` "stop".
         """
-        t0 = time.monotonic()
+        return self.sse(chat, self._chunks(chat))
+
+    async def _chunks(self, chat: PreparedChat) -> AsyncIterator[str]:
         created = int(time.time())
         rti = chat.request.return_token_ids
         opts = chat.request.stream_options
-        include_usage = bool(opts and opts.include_usage)
 
         def event(choices: list[ChunkChoice], **extra) -> str:
             chunk = ChatCompletionChunk(id=chat.rid, created=created, model=self.model_name, choices=choices,
@@ -305,54 +319,24 @@ class ChatService:
 
         yield event([ChunkChoice(delta=Delta(role="assistant", content=""))],
                     prompt_token_ids=chat.prompt.input_ids if rti else None)
-        detok = self._detokenizer(chat)
-        final: TokenOutput | None = None
         n_tokens = 0
-        try:
-            async with aclosing(self.stages.generate(chat.prefill, chat.decode, chat.deadline)) as outputs:
-                async for out in outputs:
-                    text, final = _detokenize(detok, out)
-                    n_tokens += len(final.token_ids)
-                    chat.trace.output(len(final.token_ids))
-                    if final.finish_reason == "error":
-                        logger.warning("rid=%s failed: %s", chat.rid, final.error)
-                        chat.trace.fail("generation_failed")
-                        err = APIError(500, final.error or "generation failed")
-                        yield f"data: {err.body().model_dump_json()}\n\n"
-                        yield "data: [DONE]\n\n"
-                        return
-                    if text or (rti and final.token_ids):
-                        yield event([ChunkChoice(delta=Delta(content=text),
-                                                 token_ids=final.token_ids if rti else None)])
-                    if final.finish_reason is not None:
-                        yield event([ChunkChoice(delta=Delta(), finish_reason=final.finish_reason)])
-                        break  # on a stop string: leaving the iterator aborts the request at prefill and decode
-        except StageError as e:  # the response has started: the only way left to report is an error event
-            logger.warning("rid=%s failed: %s", chat.rid, e.message)
-            chat.trace.fail(f"http_{e.status}")
-            yield f"data: {APIError.from_stage(e).body().model_dump_json()}\n\n"
-            yield "data: [DONE]\n\n"
-            return
-        except Exception as e:
-            logger.exception("rid=%s stream failed", chat.rid)
-            chat.trace.fail("internal")
-            yield f"data: {APIError(500, f'internal error: {e}').body().model_dump_json()}\n\n"
-            yield "data: [DONE]\n\n"
-            return
-        usage = self._usage(chat, final, n_tokens)
-        chat.trace.finish(final.finish_reason, usage)
-        if include_usage:
-            yield event([], usage=usage)
-        logger.debug("rid=%s finished (%s): %d+%d tokens in %.3f s", chat.rid, final.finish_reason,
-                     usage.prompt_tokens, usage.completion_tokens, time.monotonic() - t0)
-        yield "data: [DONE]\n\n"
+        async with aclosing(self.outputs(chat)) as outputs:
+            async for text, final in outputs:
+                n_tokens += len(final.token_ids)
+                if text or (rti and final.token_ids):
+                    yield event([ChunkChoice(delta=Delta(content=text), token_ids=final.token_ids if rti else None)])
+                if final.finish_reason is not None:
+                    yield event([ChunkChoice(delta=Delta(), finish_reason=final.finish_reason)])
+        if opts and opts.include_usage:
+            yield event([], usage=self.usage(chat, final, n_tokens))
 
     def _detokenizer(self, chat: PreparedChat) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._detok_tokenizer, chat.prefill.sampling.stop, self._skip_ids)
 
     @staticmethod
-    def _usage(chat: PreparedChat, final: TokenOutput, n_tokens: int) -> Usage:
-        # The stage's counts are authoritative; ours are the fallback when a stage leaves them at 0.
+    def usage(chat: PreparedChat, final: TokenOutput, n_tokens: int) -> Usage:
+        """The usage of ``chat`` after its last output ``final`` and ``n_tokens`` output ids. The stage's counts
+        are authoritative; ours are the fallback when a stage leaves them at 0."""
         return Usage.of(final.prompt_tokens or len(chat.prompt.input_ids), final.completion_tokens or n_tokens,
                         final.cached_tokens)
 
