@@ -36,7 +36,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -393,45 +393,43 @@ def create_front_app(front: Front) -> FastAPI:
 
     async def _chat(request: Request, rid: str, req: ChatCompletionRequest, fields: BootstrapFields) -> Response:
         chat = front.chat
-        prepared = bind_room(await until_disconnect(request, chat.prepare(rid, req)), fields)
-        if front.role == "prefill":
-            # The router only needs this leg's status: answer once prefill is done, with the first token.
-            response = await until_disconnect(request, chat.complete(prepared))
-            if not req.stream:
-                return JSONResponse(response.model_dump())
-            chunk = ChatCompletionChunk(id=rid, created=response.created, model=front.model_name,
-                                        choices=[ChunkChoice(delta=Delta(role="assistant",
-                                                                         content=response.choices[0].message.content),
-                                                             finish_reason=response.choices[0].finish_reason)])
-            return Response(f"data: {chunk.model_dump_json()}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
-        if req.stream:
-            await _prime(request, prepared)
-            return StreamingResponse(chat.stream(prepared), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        response = await until_disconnect(request, chat.complete(prepared))
-        return JSONResponse(response.model_dump())
+
+        async def answer(prepared: PreparedChat) -> dict:
+            return (await chat.complete(prepared)).model_dump()
+
+        def first_chunk(body: dict) -> str:
+            choice = body["choices"][0]
+            return ChatCompletionChunk(id=rid, created=body["created"], model=front.model_name, choices=[ChunkChoice(
+                delta=Delta(role="assistant", content=choice["message"]["content"]),
+                finish_reason=choice["finish_reason"])]).model_dump_json()
+
+        return await _leg(request, chat.prepare(rid, req), fields, req.stream, chat.stream, answer, first_chunk)
 
     async def _generate(request: Request, rid: str, req: GenerateRequest, fields: BootstrapFields) -> Response:
-        return await _prompt_leg(request, rid, req, fields, req.stream, generate_events, generate_json)
+        chat = front.chat
+        return await _leg(request, chat.prepare_ids(rid, req), fields, req.stream,
+                          lambda p: generate_events(chat, p), lambda p: generate_json(chat, p), json.dumps)
 
     async def _completion(request: Request, rid: str, req: CompletionRequest, fields: BootstrapFields) -> Response:
-        return await _prompt_leg(request, rid, req.as_generate(), fields, req.stream,
-                                 lambda chat, p: completion_events(chat, p, req),
-                                 lambda chat, p: completion_json(chat, p, req))
-
-    async def _prompt_leg(request: Request, rid: str, gen: GenerateRequest, fields: BootstrapFields, stream: bool,
-                          events, answer) -> Response:
-        """One leg of a prompt-in request (``/generate``, ``/v1/completions``): the decode leg streams or answers
-        in full; the prefill leg answers once prefill is done (the first token), in the requested shape."""
         chat = front.chat
-        prepared = bind_room(await until_disconnect(request, chat.prepare_ids(rid, gen)), fields)
+        return await _leg(request, chat.prepare_ids(rid, req.as_generate()), fields, req.stream,
+                          lambda p: completion_events(chat, p, req), lambda p: completion_json(chat, p, req),
+                          json.dumps)
+
+    async def _leg(request: Request, prepare: Awaitable[PreparedChat], fields: BootstrapFields, stream: bool,
+                   events, answer, prefill_event) -> Response:
+        """Serve this front's leg of one request. The decode leg streams ``events(prepared)`` (its HTTP status
+        waits for the first token) or answers ``await answer(prepared)`` in full. The router only needs the
+        prefill leg's status: it answers once prefill is done, with the first token (as one
+        ``prefill_event(body)`` event when streamed)."""
+        prepared = bind_room(await until_disconnect(request, prepare), fields)
         if stream and front.role == "decode":
             await _prime(request, prepared)
-            return StreamingResponse(events(chat, prepared), media_type="text/event-stream",
+            return StreamingResponse(events(prepared), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        body = await until_disconnect(request, answer(chat, prepared))
+        body = await until_disconnect(request, answer(prepared))
         if stream:
-            return Response(f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
+            return Response(f"data: {prefill_event(body)}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
         return JSONResponse(body)
 
     async def _prime(request: Request, prepared: PreparedChat) -> None:
