@@ -140,7 +140,7 @@ class DecodeScheduler:
             self.metrics.on_kv_failure("prefill_error")
         if msg.error is not None:
             if msg.pool is not None:  # the prefill server holds pages for it: let them go
-                self._acks.append((None, _bootstrap(seq.msg), KVAck(rid=msg.rid, bootstrap_room=msg.bootstrap_room)))
+                self._ack(seq)
             self._emit(seq, "error", error=msg.error)
             return
         seq.transfer, seq.kv_at = msg, time.monotonic()
@@ -154,7 +154,7 @@ class DecodeScheduler:
         for seq in [s for s in self.ready if s.msg.rid == rid]:
             self.ready.remove(seq)
             if seq.transfer is not None and seq.transfer.pool is not None:  # the prefill server may free them now
-                self._acks.append((None, _bootstrap(seq.msg), KVAck(rid=rid, bootstrap_room=seq.msg.bootstrap_room)))
+                self._ack(seq)
         for seq in [s for s in self.running if s.msg.rid == rid]:
             self.running.remove(seq)
             self.pool.free(seq.pages)
@@ -290,9 +290,8 @@ class DecodeScheduler:
         # The prefill pool's page size (shape[3]) may differ from this pool's.
         src = torch.tensor(page_slots(transfer.kv_pages, transfer.pool.shape[3], 0, seq.msg.prompt_len),
                            dtype=torch.int64)
-        ack = KVAck(rid=seq.msg.rid, bootstrap_room=transfer.bootstrap_room)
         if transfer.lend_until and time.time() > transfer.lend_until - _LEND_MARGIN_S:
-            self._acks.append((None, _bootstrap(seq.msg), ack))
+            self._ack(seq)
             return ("KV hand-off expired: the prefill server releases lent pages after its --request-timeout-s, and "
                     "this request waited too long for decode pages to copy them into")
         try:
@@ -300,14 +299,19 @@ class DecodeScheduler:
         except (RuntimeError, ValueError) as e:
             log.error("rid=%s cannot copy KV from the prefill pool (%s); start decode with --kv-transfer zmq if "
                       "the stages cannot share memory", seq.msg.rid, e)
-            self._acks.append((None, _bootstrap(seq.msg), ack))
+            self._ack(seq)
             return f"KV hand-off failed: {e}"
         event = None
         if self.runner.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        self._acks.append((event, _bootstrap(seq.msg), ack))
+        self._ack(seq, event)
         return None
+
+    def _ack(self, seq: _Seq, done: torch.cuda.Event | None = None) -> None:
+        """Queue the ``KVAck`` that lets the prefill server reuse the pages lent for ``seq``: at once, or once the
+        device has passed ``done`` (the copy out of them)."""
+        self._acks.append((done, _bootstrap(seq.msg), KVAck(rid=seq.msg.rid, bootstrap_room=seq.msg.bootstrap_room)))
 
     def _launch(self) -> _Step:
         """Build and launch one decode step over the running requests that may still need a token; returns it
