@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -135,7 +135,7 @@ class DecodeScheduler:
             err = self._check_kv(seq, msg)
             if err:
                 self.metrics.on_kv_failure("bad_kv")
-                msg = KVTransfer(rid=msg.rid, bootstrap_room=msg.bootstrap_room, error=err)
+                msg = replace(msg, error=err)  # keeps ``pool``: pages lent for a rejected copy are acked too
         else:
             self.metrics.on_kv_failure("prefill_error")
         if msg.error is not None:

@@ -282,6 +282,21 @@ def test_shared_kv_hand_off_holds_pages_until_decode_acks(tiny_model_path, runne
     assert prefill.load().rooms == 0 and _pages_accounted(prefill)
     assert dec.load().kv_pages_used == 0
 
+    # A shared transfer decode rejects (another prompt's digest): the request fails and the pages are acked.
+    _, reg = dec.add_request(decode_request(6), peer=b"g")
+    prefill.add_request(_req(photo_request, "r6", 6))
+    prefill.add_embeddings(_embeds(photo_request, "r6"))
+    prefill.register(reg)
+    (_, t), = _run(prefill)
+    t.input_digest = "0" * 16
+    dec.pending[6].msg.input_digest = "1" * 16
+    dec.add_transfer(t)
+    _, last = _decode_tokens(dec, 6)
+    assert last.finish_reason == "error" and "tokenization mismatch" in last.error
+    (_, ack), = dec.take_acks()
+    prefill.ack(ack)
+    assert prefill.load().rooms == 0 and _pages_accounted(prefill)
+
     # Aborted on decode before its copy (waiting for pages): the ack lets the prefill server free them now.
     _, reg = dec.add_request(decode_request(5), peer=b"g")
     prefill.add_request(_req(photo_request, "r5", 5))
