@@ -301,11 +301,15 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
+    def _prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: one string or one id list, or the elements of a batch of them."""
+        batch = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list))
+        return list(self.prompt) if batch else [self.prompt]
+
     def unsupported(self) -> str | None:
         """A message naming the first requested feature the gateway does not implement, else None."""
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                return "a batch of prompts is not supported: send one prompt per request"
+        if len(self._prompts()) != 1:
+            return "a batch of prompts is not supported: send one prompt per request"
         if self.n != 1 or (self.best_of or 1) != 1:
             return "n > 1 and best_of > 1 are not supported"
         if self.logprobs:
@@ -318,9 +322,7 @@ class CompletionRequest(BaseModel):
 
     def as_generate(self) -> GenerateRequest:
         """The same request in ``/generate``'s terms (call after :meth:`unsupported` said None)."""
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
+        (prompt,) = self._prompts()
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
         sampling = GenerateSamplingParams(
             max_new_tokens=16 if self.max_tokens is None else self.max_tokens,
