@@ -26,6 +26,13 @@ _Int64 = Annotated[int, Field(ge=-(1 << 63), le=_INT64_MAX)]
 _TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
 
 
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    """A request's ``stop`` (one string, several, or none) as a list."""
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
 class ImageURL(BaseModel):
     """``{"url": ..., "detail": ...}``; ``detail`` is accepted and ignored (the processor picks the resolution)."""
 
@@ -109,9 +116,7 @@ class ChatCompletionRequest(BaseModel):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return stop_list(self.stop)
 
 
 class PromptTokensDetails(BaseModel):
@@ -233,9 +238,7 @@ class GenerateSamplingParams(BaseModel):
     repetition_penalty: float = 1.0
 
     def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return stop_list(self.stop)
 
 
 class GenerateRequest(BaseModel):
