@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import fields
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -163,6 +164,8 @@ def test_arrivals_follow_the_rate_live(tmp_path):
     with StubServer(StubBehavior(ttft_s=0.005, itl_s=0.001)) as stub:
         assert _run(stub.url, "--num-prompts", str(n), "--request-rate", str(rate), "--warmup", "0",
                     "--seed", "3", "--output-json", str(out)) == 0
+        # Arrivals are perf_counter() readings in the stub's own process: only their differences are used here
+        # (on Linux both processes read one CLOCK_MONOTONIC, so even the values would compare with start_s's).
         server_gaps = np.diff(stub.state.arrivals)
     reqs = _load(out)["requests"]
     sched = np.array([r["scheduled_s"] for r in reqs])
@@ -199,6 +202,11 @@ def test_model_is_discovered_and_base_url_may_end_in_v1():
     with StubServer(StubBehavior(ttft_s=0.0, itl_s=0.0), model="served-name") as stub:
         assert main(["--base-url", stub.url + "/v1", *SMALL, "--num-prompts", "1", "--warmup", "0"]) == 0
         assert stub.state.bodies[0]["model"] == "served-name"
+        url = stub.url
+    with pytest.raises(httpx.ConnectError):  # the stub's process is gone with its port
+        httpx.get(url + "/v1/models", trust_env=False)
+    with pytest.raises(RuntimeError):
+        stub.url
 
 
 def _decode(url: str) -> Image.Image:
