@@ -9,7 +9,9 @@ Timing rules (the same as SGLang's ``bench_serving``, close to vLLM's ``bench se
 * TTFT is the arrival of the first token chunk; ITL is every gap between consecutive token chunks (a server
   that streams several tokens per chunk shows fewer, longer gaps; TPOT is per token regardless);
 * when no chunk has text (every token decoded to nothing), TTFT falls back to the first non-role choice chunk;
-* end-to-end latency ends at ``data: [DONE]``;
+* end-to-end latency ends at ``data: [DONE]``; the body is then read on to its end (normally the closing chunk,
+  at once), so the connection goes back to the pool: a response closed mid-body closes its connection, and the
+  next request would pay a TCP connect inside its TTFT;
 * TPOT is ``(e2e - ttft) / (completion_tokens - 1)``, with ``completion_tokens`` from ``usage``.
 
 All times in a record are seconds (``*_s``).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +31,9 @@ import httpx
 from .datasets import BenchRequest
 
 _MAX_ERROR_CHARS = 300  # an error message is a grouping key; a whole HTML error page is not a useful one
+# How long to wait, after data: [DONE], for the body's end. Servers end it at once; one that keeps it open only
+# loses its connection (closed, not reused) and holds the request's --max-concurrency slot this long.
+_DRAIN_AFTER_DONE_S = 0.25
 
 
 @dataclass
@@ -140,13 +146,14 @@ async def stream_chat(
     text: list[str] = []
     overhead = 0.0
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(timeout_s) as request_timeout:
             async with client.stream("POST", url, content=body, headers=headers) as resp:
                 record.http_status = resp.status_code
                 if resp.status_code != 200:
                     record.error = _error_text(resp.status_code, await resp.aread())
                     return record
-                async for line in resp.aiter_lines():
+                lines = resp.aiter_lines()
+                async for line in lines:
                     now = time.perf_counter()  # the chunk's arrival; everything until the next await is overhead
                     try:
                         record.num_events += 1
@@ -154,7 +161,7 @@ async def stream_chat(
                             continue  # blank separators, ": keep-alive" comments, "event:" fields
                         payload = line[5:].strip()
                         if payload == "[DONE]":
-                            done = True
+                            done, end = True, now
                             break
                         obj = json.loads(payload)
                         if "error" in obj:
@@ -180,7 +187,9 @@ async def stream_chat(
                                 text.append(piece)
                     finally:
                         overhead += time.perf_counter() - now
-        end = time.perf_counter()
+                if done:
+                    request_timeout.reschedule(None)  # the request is complete: the drain has its own bound
+                    await _drain(lines)
     except TimeoutError:
         record.error = f"timeout after {timeout_s:g} s"
         return record
@@ -214,6 +223,21 @@ async def stream_chat(
         record.output_text = "".join(text)
     record.success = True
     return record
+
+
+async def _drain(lines: AsyncIterator[str]) -> None:
+    """Read ``lines`` (a response's remaining body) to its end, for at most ``_DRAIN_AFTER_DONE_S``.
+
+    Called after ``data: [DONE]``: only a response read to its end leaves its HTTP/1.1 connection reusable
+    (httpcore closes one that is closed mid-body). Whatever follows ``[DONE]`` is ignored, and so is a server
+    that keeps the body open or drops the connection now: the request is already complete.
+    """
+    try:
+        async with asyncio.timeout(_DRAIN_AFTER_DONE_S):
+            async for _ in lines:
+                pass
+    except (TimeoutError, httpx.HTTPError, OSError):
+        pass
 
 
 def _apply_usage(record: RequestRecord, usage: dict[str, Any] | None) -> None:

@@ -177,6 +177,31 @@ def test_arrivals_follow_the_rate_live(tmp_path):
     assert server_gaps.mean() == pytest.approx(1 / rate, rel=0.35)
 
 
+def test_connections_are_reused_and_chunks_are_not_held_back(tmp_path):
+    # The client reads each body to its end after data: [DONE], so its connection goes back to the pool; one closed
+    # mid-body would put a TCP connect into the next request's TTFT. With nothing injected, TTFT is the loopback's
+    # cost alone: milliseconds, where a stub socket without TCP_NODELAY holds the first token behind the role
+    # chunk until the client's delayed ACK (40 ms).
+    out = tmp_path / "run.json"
+    with StubServer(StubBehavior(ttft_s=0.0, itl_s=0.0)) as stub:
+        assert _run(stub.url, "--num-prompts", "6", "--max-concurrency", "2", "--warmup", "2",
+                    "--output-json", str(out)) == 0
+        state = stub.state
+    assert len(state.bodies) == 8 and len(set(state.client_ports)) <= 2  # 2 connections, opened by the warm-up
+    assert _load(out)["summary"]["ttft_ms"]["median"] < 25
+
+
+def test_a_body_held_open_after_done_is_not_a_failure(tmp_path):
+    # After data: [DONE] the client waits only briefly for the body's end: a server that keeps it open costs that
+    # connection, not the request (without the bound, the 0.8 s request timeout would fail both).
+    out = tmp_path / "run.json"
+    with StubServer(StubBehavior(ttft_s=0.01, itl_s=0.001, hold_open_s=1.0)) as stub:
+        assert _run(stub.url, "--num-prompts", "2", "--warmup", "0", "--timeout", "0.8",
+                    "--output-json", str(out)) == 0
+    for r in _load(out)["requests"]:
+        assert r["success"] and r["e2e_s"] < 0.3 and r["end_s"] - r["start_s"] < 0.8
+
+
 def test_concurrency_warmup_and_duration(tmp_path):
     out = tmp_path / "run.json"
     with StubServer(StubBehavior(ttft_s=0.1, itl_s=0.005)) as stub:
