@@ -41,8 +41,10 @@ def _load(path) -> dict:
 
 def test_measured_timings_match_injected_delays(tmp_path):
     out = tmp_path / "run.json"
+    # As many warm-up requests as the concurrency: they open the 3 connections the run reuses, so no measured TTFT
+    # holds a TCP connect, which is no injected delay (on a CPU-starved machine one costs tens of ms).
     with StubServer(StubBehavior(ttft_s=TTFT_S, itl_s=ITL_S)) as stub:
-        rc = _run(stub.url, "--num-prompts", "6", "--max-concurrency", "3", "--warmup", "1", "--output-json", str(out))
+        rc = _run(stub.url, "--num-prompts", "6", "--max-concurrency", "3", "--warmup", "3", "--output-json", str(out))
         bodies = stub.state.bodies
     assert rc == 0
     doc = _load(out)
@@ -64,7 +66,7 @@ def test_measured_timings_match_injected_delays(tmp_path):
     assert s["client"]["overhead_per_event_us"] < 1000
     assert s["client"]["overhead_share_of_mean_itl"] < 0.01
     # What went over the wire: the vLLM/SGLang benchmark request shape, images inline.
-    assert len(bodies) == 7  # 1 warm-up + 6
+    assert len(bodies) == 9  # 3 warm-up + 6
     b = bodies[0]
     assert b["stream"] is True and b["stream_options"] == {"include_usage": True}
     assert b["max_completion_tokens"] == OUT_LEN and b["ignore_eos"] is True and b["model"] == "stub-model"
