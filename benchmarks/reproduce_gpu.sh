@@ -6,8 +6,8 @@
 #        bash benchmarks/reproduce_gpu.sh /tmp/res --kv-transfer shared
 #
 # Steps: the qwen2.5-vl-3b preset (random bf16 weights, ~30 s), the GPU tests, the encoder alone (eager and
-# CUDA graphs side by side), then `epdserve launch` with the given flags and the issue workloads: 1 request at a
-# time (448x448 and 1280x720), 32 and 128 concurrent. JSON records go to RESULTS_DIR. A workload that runs past
+# torch.compile, each without and with CUDA graphs, side by side), then `epdserve launch` with the given flags
+# and the issue workloads: 1 request at a time (448x448 and 1280x720), 32 and 128 concurrent. JSON records go to RESULTS_DIR. A workload that runs past
 # BENCH_TIMEOUT_S (default 300) gets every server's Python stacks dumped into the launch log (SIGUSR1) and the
 # GPU's utilization printed before the next one: a hung GPU shows 100 % or 0 %, a slow one in between.
 set -uo pipefail
@@ -19,7 +19,8 @@ run() { echo "+ $*"; "$@"; }
 [ -f "$MODEL/config.json" ] || run epdserve make-tiny-model "$MODEL" --preset qwen2.5-vl-3b --device cuda
 EPDSERVE_GPU_TEST_MODELS=$MODEL run python -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -3
 run python -m epdserve.bench.encoder --model-path "$MODEL" --image-sizes 448x448 1280x720 --batch 1 32 \
-    --num-images 96 --device cuda --max-batch-patches 65536 --cuda-graphs 0 32 --output-json "$RES/encoder.json"
+    --num-images 96 --device cuda --max-batch-patches 65536 --compile 0 1 --cuda-graphs 0 32 \
+    --output-json "$RES/encoder.json"
 
 epdserve launch --model-path "$MODEL" --port 8000 "$@" > "$RES/launch.log" 2>&1 &
 LAUNCH=$!
