@@ -27,8 +27,11 @@ LAUNCH=$!
 for _ in $(seq 900); do grep -q "epdserve ready" "$RES/launch.log" && break; kill -0 $LAUNCH || break; sleep 1; done
 grep "ready" "$RES/launch.log" | tail -1
 
+# Every stage's /metrics, from the launcher's "metrics: gateway=URL encoder0=URL ..." line: the bench reports
+# what moved on the servers (KV hand-off bytes and latency, encoder batch sizes) beside its own figures.
+METRICS=$(grep -o "metrics: gateway=.*" "$RES/launch.log" | tail -1 | grep -o "http://[^ ]*" | paste -sd, -)
 B=(epdserve bench --base-url http://127.0.0.1:8000 --dataset random-mm --tokenizer "$MODEL" --temperature 0
-   --disable-tqdm)
+   --disable-tqdm ${METRICS:+--scrape-metrics "$METRICS"})
 declare -A LOADS=(
   [c1]="--input-len 64 --output-len 128 --num-prompts 12 --max-concurrency 1"
   [c1_720p]="--input-len 64 --output-len 128 --num-prompts 12 --max-concurrency 1 --image-sizes 1280x720"
@@ -38,7 +41,7 @@ declare -A LOADS=(
 for w in c1 c1_720p c32 c128; do
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT_S:-300}" "${B[@]}" ${LOADS[$w]} --output-json "$RES/$w.json" 2>&1 |
-    grep -E "Successful|Failed|Request throughput|Output token throughput|TTFT|TPOT"
+    grep -E -i "Successful|Failed|Request throughput|Output token throughput|TTFT|TPOT|kv|batch"
   if [ "${PIPESTATUS[0]}" = 124 ]; then
     echo "$w timed out"
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
