@@ -8,7 +8,9 @@ preprocessing differences move logits far more than kernel noise does; see ../sh
 
 from __future__ import annotations
 
+import contextlib
 import json
+from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
 
@@ -20,6 +22,21 @@ from epdserve.device import resolve_device, resolve_dtype
 # transformers 5 names the tower ``model.visual``; checkpoints written by older versions (and the hub's
 # Qwen2-VL / Qwen2.5-VL releases) name it ``visual``. transformers 5 itself still saves the older layout.
 _VISUAL_PREFIXES = ("model.visual.", "visual.")
+
+
+@dataclass
+class PreparedImages:
+    """A batch after the image processor, ready for the tower (:meth:`VisionEncoder.preprocess`).
+
+    Attributes:
+        pixels: ``[num_patches, channels * temporal_patch * patch**2]`` on the tower's device, in its dtype.
+        rows: one ``[t, h, w]`` patch grid per image, in order.
+        ready: CUDA: recorded on the preprocessing stream after ``pixels`` was written; None on the CPU.
+    """
+
+    pixels: torch.Tensor
+    rows: list[list[int]]
+    ready: torch.cuda.Event | None
 
 
 class ImageDecodeError(ValueError):
@@ -123,7 +140,8 @@ class VisionEncoder:
             :class:`~epdserve.encoder.vision_graph.TowerGraphs` that runs :attr:`model` from CUDA graphs; otherwise
             None (transformers' plain call).
 
-    Not thread-safe: call :meth:`encode` from one thread at a time.
+    Not thread-safe as a whole: :meth:`preprocess` and :meth:`run_tower` may run at the same time on two
+    threads, but each one call at a time (and :meth:`encode`, which is both, excludes both).
     """
 
     def __init__(self, model_path: str | Path, device: torch.device | str = "cpu",
@@ -156,6 +174,7 @@ class VisionEncoder:
         self.model_path = str(model_path)
         self.tower = None
         self.compiled = False
+        self._prep_stream = None  # CUDA: the stream the image processor runs on (made on first use)
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self.device)
         config = AutoConfig.from_pretrained(self.model_path)
@@ -225,12 +244,65 @@ class VisionEncoder:
             raise ImageDecodeError(f"unsupported image shape {image.width}x{image.height}: {e}") from e
 
     @torch.inference_mode()
+    def preprocess(self, images: list[Image.Image]) -> PreparedImages:
+        """Run the image processor on ``images`` as one batch: the first half of :meth:`encode`.
+
+        On CUDA the processor runs on the GPU (its torchvision backend's ``device`` argument) on this encoder's
+        own preprocessing stream, so that its blocking host-to-device copies never wait for a tower call queued
+        on the default stream: the batcher preprocesses the next batch while the tower runs this one. May run
+        on another thread than :meth:`run_tower`, one call at a time.
+
+        Raises:
+            ValueError: from the image processor (e.g. an empty list).
+        """
+        with self._prep_stream_context():
+            on_gpu = {"device": self.device} if self.device.type == "cuda" else {}  # CPU: the reference call
+            inputs = self.image_processor(images=images, return_tensors="pt", **on_gpu)
+            # Same cast as transformers' get_image_features, so the outputs match it exactly.
+            pixels = inputs["pixel_values"].to(self.device).type(self.dtype)
+            rows = inputs["image_grid_thw"].tolist()
+            ready = None
+            if self.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
+        return PreparedImages(pixels, rows, ready)
+
+    @torch.inference_mode()
+    def run_tower(self, prepared: PreparedImages) -> list[tuple[torch.Tensor, list[int]]]:
+        """Run the vision tower on a :meth:`preprocess` output: the second half of :meth:`encode`. Waits for the
+        preprocessing on the device (not on the host), then for its own result only. One call at a time.
+
+        Returns:
+            See :meth:`encode`.
+        """
+        pixels, rows = prepared.pixels, prepared.rows
+        if prepared.ready is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(prepared.ready)
+            pixels.record_stream(stream)  # made on the preprocessing stream, read on this one
+        if self.tower is not None:
+            out = self.tower.run(pixels, [tuple(r) for r in rows])
+        else:
+            out = self.model(pixels, grid_thw=torch.tensor(rows, dtype=torch.int64, device=self.device)).pooler_output
+        sizes = [self.num_tokens(row) for row in rows]
+        # One device-to-host copy for the batch (the cache and the wire need host memory). On CUDA it goes to
+        # pinned memory and waits on an event: a plain .to("cpu") would also wait for whatever the
+        # preprocessing thread has queued since.
+        if out.is_cuda:
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+            out = host
+        # clone: each cached embedding owns its memory instead of pinning the whole batch.
+        return [(emb.clone(), row) for emb, row in zip(torch.split(out, sizes), rows)]
+
     def encode(self, images: list[Image.Image]) -> list[tuple[torch.Tensor, list[int]]]:
         """Run the image processor and the vision tower on ``images`` in one batch.
 
         The tower takes the concatenated ``pixel_values`` with one ``image_grid_thw`` row per image and attends
         within each image only (``cu_seqlens``), as transformers' ``get_image_features`` does for several images.
-        On CUDA the processor itself runs on the GPU (its torchvision backend's ``device`` argument).
 
         Args:
             images: decoded RGB images (see :func:`decode_image`).
@@ -242,17 +314,11 @@ class VisionEncoder:
         """
         if not images:
             return []
-        on_gpu = {"device": self.device} if self.device.type == "cuda" else {}  # CPU: exactly the reference call
-        inputs = self.image_processor(images=images, return_tensors="pt", **on_gpu)
-        grid = inputs["image_grid_thw"]
-        # Same cast as transformers' get_image_features, so the outputs match it exactly.
-        pixels = inputs["pixel_values"].to(self.device).type(self.dtype)
-        rows = grid.tolist()
-        if self.tower is not None:
-            out = self.tower.run(pixels, [tuple(r) for r in rows])
-        else:
-            out = self.model(pixels, grid_thw=grid.to(self.device)).pooler_output
-        sizes = [self.num_tokens(row) for row in rows]
-        out = out.to("cpu")  # one device-to-host copy for the batch; the cache and the wire need host memory
-        # clone: each cached embedding owns its memory instead of pinning the whole batch.
-        return [(emb.clone(), row) for emb, row in zip(torch.split(out, sizes), rows)]
+        return self.run_tower(self.preprocess(images))
+
+    def _prep_stream_context(self):
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._prep_stream is None:
+            self._prep_stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._prep_stream)
