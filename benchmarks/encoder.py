@@ -96,16 +96,22 @@ def _tower_ms(encoder: VisionEncoder, width: int, height: int, n: int, reps: int
 
 
 async def run(args: argparse.Namespace) -> list[dict]:
-    """One result row per (CUDA-graph setting, image size, batch level); see the module docstring."""
+    """One result row per (torch.compile setting, CUDA-graph setting, image size, batch level); see the module
+    docstring."""
     rows = []
-    for graphs in args.cuda_graphs:
-        rows += await _run_one(args, graphs)
+    for compiled in args.compile:
+        for graphs in args.cuda_graphs:
+            rows += await _run_one(args, graphs, bool(compiled))
     return rows
 
 
-async def _run_one(args: argparse.Namespace, graphs: int) -> list[dict]:
+async def _run_one(args: argparse.Namespace, graphs: int, compiled: bool) -> list[dict]:
     device = resolve_device(args.device)
-    encoder = VisionEncoder(resolve_model_path(args.model_path), device, resolve_dtype(args.dtype, device), graphs)
+    encoder = VisionEncoder(resolve_model_path(args.model_path), device, resolve_dtype(args.dtype, device), graphs,
+                            compiled)
+    t0 = time.perf_counter()
+    encoder.warm_up()
+    warm_up_s = time.perf_counter() - t0
     tower = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-vision")
     zmq_ctx = zmq.asyncio.Context()
     rng = np.random.default_rng(args.seed)
@@ -130,7 +136,7 @@ async def _run_one(args: argparse.Namespace, graphs: int) -> list[dict]:
                              "p99_latency_ms": float(np.percentile(lat_ms, 99)),
                              "tower_calls": calls, "mean_images_per_call": args.num_images / calls,
                              "patches_per_image": patches, "tokens_per_image": patches // encoder.merge_size**2,
-                             "cuda_graphs": graphs,
+                             "cuda_graphs": graphs, "compile": encoder.compiled, "warm_up_s": warm_up_s,
                              "tower_ms": await asyncio.get_running_loop().run_in_executor(
                                  tower, _tower_ms, encoder, width, height, min(batch, 16))})
                 await servicer.aclose()
@@ -141,11 +147,11 @@ async def _run_one(args: argparse.Namespace, graphs: int) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    head = (f"{'graphs':>6} {'image':>10} {'batch':>5} {'images/s':>9} {'mean ms':>8} {'p99 ms':>8} {'calls':>6} "
+    head = (f"{'compile':>7} {'graphs':>6} {'image':>10} {'batch':>5} {'images/s':>9} {'mean ms':>8} {'p99 ms':>8} {'calls':>6} "
             f"{'img/call':>8} {'tokens':>6} {'tower ms':>15}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['cuda_graphs']:>6} {r['image_size']:>10} {r['batch']:>5} {r['images_per_s']:>9.1f} "
+        lines.append(f"{'on' if r['compile'] else 'off':>7} {r['cuda_graphs']:>6} {r['image_size']:>10} {r['batch']:>5} {r['images_per_s']:>9.1f} "
                      f"{r['mean_latency_ms']:>8.1f} {r['p99_latency_ms']:>8.1f} {r['tower_calls']:>6} "
                      f"{r['mean_images_per_call']:>8.2f} {r['tokens_per_image']:>6} "
                      f"{r['tower_ms']:>7.1f} ({min(r['batch'], 16):>2} img)")
@@ -167,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the random images")
     p.add_argument("--cuda-graphs", nargs="+", type=int, default=[0],
                    help="the encoder's --cuda-graphs; several values run side by side (e.g. 0 32)")
+    p.add_argument("--compile", nargs="+", type=int, choices=(0, 1), default=[1],
+                   help="the encoder's --compile (1) or --no-compile (0); 0 1 runs both side by side")
     p.add_argument("--output-json", help="also write the config and the rows here")
     args = p.parse_args(argv)
     for size in args.image_sizes:

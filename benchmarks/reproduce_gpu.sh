@@ -6,8 +6,8 @@
 #        bash benchmarks/reproduce_gpu.sh /tmp/res --kv-transfer shared
 #
 # Steps: the qwen2.5-vl-3b preset (random bf16 weights, ~30 s), the GPU tests, the encoder alone (eager and
-# CUDA graphs side by side), then `epdserve launch` with the given flags and the issue workloads: 1 request at a
-# time (448x448 and 1280x720), 32 and 128 concurrent. JSON records go to RESULTS_DIR. A workload that runs past
+# torch.compile, each without and with CUDA graphs, side by side), then `epdserve launch` with the given flags
+# and the issue workloads: 1 request at a time (448x448 and 1280x720), 32 and 128 concurrent. JSON records go to RESULTS_DIR. A workload that runs past
 # BENCH_TIMEOUT_S (default 300) gets every server's Python stacks dumped into the launch log (SIGUSR1) and the
 # GPU's utilization printed before the next one: a hung GPU shows 100 % or 0 %, a slow one in between.
 set -uo pipefail
@@ -19,15 +19,19 @@ run() { echo "+ $*"; "$@"; }
 [ -f "$MODEL/config.json" ] || run epdserve make-tiny-model "$MODEL" --preset qwen2.5-vl-3b --device cuda
 EPDSERVE_GPU_TEST_MODELS=$MODEL run python -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -3
 run python -m epdserve.bench.encoder --model-path "$MODEL" --image-sizes 448x448 1280x720 --batch 1 32 \
-    --num-images 96 --device cuda --max-batch-patches 65536 --cuda-graphs 0 32 --output-json "$RES/encoder.json"
+    --num-images 96 --device cuda --max-batch-patches 65536 --compile 0 1 --cuda-graphs 0 32 \
+    --output-json "$RES/encoder.json"
 
 epdserve launch --model-path "$MODEL" --port 8000 "$@" > "$RES/launch.log" 2>&1 &
 LAUNCH=$!
 for _ in $(seq 900); do grep -q "epdserve ready" "$RES/launch.log" && break; kill -0 $LAUNCH || break; sleep 1; done
 grep "ready" "$RES/launch.log" | tail -1
 
+# Every stage's /metrics, from the launcher's "metrics: gateway=URL encoder0=URL ..." line: the bench reports
+# what moved on the servers (KV hand-off bytes and latency, encoder batch sizes) beside its own figures.
+METRICS=$(grep -o "metrics: gateway=.*" "$RES/launch.log" | tail -1 | grep -o "http://[^ ]*" | paste -sd, -)
 B=(epdserve bench --base-url http://127.0.0.1:8000 --dataset random-mm --tokenizer "$MODEL" --temperature 0
-   --disable-tqdm)
+   --disable-tqdm ${METRICS:+--scrape-metrics "$METRICS"})
 declare -A LOADS=(
   [c1]="--input-len 64 --output-len 128 --num-prompts 12 --max-concurrency 1"
   [c1_720p]="--input-len 64 --output-len 128 --num-prompts 12 --max-concurrency 1 --image-sizes 1280x720"
@@ -37,7 +41,7 @@ declare -A LOADS=(
 for w in c1 c1_720p c32 c128; do
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT_S:-300}" "${B[@]}" ${LOADS[$w]} --output-json "$RES/$w.json" 2>&1 |
-    grep -E "Successful|Failed|Request throughput|Output token throughput|TTFT|TPOT"
+    grep -E -i "Successful|Failed|Request throughput|Output token throughput|TTFT|TPOT|kv|batch"
   if [ "${PIPESTATUS[0]}" = 124 ]; then
     echo "$w timed out"
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv

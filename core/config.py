@@ -35,8 +35,11 @@ class EncoderConfig:
     metrics_port: int = _f(50151, "HTTP port of /metrics (Prometheus text format) next to the gRPC port; 0 = a "
                                   "free port")
     cuda_graphs: int = _f(0, "vision-tower CUDA graphs to keep, one per image grid and power-of-two batch size, "
-                             "captured on a shape's second use (CUDA, bf16/fp16); 0 = eager (the default until "
-                             "measured on a GPU, see docs/performance.md)")
+                             "captured on a shape's second use (CUDA, bf16/fp16); 0 = none. Cuts one-image latency; "
+                             "off by default because each new shape's capture stalls the first burst (see "
+                             "docs/performance.md)")
+    compile: bool = _f(True, "run the vision tower's blocks through torch.compile on CUDA in bf16/fp16 (fused "
+                             "elementwise kernels, aligned GEMMs); compiles for ~15 s before the server is ready")
 
 
 @dataclass
@@ -144,6 +147,8 @@ class LaunchConfig:
     decode_base_gpu: int = _f(0, "decode TP rank r runs on GPU decode_base_gpu + r")
     kv_transfer: str = _f("zmq", "prefill->decode KV path: zmq or shared (see `epdserve prefill --help`)")
     encoder_cuda_graphs: int = _f(0, "vision-tower CUDA graphs per encoder (see `epdserve encoder --help`)")
+    encoder_compile: bool = _f(True, "torch.compile the encoders' vision towers on CUDA (see `epdserve encoder "
+                                     "--help`)")
 
 
 def _base_type(tp):

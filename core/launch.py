@@ -49,7 +49,8 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
         encoder_device = f"cuda:{cfg.encoder_gpu}"
     commands = {f"encoder{i}": [*exe, "encoder", *common[:2], "--device", encoder_device, "--dtype", cfg.dtype,
                                 "--port", addr.rsplit(":", 1)[1], "--metrics-port", str(metrics_ports[f"encoder{i}"]),
-                                "--cuda-graphs", str(cfg.encoder_cuda_graphs)]
+                                "--cuda-graphs", str(cfg.encoder_cuda_graphs),
+                                "--compile" if cfg.encoder_compile else "--no-compile"]
                 for i, addr in enumerate(encoders)}
     commands |= {
         # --port 0: no HTTP front (that is for a PD router such as smg); the gateway speaks ZMQ to the stages.

@@ -439,8 +439,10 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
         await server.start()
         loop = asyncio.get_running_loop()
         model_path = await loop.run_in_executor(tower, resolve_model_path, config.model_path)
-        servicer.encoder = await loop.run_in_executor(tower, VisionEncoder, model_path, device, dtype,
-                                                      config.cuda_graphs)
+        encoder = await loop.run_in_executor(tower, VisionEncoder, model_path, device, dtype, config.cuda_graphs,
+                                             config.compile)
+        await loop.run_in_executor(tower, encoder.warm_up)
+        servicer.encoder = encoder
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("encoder ready on %s (model=%s, device=%s, dtype=%s, metrics=%s)",

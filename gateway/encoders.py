@@ -105,6 +105,7 @@ class EncoderPool:
         self._reasons: dict[int, str] = {}  # encoder index -> why it is down
         self._calls: dict[int, set[asyncio.Task]] = {i: set() for i in range(len(self.clients))}  # in flight
         self._last_ok = [time.monotonic()] * len(self.clients)  # last SERVING answer (or start)
+        self._ever_up = [False] * len(self.clients)  # whether it ever answered SERVING (else: still starting)
         self._heartbeat: asyncio.Task | None = None
 
     @property
@@ -198,6 +199,7 @@ class EncoderPool:
             elif isinstance(out, BaseException):
                 error = error or out
             else:
+                self._ever_up[e] = True
                 for p, r in zip(groups[e], out):
                     results[p] = r
         if error is not None:
@@ -207,8 +209,11 @@ class EncoderPool:
     def _mark_down(self, i: int, why: str) -> None:
         if i in self._probes:
             return
-        logger.warning("encoder %s is down (%s); probing it every %g s", self.names[i], why,
-                       self.probe_interval_s)
+        # An encoder that never answered is most likely still loading (compiling its tower takes seconds):
+        # that is not an incident worth a warning.
+        level = logging.WARNING if self._ever_up[i] else logging.INFO
+        logger.log(level, "encoder %s is %s (%s); probing it every %g s", self.names[i],
+                   "down" if self._ever_up[i] else "not serving yet", why, self.probe_interval_s)
         self._reasons[i] = why
         # A fresh context: the probe outlives the request that found the encoder down, and its log lines are
         # not about that request.
@@ -226,7 +231,7 @@ class EncoderPool:
                 ok = False
             now = time.monotonic()
             if ok:
-                self._last_ok[i] = now
+                self._last_ok[i], self._ever_up[i] = now, True
             elif i not in self._probes and now - self._last_ok[i] > self.stage_timeout_s:
                 self._mark_down(i, f"no healthy answer for {self.stage_timeout_s:g} s")
 
@@ -259,7 +264,8 @@ class EncoderPool:
             if serving:
                 del self._probes[i]
                 self._last_ok[i] = time.monotonic()
-                logger.info("encoder %s is serving again", self.names[i])
+                logger.info("encoder %s is serving%s", self.names[i], " again" if self._ever_up[i] else "")
+                self._ever_up[i] = True
                 return
 
     async def close(self) -> None:

@@ -358,7 +358,10 @@ class _CountingEncoder:
     def num_patches(self, image):
         return 16
 
-    def encode(self, images):
+    def preprocess(self, images):
+        return images
+
+    def run_tower(self, images):
         self.calls.append(len(images))
         time.sleep(0.2)
         return [(torch.full((4, 8), float(img.size[0])), [1, 4, 4]) for img in images]
@@ -393,7 +396,7 @@ def test_concurrent_requests_share_one_encode(photos):
 
 
 class _FailingEncoder(_CountingEncoder):
-    def encode(self, images):
+    def run_tower(self, images):
         raise RuntimeError("tower exploded")
 
 

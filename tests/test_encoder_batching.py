@@ -210,7 +210,10 @@ class _GatedEncoder:
         self.started = threading.Event()
         self.release = threading.Event()
 
-    def encode(self, images):
+    def preprocess(self, images):
+        return images
+
+    def run_tower(self, images):
         self.calls.append(len(images))
         self.widths.append([img.size[0] for img in images])
         self.started.set()
@@ -315,3 +318,51 @@ def test_cuda_bf16_tower_uses_packed_attention_and_matches_cpu(tiny_model_path):
         assert grid == grid_cpu
         cos = torch.nn.functional.cosine_similarity(emb.float().flatten(), ref.flatten(), dim=0)
         assert cos > 0.99, f"bf16 packed-attention embeddings drifted from the CPU reference (cosine {cos:.4f})"
+
+
+class _PipelineEncoder:
+    """Records preprocess and tower calls; the first tower call blocks until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.prepped: list[list[int]] = []
+        self.towered: list[list[int]] = []
+        self.first_tower = threading.Event()
+        self.release = threading.Event()
+
+    def preprocess(self, images):
+        self.prepped.append([img.size[0] for img in images])
+        return images
+
+    def run_tower(self, images):
+        self.towered.append([img.size[0] for img in images])
+        if len(self.towered) == 1:
+            self.first_tower.set()
+            assert self.release.wait(30)
+        return [(torch.full((1, 2), float(img.size[0])), [1, 2, 2]) for img in images]
+
+
+def test_next_batch_is_preprocessed_while_the_tower_runs_and_at_most_one_waits():
+    async def run():
+        tower = ThreadPoolExecutor(1)
+        batcher = EncodeBatcher(tower, batch_wait_ms=0, max_batch_patches=1000)
+        enc = _PipelineEncoder()
+        futs = [batcher.submit(enc, Image.new("RGB", (1, 1)), 4)]
+        await asyncio.to_thread(enc.first_tower.wait, 30)  # batch [1] is on the tower, held there
+        futs += [batcher.submit(enc, Image.new("RGB", (w, 1)), 4) for w in (2, 3)]
+        for _ in range(500):  # [2, 3] gets preprocessed while the tower is still busy with [1]
+            if len(enc.prepped) == 2:
+                break
+            await asyncio.sleep(0.01)
+        futs.append(batcher.submit(enc, Image.new("RGB", (4, 1)), 4))
+        await asyncio.sleep(0.2)
+        during = [list(b) for b in enc.prepped]  # [4] waits: one batch ready for the tower is enough
+        enc.release.set()
+        outs = await asyncio.gather(*futs)
+        await batcher.aclose()
+        tower.shutdown()
+        return during, enc, outs
+
+    during, enc, outs = asyncio.run(run())
+    assert during == [[1], [2, 3]]
+    assert enc.prepped == enc.towered == [[1], [2, 3], [4]]
+    assert [out[0][0, 0].item() for out in outs] == [1.0, 2.0, 3.0, 4.0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import logging
 import io
 import threading
 
@@ -347,3 +348,29 @@ def test_launch_starts_num_encoders_and_gives_the_gateway_all_addresses():
     assert parse_encoder_addrs(gateway[gateway.index("--encoder-addr") + 1]) == addrs
     with pytest.raises(ValueError, match="num-encoders"):
         launch(LaunchConfig(num_encoders=0))
+
+
+def test_an_encoder_still_starting_is_not_reported_as_down(caplog):
+    # At launch the gateway may meet an encoder that is still loading (compiling its tower takes seconds): an
+    # INFO line, not a warning. Once it has served, losing it is a warning.
+    async def run():
+        a, b = FakeEncoder("a:1"), FakeEncoder("b:2")
+        pool = EncoderPool([a, b], probe_interval_s=0.05)
+        a_imgs = _by_top(pool)[0]
+        a.down = True
+        with caplog.at_level(logging.INFO, logger="epdserve.gateway"):
+            await pool.encode("r1", a_imgs[:1], TARGETS)
+            a.down = False
+            for _ in range(200):
+                if pool.up == ["a:1", "b:2"]:
+                    break
+                await asyncio.sleep(0.05)
+            a.down = True
+            await pool.encode("r2", a_imgs[:1], TARGETS)
+        await pool.close()
+        return [(r.levelno, r.getMessage()) for r in caplog.records if "encoder a:1" in r.getMessage()]
+
+    lines = asyncio.run(run())
+    assert [lvl for lvl, _ in lines] == [logging.INFO, logging.INFO, logging.WARNING], lines
+    assert "a:1 is not serving yet" in lines[0][1] and lines[1][1] == "encoder a:1 is serving"
+    assert "a:1 is down" in lines[2][1]

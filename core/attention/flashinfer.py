@@ -50,6 +50,7 @@ class FlashInferBackend(AttentionBackend):
         self._graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self._wrapper = None
         self._out_slots: torch.Tensor | None = None
+        self._planned: dict[int, torch.cuda.Event] = {}  # id(decode wrapper) -> recorded after its last plan
 
     def enable_cuda_graphs(self, batch_sizes: list[int]) -> None:
         """Create a CUDA-graph-mode decode wrapper for each batch size, over index buffers shared by all of them
@@ -86,9 +87,17 @@ class FlashInferBackend(AttentionBackend):
         pool, dtype = self.kv_pool, self.kv_pool.dtype
         if batch.is_decode:
             wrapper = self._graph_decode[batch.batch_size] if cuda_graph else self._decode
+            # plan() writes its split-KV schedule into the wrapper's one pinned host buffer and queues an async
+            # copy of it to the device. The overlap scheduler plans step N+1 while step N may still wait in the
+            # stream (behind KV copies, or while another process holds the GPU): overwriting the buffer before
+            # N's copy ran would hand N's kernels N+1's schedule. So wait for that copy first (almost always done).
+            if (planned := self._planned.get(id(wrapper))) is not None:
+                planned.synchronize()
             wrapper.plan(kv_indptr.pin_memory(), kv_indices, last_len.pin_memory(), self.num_qo_heads,
                          pool.num_kv_heads, pool.head_dim, ps, q_data_type=dtype, kv_data_type=dtype,
                          sm_scale=self.scale, non_blocking=True)
+            planned = self._planned[id(wrapper)] = torch.cuda.Event()
+            planned.record()
             self._wrapper = wrapper
         else:
             qo_indptr = torch.tensor([0] + list(batch.q_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
