@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch
 from PIL import Image
 
 from epdserve.device import resolve_device, resolve_dtype
+
+log = logging.getLogger("epdserve.encoder")
 
 # transformers 5 names the tower ``model.visual``; checkpoints written by older versions (and the hub's
 # Qwen2-VL / Qwen2.5-VL releases) name it ``visual``. transformers 5 itself still saves the older layout.
@@ -208,6 +211,12 @@ class VisionEncoder:
             raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
         self.model = model.eval().requires_grad_(False)
+        if compile and self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
+            from torch.utils._triton import has_triton
+
+            if not has_triton():  # Inductor's GPU kernels are Triton: without it the first call would fail
+                log.warning("triton is not installed: the vision tower runs without torch.compile")
+                compile = False
         if compile and self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
             # Per module, not the whole forward: transformers' forward also does host-side grid arithmetic
             # that would only break the graph; every block shares one code object, so one compile serves all.
