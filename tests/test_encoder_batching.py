@@ -202,15 +202,17 @@ def test_tower_failure_fails_its_batch_with_internal_and_server_recovers(encoder
 
 
 class _GatedEncoder:
-    """Records each call's batch size; the first call blocks until ``release`` is set."""
+    """Records each preprocessing and tower call; the first tower call blocks until ``release`` is set."""
 
     def __init__(self) -> None:
         self.calls: list[int] = []
-        self.widths: list[list[int]] = []
+        self.prepped: list[list[int]] = []  # image widths of each preprocessing call
+        self.widths: list[list[int]] = []  # ... and of each tower call
         self.started = threading.Event()
         self.release = threading.Event()
 
     def preprocess(self, images):
+        self.prepped.append([img.size[0] for img in images])
         return images
 
     def run_tower(self, images):
@@ -320,34 +322,13 @@ def test_cuda_bf16_tower_uses_packed_attention_and_matches_cpu(tiny_model_path):
         assert cos > 0.99, f"bf16 packed-attention embeddings drifted from the CPU reference (cosine {cos:.4f})"
 
 
-class _PipelineEncoder:
-    """Records preprocess and tower calls; the first tower call blocks until ``release`` is set."""
-
-    def __init__(self) -> None:
-        self.prepped: list[list[int]] = []
-        self.towered: list[list[int]] = []
-        self.first_tower = threading.Event()
-        self.release = threading.Event()
-
-    def preprocess(self, images):
-        self.prepped.append([img.size[0] for img in images])
-        return images
-
-    def run_tower(self, images):
-        self.towered.append([img.size[0] for img in images])
-        if len(self.towered) == 1:
-            self.first_tower.set()
-            assert self.release.wait(30)
-        return [(torch.full((1, 2), float(img.size[0])), [1, 2, 2]) for img in images]
-
-
 def test_next_batch_is_preprocessed_while_the_tower_runs_and_at_most_one_waits():
     async def run():
         tower = ThreadPoolExecutor(1)
         batcher = EncodeBatcher(tower, batch_wait_ms=0, max_batch_patches=1000)
-        enc = _PipelineEncoder()
+        enc = _GatedEncoder()
         futs = [batcher.submit(enc, Image.new("RGB", (1, 1)), 4)]
-        await asyncio.to_thread(enc.first_tower.wait, 30)  # batch [1] is on the tower, held there
+        await asyncio.to_thread(enc.started.wait, 30)  # batch [1] is on the tower, held there
         futs += [batcher.submit(enc, Image.new("RGB", (w, 1)), 4) for w in (2, 3)]
         for _ in range(500):  # [2, 3] gets preprocessed while the tower is still busy with [1]
             if len(enc.prepped) == 2:
@@ -364,5 +345,5 @@ def test_next_batch_is_preprocessed_while_the_tower_runs_and_at_most_one_waits()
 
     during, enc, outs = asyncio.run(run())
     assert during == [[1], [2, 3]]
-    assert enc.prepped == enc.towered == [[1], [2, 3], [4]]
+    assert enc.prepped == enc.widths == [[1], [2, 3], [4]]
     assert [out[0][0, 0].item() for out in outs] == [1.0, 2.0, 3.0, 4.0]
