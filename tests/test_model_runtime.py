@@ -433,3 +433,44 @@ def test_backend_choice_on_cpu():
         make_backend("flashinfer", pool, 4)
     with pytest.raises(ValueError, match="unknown attention backend"):
         make_backend("xformers", pool, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flashinfer_replan_before_the_gpu_ran_the_previous_plan():
+    # flashinfer's plan() writes its split-KV schedule into ONE pinned host buffer per wrapper and queues an async
+    # copy of it; the overlap scheduler plans step N+1 while step N may still be queued. Hold the GPU busy, plan
+    # and launch a long-context batch, re-plan the same wrapper for a short one: the first batch's output must
+    # not change (without the wait in prepare() its queued copy would carry the second schedule).
+    pytest.importorskip("flashinfer")
+    from epdserve.attention.flashinfer import FlashInferBackend
+    from epdserve.forward_batch import ForwardBatch
+    from epdserve.kvcache.kv_pool import KVPool
+
+    dev, ps, heads, kv_heads, dim = torch.device("cuda"), 16, 16, 2, 128
+    pool = KVPool(num_layers=1, num_pages=600, page_size=ps, num_kv_heads=kv_heads, head_dim=dim,
+                  dtype=torch.bfloat16, device=dev)
+    pool.buffer.normal_(generator=torch.Generator(dev).manual_seed(0))
+    fi = FlashInferBackend(pool, heads)
+
+    def batch(kv_lens, tables):
+        slots = [t[(n - 1) // ps] * ps + (n - 1) % ps for t, n in zip(tables, kv_lens)]
+        b = len(kv_lens)
+        return ForwardBatch(True, torch.zeros(b, dtype=torch.int64), torch.zeros(3, b, dtype=torch.int64),
+                            torch.tensor(slots), [1] * b, kv_lens, tables)
+
+    long = batch([4000, 3000], [list(range(0, 250)), list(range(250, 438))])  # split-KV over many chunks
+    short = batch([17, 20], [[500, 501], [502, 503]])
+    gen = torch.Generator(dev).manual_seed(1)
+    q = torch.randn(2, heads, dim, device=dev, dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(2, kv_heads, dim, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+
+    fi.prepare(long)
+    want = fi.forward(0, q, k, v)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: the next plan's copy waits behind it
+    fi.prepare(long)
+    got = fi.forward(0, q, k, v)
+    fi.prepare(short)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
