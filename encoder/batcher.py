@@ -14,7 +14,6 @@ the tower is idle and the oldest image has not waited that long.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -74,6 +73,8 @@ class EncodeBatcher:
         self._tower = tower
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epdserve-vision-prep")
         self._tower_task: asyncio.Task | None = None  # the latest batch's tower stage
+        self._tower_started = 0.0  # loop.time() when the latest tower call started
+        self._prep_s = self._tower_s = 0.0  # moving averages of the two stages' durations, in seconds
         self._wait_s = batch_wait_ms / 1000
         self._max_patches = max_batch_patches
         self._queue: list[_Pending] = []
@@ -131,9 +132,17 @@ class EncodeBatcher:
         try:
             while self._queue:
                 delay = self._queue[0].arrival + self._wait_s - loop.time()
+                tower = self._tower_task if self._tower_task is not None and not self._tower_task.done() else None
+                if tower is not None:
+                    # Take the next batch only when its preprocessing would end as the tower's call does: the
+                    # images that arrive until then still join it, where taking it at once would make it small.
+                    delay = max(delay, self._tower_started + self._tower_s - self._prep_s - loop.time())
                 if delay > 0 and not self._full.is_set():
-                    with contextlib.suppress(TimeoutError):  # the window ended; a full budget ends it early
-                        await asyncio.wait_for(self._full.wait(), delay)
+                    # The wait ends early when the budget fills up or the tower frees up.
+                    full = asyncio.ensure_future(self._full.wait())
+                    await asyncio.wait([full, *([tower] if tower else [])], timeout=delay,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    full.cancel()
                     continue
                 batch = self._take()
                 if not batch:
@@ -147,11 +156,12 @@ class EncodeBatcher:
                     _fail(batch, e)
                     batch = []
                     continue
+                prep_s = loop.time() - started
+                self._prep_s = _ema(self._prep_s, prep_s)
                 # At most one batch waits for the tower beyond the one on it: images arriving meanwhile
                 # queue and form a larger next batch instead of many small ones.
                 if self._tower_task is not None and not self._tower_task.done():
                     await asyncio.wait([self._tower_task])
-                prep_s = loop.time() - started
                 self._tower_task = asyncio.create_task(self._tower_stage(batch, prepared, started, prep_s))
                 batch = []
         finally:
@@ -165,7 +175,7 @@ class EncodeBatcher:
         """Run ``prepared`` on the tower and resolve ``batch``'s futures; metrics: queue time until ``started``
         (its preprocessing began), encode time = preprocessing (``prep_s``) + tower, without the wait between."""
         loop = asyncio.get_running_loop()
-        tower_started = loop.time()
+        tower_started = self._tower_started = loop.time()
         try:
             outs = await loop.run_in_executor(self._tower, batch[0].encoder.run_tower, prepared)
             if len(outs) != len(batch):
@@ -176,6 +186,7 @@ class EncodeBatcher:
         except Exception as e:  # each waiting request logs and reports it
             _fail(batch, e)
             return
+        self._tower_s = _ema(self._tower_s, loop.time() - tower_started)
         for item, out in zip(batch, outs):
             if not item.future.done():
                 item.future.set_result(out)
@@ -191,6 +202,10 @@ class EncodeBatcher:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._prep.shutdown(wait=False, cancel_futures=True)
+
+
+def _ema(average: float, sample: float) -> float:
+    return sample if average == 0.0 else 0.5 * average + 0.5 * sample
 
 
 def _fail(items: list[_Pending], error: BaseException) -> None:
