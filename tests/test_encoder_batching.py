@@ -6,6 +6,7 @@ import asyncio
 import json
 import io
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -346,4 +347,41 @@ def test_next_batch_is_preprocessed_while_the_tower_runs_and_at_most_one_waits()
     during, enc, outs = asyncio.run(run())
     assert during == [[1], [2, 3]]
     assert enc.prepped == enc.widths == [[1], [2, 3], [4]]
+    assert [out[0][0, 0].item() for out in outs] == [1.0, 2.0, 3.0, 4.0]
+
+
+class _SlowTower:
+    """Instant preprocessing, a tower call of ``tower_s`` seconds; records each tower call's image widths."""
+
+    def __init__(self, tower_s: float) -> None:
+        self.tower_s, self.widths = tower_s, []
+
+    def preprocess(self, images):
+        return images
+
+    def run_tower(self, images):
+        self.widths.append([img.size[0] for img in images])
+        time.sleep(self.tower_s)
+        return [(torch.full((1, 2), float(img.size[0])), [1, 2, 2]) for img in images]
+
+
+def test_with_the_tower_busy_the_next_batch_is_taken_just_in_time():
+    # Images arriving one by one while the tower runs all join the next batch: it is taken when its (instant)
+    # preprocessing would end with the tower's call, not as soon as the preprocessing thread is free.
+    async def run():
+        tower = ThreadPoolExecutor(1)
+        batcher = EncodeBatcher(tower, batch_wait_ms=0, max_batch_patches=1000)
+        enc = _SlowTower(0.4)
+        await batcher.submit(enc, Image.new("RGB", (9, 1)), 4)  # one call to learn the stages' durations
+        futs = [batcher.submit(enc, Image.new("RGB", (1, 1)), 4)]
+        for w in (2, 3, 4):
+            await asyncio.sleep(0.05)
+            futs.append(batcher.submit(enc, Image.new("RGB", (w, 1)), 4))
+        outs = await asyncio.gather(*futs)
+        await batcher.aclose()
+        tower.shutdown()
+        return enc.widths, outs
+
+    widths, outs = asyncio.run(run())
+    assert widths == [[9], [1], [2, 3, 4]]
     assert [out[0][0, 0].item() for out in outs] == [1.0, 2.0, 3.0, 4.0]
