@@ -227,11 +227,19 @@ class VisionEncoder:
     def warm_up(self) -> None:
         """Run the tower on a few synthetic images of two sizes and batch sizes, so that ``torch.compile``'s
         compilations (a static first one, then the dynamic-shape one) and the CUDA-graph shapes' first uses
-        happen before the first request. Seconds with ``compile`` on a fresh machine; a no-op otherwise."""
+        happen before the first request. Seconds with ``compile`` on a fresh machine; a no-op otherwise.
+
+        Raises:
+            RuntimeError: compiling failed (the message names the way out: ``--no-compile``).
+        """
         if not self.compiled:
             return
-        for sizes in ([(448, 448)], [(448, 448), (336, 224)], [(336, 224)] * 3):
-            self.encode([Image.new("RGB", size, (i * 40 % 256, 90, 160)) for i, size in enumerate(sizes)])
+        try:
+            for sizes in ([(448, 448)], [(448, 448), (336, 224)], [(336, 224)] * 3):
+                self.encode([Image.new("RGB", size, (i * 40 % 256, 90, 160)) for i, size in enumerate(sizes)])
+        except Exception as e:  # Inductor/Triton failures have many types; all mean the same to the operator
+            raise RuntimeError(f"torch.compile of the vision tower failed ({type(e).__name__}: {e}); start the "
+                               "encoder with --no-compile (epdserve launch --no-encoder-compile)") from e
 
     def num_tokens(self, grid_thw: list[int]) -> int:
         """Image tokens (embedding rows) of an image with patch grid ``[t, h, w]``."""
