@@ -140,9 +140,11 @@ class EncodeBatcher:
                 if delay > 0 and not self._full.is_set():
                     # The wait ends early when the budget fills up or the tower frees up.
                     full = asyncio.ensure_future(self._full.wait())
-                    await asyncio.wait([full, *([tower] if tower else [])], timeout=delay,
-                                       return_when=asyncio.FIRST_COMPLETED)
-                    full.cancel()
+                    try:
+                        await asyncio.wait([full, *([tower] if tower else [])], timeout=delay,
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        full.cancel()
                     continue
                 batch = self._take()
                 if not batch:
@@ -162,6 +164,7 @@ class EncodeBatcher:
                 # queue and form a larger next batch instead of many small ones.
                 if self._tower_task is not None and not self._tower_task.done():
                     await asyncio.wait([self._tower_task])
+                self._tower_started = loop.time()  # the tower thread is free: the call starts now
                 self._tower_task = asyncio.create_task(self._tower_stage(batch, prepared, started, prep_s))
                 batch = []
         finally:
@@ -175,7 +178,7 @@ class EncodeBatcher:
         """Run ``prepared`` on the tower and resolve ``batch``'s futures; metrics: queue time until ``started``
         (its preprocessing began), encode time = preprocessing (``prep_s``) + tower, without the wait between."""
         loop = asyncio.get_running_loop()
-        tower_started = self._tower_started = loop.time()
+        tower_started = loop.time()
         try:
             outs = await loop.run_in_executor(self._tower, batch[0].encoder.run_tower, prepared)
             if len(outs) != len(batch):
