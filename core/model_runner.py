@@ -7,7 +7,6 @@ import dataclasses
 import torch
 
 from epdserve.attention.base import make_backend
-from epdserve.device import to_device
 from epdserve.distributed import TPGroup
 from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
@@ -161,11 +160,7 @@ class ModelRunner:
             if self.tp.size > 1:
                 kv = self.tp.broadcast(kv.to(self.device, self.dtype).contiguous())
                 kv = kv[:, :, :, self.heads.kv_start:self.heads.kv_start + self.heads.num_kv_heads]
-            elif kv.device != self.device:
-                # Through pinned memory: a pageable copy would wait for the decode step in flight, and the
-                # decode server's overlap of steps would stall at every admission.
-                kv = to_device(kv, self.device)
-            self.kv_pool.write_all(to_device(slots, self.device) if slots.device != self.device else slots, kv)
+            self.kv_pool.write_all(slots.to(self.device), kv)
 
     def close(self) -> None:
         """Release what the runner holds outside this process (nothing for one rank; TP runners stop their
