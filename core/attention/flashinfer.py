@@ -97,7 +97,7 @@ class FlashInferBackend(AttentionBackend):
                          pool.num_kv_heads, pool.head_dim, ps, q_data_type=dtype, kv_data_type=dtype,
                          sm_scale=self.scale, non_blocking=True)
             planned = self._planned[id(wrapper)] = torch.cuda.Event()
-            planned.record()
+            planned.record(torch.cuda.current_stream(dev))
             self._wrapper = wrapper
         else:
             qo_indptr = torch.tensor([0] + list(batch.q_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
