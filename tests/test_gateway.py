@@ -403,7 +403,10 @@ def test_non_stream_with_image(gw, tiny_model_path, processor, photo_paths):
     assert choice["finish_reason"] == "stop"
     assert choice["token_ids"] == REPLY_IDS
 
-    # What the stages received: decode first, then prefill, same room; ids equal the HF processor's.
+    # What the stages received: decode first, then prefill, same room; ids equal the HF processor's. The fake
+    # decode answers without waiting for prefill, so the answer can come before the fake prefill's thread has
+    # recorded its request.
+    assert _wait_for(lambda: prefill.messages(PrefillRequest))
     (pre,), (dec,) = prefill.messages(PrefillRequest), decode_.messages(DecodeRequest)
     assert pre.rid == dec.rid == out["id"]
     assert encoder.calls == [(out["id"], 1, EMBED_ENDPOINTS)]
