@@ -215,25 +215,32 @@ def test_shared_kv_hand_off_holds_pages_until_decode_acks(tiny_model_path, runne
         return DecodeRequest(rid=f"r{room}", prompt_len=n, sampling=sampling, bootstrap_host="h", bootstrap_port=1,
                              bootstrap_room=room)
 
+    def hand_off(room):
+        """Decode registers request ``room``, prefill computes it: (decode's bootstrap endpoint, the
+        registration, prefill's one (KV endpoint, KVTransfer))."""
+        endpoint, reg = dec.add_request(decode_request(room), peer=b"g")
+        prefill.add_request(_req(photo_request, f"r{room}", room))
+        prefill.add_embeddings(_embeds(photo_request, f"r{room}"))
+        prefill.register(reg)
+        (sent,) = _run(prefill)
+        return endpoint, reg, sent
+
+    def ack_frees_the_pages():
+        (_, ack), = dec.take_acks()
+        prefill.ack(ack)
+        assert prefill.load().rooms == 0 and _pages_accounted(prefill)
+
     # Reference: the host path (a decode server that does not map pools gets the KV in the message).
     dec = _decode_sched(runner)
-    _, reg = dec.add_request(decode_request(1), peer=b"g")
+    _, reg, (_, host_t) = hand_off(1)
     assert not reg.accept_shared
-    prefill.add_request(_req(photo_request, "r1", 1))
-    prefill.add_embeddings(_embeds(photo_request, "r1"))
-    prefill.register(reg)
-    (_, host_t), = _run(prefill)
     assert host_t.kv is not None and host_t.pool is None
     dec.add_transfer(host_t)
     want, _ = _decode_tokens(dec, 1)
 
     dec = _decode_sched(runner, accept_shared=True)
-    endpoint, reg = dec.add_request(decode_request(2), peer=b"g")
+    endpoint, reg, (kv_endpoint, t) = hand_off(2)
     assert reg.accept_shared and reg.host_id
-    prefill.add_request(_req(photo_request, "r2", 2))
-    prefill.add_embeddings(_embeds(photo_request, "r2"))
-    prefill.register(reg)
-    (kv_endpoint, t), = _run(prefill)
     assert kv_endpoint == "tcp://me" and t.kv is None and len(t.kv_pages) == -(-n // PAGE)
     held = prefill.load()
     assert held.rooms == 1 and held.kv_pages_used > held.kv_pages_cached  # lent pages: not yet reusable
@@ -247,26 +254,16 @@ def test_shared_kv_hand_off_holds_pages_until_decode_acks(tiny_model_path, runne
     prefill.radix.check_integrity()
 
     # A pool that cannot be mapped fails that request with an error and still frees the prefill pages.
-    _, reg = dec.add_request(decode_request(3), peer=b"g")
-    prefill.add_request(_req(photo_request, "r3", 3))
-    prefill.add_embeddings(_embeds(photo_request, "r3"))
-    prefill.register(reg)
-    (_, t), = _run(prefill)
+    _, _, (_, t) = hand_off(3)
     t.pool.shm_path = "/dev/shm/epdserve-kv-gone"
     dec.add_transfer(t)
     _, last = _decode_tokens(dec, 3)
     assert last.finish_reason == "error" and "KV hand-off failed" in last.error
-    (_, ack), = dec.take_acks()
-    prefill.ack(ack)
-    assert prefill.load().rooms == 0 and _pages_accounted(prefill)
+    ack_frees_the_pages()
 
     # Pages lent past the prefill server's deadline may already hold other KV: decode fails the request instead
     # of copying them, and acks.
-    _, reg = dec.add_request(decode_request(4), peer=b"g")
-    prefill.add_request(_req(photo_request, "r4", 4))
-    prefill.add_embeddings(_embeds(photo_request, "r4"))
-    prefill.register(reg)
-    (_, t), = _run(prefill)
+    _, _, (_, t) = hand_off(4)
     assert t.lend_until > time.time() + 30  # the scheduler's timeout
     t.lend_until = time.time() + 1.0  # inside the safety margin
     copies = []
@@ -277,37 +274,23 @@ def test_shared_kv_hand_off_holds_pages_until_decode_acks(tiny_model_path, runne
     finally:
         del dec.runner.copy_kv_from
     assert last.finish_reason == "error" and "expired" in last.error and not copies
-    (_, ack), = dec.take_acks()
-    prefill.ack(ack)
-    assert prefill.load().rooms == 0 and _pages_accounted(prefill)
+    ack_frees_the_pages()
     assert dec.load().kv_pages_used == 0
 
     # A shared transfer decode rejects (another prompt's digest): the request fails and the pages are acked.
-    _, reg = dec.add_request(decode_request(6), peer=b"g")
-    prefill.add_request(_req(photo_request, "r6", 6))
-    prefill.add_embeddings(_embeds(photo_request, "r6"))
-    prefill.register(reg)
-    (_, t), = _run(prefill)
+    _, _, (_, t) = hand_off(6)
     t.input_digest = "0" * 16
     dec.pending[6].msg.input_digest = "1" * 16
     dec.add_transfer(t)
     _, last = _decode_tokens(dec, 6)
     assert last.finish_reason == "error" and "tokenization mismatch" in last.error
-    (_, ack), = dec.take_acks()
-    prefill.ack(ack)
-    assert prefill.load().rooms == 0 and _pages_accounted(prefill)
+    ack_frees_the_pages()
 
     # Aborted on decode before its copy (waiting for pages): the ack lets the prefill server free them now.
-    _, reg = dec.add_request(decode_request(5), peer=b"g")
-    prefill.add_request(_req(photo_request, "r5", 5))
-    prefill.add_embeddings(_embeds(photo_request, "r5"))
-    prefill.register(reg)
-    (_, t), = _run(prefill)
+    _, _, (_, t) = hand_off(5)
     dec.add_transfer(t)
     dec.abort("r5")
-    (_, ack), = dec.take_acks()
-    prefill.ack(ack)
-    assert prefill.load().rooms == 0 and _pages_accounted(prefill)
+    ack_frees_the_pages()
 
 
 def test_decode_batches_frees_pages_and_reports_errors(runner, photo_request):
