@@ -132,7 +132,7 @@ class EncodeBatcher:
         try:
             while self._queue:
                 delay = self._queue[0].arrival + self._wait_s - loop.time()
-                tower = self._tower_task if self._tower_task is not None and not self._tower_task.done() else None
+                tower = self._busy_tower()
                 if tower is not None:
                     # Take the next batch only when its preprocessing would end as the tower's call does: the
                     # images that arrive until then still join it, where taking it at once would make it small.
@@ -162,8 +162,8 @@ class EncodeBatcher:
                 self._prep_s = _ema(self._prep_s, prep_s)
                 # At most one batch waits for the tower beyond the one on it: images arriving meanwhile
                 # queue and form a larger next batch instead of many small ones.
-                if self._tower_task is not None and not self._tower_task.done():
-                    await asyncio.wait([self._tower_task])
+                if (tower := self._busy_tower()) is not None:
+                    await asyncio.wait([tower])
                 self._tower_started = loop.time()  # the tower thread is free: the call starts now
                 self._tower_task = asyncio.create_task(self._tower_stage(batch, prepared, started, prep_s))
                 batch = []
@@ -173,6 +173,11 @@ class EncodeBatcher:
             _fail(batch + self._queue, RuntimeError("encoding was cancelled (server stopping)"))
             self._queue.clear()
             self._queued_patches = 0
+
+    def _busy_tower(self) -> asyncio.Task | None:
+        """The latest batch's tower stage while it still runs, else None."""
+        task = self._tower_task
+        return task if task is not None and not task.done() else None
 
     async def _tower_stage(self, batch: list[_Pending], prepared: Any, started: float, prep_s: float) -> None:
         """Run ``prepared`` on the tower and resolve ``batch``'s futures; metrics: queue time until ``started``

@@ -196,7 +196,8 @@ class VisionEncoder:
         # (seconds for a real tower); the device context builds the tower in place, without a host copy.
         with no_init_weights(), torch.device(self.device):
             model = vision_cls._from_config(config.vision_config, dtype=self.dtype)
-        if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
+        fast_path = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+        if fast_path:
             from epdserve.encoder.varlen_attention import register
 
             # One packed kernel per layer, not one per window. Set after construction: at construction
@@ -211,18 +212,17 @@ class VisionEncoder:
             raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
         self.model = model.eval().requires_grad_(False)
-        if compile and self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
+        if compile and fast_path:
             from torch.utils._triton import has_triton
 
-            if not has_triton():  # Inductor's GPU kernels are Triton: without it the first call would fail
+            if has_triton():
+                # Per module, not the whole forward: transformers' forward also does host-side grid arithmetic
+                # that would only break the graph; every block shares one code object, so one compile serves all.
+                for module in (*model.blocks, model.merger):
+                    module.compile(dynamic=True)
+                self.compiled = True
+            else:  # Inductor's GPU kernels are Triton: without it the first call would fail
                 log.warning("triton is not installed: the vision tower runs without torch.compile")
-                compile = False
-        if compile and self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
-            # Per module, not the whole forward: transformers' forward also does host-side grid arithmetic
-            # that would only break the graph; every block shares one code object, so one compile serves all.
-            for module in (*model.blocks, model.merger):
-                module.compile(dynamic=True)
-            self.compiled = True
 
     def warm_up(self) -> None:
         """Run the tower on a few synthetic images of two sizes and batch sizes, so that ``torch.compile``'s
