@@ -33,7 +33,7 @@ from epdserve.encoder.vision import VisionEncoder
 from epdserve.models.tiny import resolve_model_path
 from epdserve.proto import encoder_pb2
 
-from .report import print_rows
+from .report import print_rows, text_table
 from .synth import parse_size, random_image
 
 
@@ -147,15 +147,19 @@ async def _run_one(args: argparse.Namespace, graphs: int, compiled: bool) -> lis
 
 
 def _table(rows: list[dict]) -> str:
-    head = (f"{'compile':>7} {'graphs':>6} {'image':>10} {'batch':>5} {'images/s':>9} {'mean ms':>8} {'p99 ms':>8} {'calls':>6} "
-            f"{'img/call':>8} {'tokens':>6} {'tower ms':>15}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{'on' if r['compile'] else 'off':>7} {r['cuda_graphs']:>6} {r['image_size']:>10} {r['batch']:>5} {r['images_per_s']:>9.1f} "
-                     f"{r['mean_latency_ms']:>8.1f} {r['p99_latency_ms']:>8.1f} {r['tower_calls']:>6} "
-                     f"{r['mean_images_per_call']:>8.2f} {r['tokens_per_image']:>6} "
-                     f"{r['tower_ms']:>7.1f} ({min(r['batch'], 16):>2} img)")
-    return "\n".join(lines)
+    return text_table([
+        ("compile", 7, lambda r: "on" if r["compile"] else "off"),
+        ("graphs", 6, lambda r: str(r["cuda_graphs"])),
+        ("image", 10, lambda r: r["image_size"]),
+        ("batch", 5, lambda r: str(r["batch"])),
+        ("images/s", 9, lambda r: f"{r['images_per_s']:.1f}"),
+        ("mean ms", 8, lambda r: f"{r['mean_latency_ms']:.1f}"),
+        ("p99 ms", 8, lambda r: f"{r['p99_latency_ms']:.1f}"),
+        ("calls", 6, lambda r: str(r["tower_calls"])),
+        ("img/call", 8, lambda r: f"{r['mean_images_per_call']:.2f}"),
+        ("tokens", 6, lambda r: str(r["tokens_per_image"])),
+        ("tower ms", 15, lambda r: f"{r['tower_ms']:>7.1f} ({min(r['batch'], 16):>2} img)"),
+    ], rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ from epdserve.messages import (
 )
 from epdserve.launch import free_port
 
-from .report import print_rows
+from .report import print_rows, text_table
 
 _TEXT = ("The quick brown fox jumps over the lazy dog while a small bird sings in the old oak tree near the river, "
          "and the children laugh as they run across the green field under a bright summer sky. ")
@@ -166,14 +166,16 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    head = (f"{'conc':>5} {'offered tok/s':>13} {'delivered':>10} {'ITL med':>8} {'ITL p90':>8} "
-            f"{'gw CPU ms/1k tok':>17} {'gw CPU':>7} {'failed':>6}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['concurrency']:>5} {r['offered_tok_s']:>13.0f} {r['delivered_tok_s']:>10.0f} "
-                     f"{r['itl_median_ms']:>8.2f} {r['itl_p90_ms']:>8.2f} {r['gateway_cpu_ms_per_1k_tokens']:>17.1f} "
-                     f"{r['gateway_cpu_share']:>6.0%} {r['failed']:>6}")
-    return "\n".join(lines)
+    return text_table([
+        ("conc", 5, lambda r: str(r["concurrency"])),
+        ("offered tok/s", 13, lambda r: f"{r['offered_tok_s']:.0f}"),
+        ("delivered", 10, lambda r: f"{r['delivered_tok_s']:.0f}"),
+        ("ITL med", 8, lambda r: f"{r['itl_median_ms']:.2f}"),
+        ("ITL p90", 8, lambda r: f"{r['itl_p90_ms']:.2f}"),
+        ("gw CPU ms/1k tok", 17, lambda r: f"{r['gateway_cpu_ms_per_1k_tokens']:.1f}"),
+        ("gw CPU", 7, lambda r: f"{r['gateway_cpu_share']:.0%}"),
+        ("failed", 6, lambda r: str(r["failed"])),
+    ], rows)
 
 
 def main(argv: list[str] | None = None) -> int:

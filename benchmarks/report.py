@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,21 +82,35 @@ def format_summary(s: dict[str, Any], title: str = "Serving Benchmark Result") -
     return "\n".join(rows)
 
 
+def text_table(columns: Sequence[tuple[str, int, Callable[[Any], str]]], rows: Iterable[Any]) -> str:
+    """A plain-text table: per column ``(header, width, cell)``, ``cell(row)`` giving the text of that row's
+    cell; headers and cells right-aligned to the column's width, columns one space apart, a rule under the header
+    (the layout of ``vllm bench``'s sweep tables)."""
+    head = " ".join(f"{name:>{width}}" for name, width, _ in columns)
+    lines = [head, "-" * len(head)]
+    lines += [" ".join(f"{cell(row):>{width}}" for _, width, cell in columns) for row in rows]
+    return "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
 def format_sweep(runs: list[dict[str, Any]]) -> str:
     """One line per request rate: counts, throughputs and the main latency figures (ms)."""
-    head = (f"{'rate':>6} {'ok':>5} {'fail':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT mean':>10} {'TTFT p99':>9} "
-            f"{'TPOT mean':>10} {'TPOT p99':>9} {'ITL mean':>9} {'E2E mean':>9}")
-    lines = [head, "-" * len(head)]
-    for run in runs:
-        s = run["summary"]
-        f = lambda v, w: f"{'n/a':>{w}}" if v is None else f"{v:>{w}.2f}"  # noqa: E731
-        lines.append(
-            f"{str(s['request_rate']):>6} {s['successful_requests']:>5} {s['failed_requests']:>5} "
-            f"{s['request_throughput_rps']:>7.2f} {s['output_token_throughput_tps']:>10.1f} "
-            f"{f(s['ttft_ms']['mean'], 10)} {f(s['ttft_ms']['p99'], 9)} {f(s['tpot_ms']['mean'], 10)} "
-            f"{f(s['tpot_ms']['p99'], 9)} {f(s['itl_ms']['mean'], 9)} {f(s['e2e_ms']['mean'], 9)}"
-        )
-    return "\n".join(lines)
+    return text_table([
+        ("rate", 6, lambda s: str(s["request_rate"])),
+        ("ok", 5, lambda s: str(s["successful_requests"])),
+        ("fail", 5, lambda s: str(s["failed_requests"])),
+        ("req/s", 7, lambda s: f"{s['request_throughput_rps']:.2f}"),
+        ("out tok/s", 10, lambda s: f"{s['output_token_throughput_tps']:.1f}"),
+        ("TTFT mean", 10, lambda s: _ms(s["ttft_ms"]["mean"])),
+        ("TTFT p99", 9, lambda s: _ms(s["ttft_ms"]["p99"])),
+        ("TPOT mean", 10, lambda s: _ms(s["tpot_ms"]["mean"])),
+        ("TPOT p99", 9, lambda s: _ms(s["tpot_ms"]["p99"])),
+        ("ITL mean", 9, lambda s: _ms(s["itl_ms"]["mean"])),
+        ("E2E mean", 9, lambda s: _ms(s["e2e_ms"]["mean"])),
+    ], (run["summary"] for run in runs))
 
 
 def run_payload(config: dict[str, Any], summary: dict[str, Any], result: RunResult) -> dict[str, Any]:
