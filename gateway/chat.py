@@ -240,6 +240,8 @@ class ChatService:
                     if final.finish_reason == "error":
                         logger.warning("rid=%s failed: %s", chat.rid, final.error)
                         raise GenerationFailed(500, final.error or "generation failed")
+                    if n_tokens == 0:
+                        logger.debug("rid=%s first output", chat.rid)
                     n_tokens += len(final.token_ids)
                     yield text, final
                     if final.finish_reason is not None:
