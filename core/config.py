@@ -28,8 +28,9 @@ class EncoderConfig:
     cache_size_mb: int = _f(1024, "embedding cache capacity in MiB (LRU by image hash)")
     max_message_mb: int = _f(256, "largest gRPC message accepted or sent, in MiB")
     max_image_pixels: int = _f(64_000_000, "largest decoded image (width*height) accepted")
-    batch_wait_ms: float = _f(2.0, "how long an image may wait for images of other requests to share its tower "
-                                   "call while the tower is idle, in ms; 0 = run as soon as the tower is free")
+    batch_wait_ms: float = _f(2.0, "how long an image may wait, while the tower is idle, for images of other "
+                                   "requests already being decoded to share its tower call, in ms; 0 = run as "
+                                   "soon as the tower is free")
     max_batch_patches: int = _f(16384, "most patches (before the 2x2 merge) in one tower call; a larger image "
                                        "runs alone")
     metrics_port: int = _f(50151, "HTTP port of /metrics (Prometheus text format) next to the gRPC port; 0 = a "

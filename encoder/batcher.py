@@ -7,8 +7,9 @@ forward over the concatenated ``pixel_values`` with one ``image_grid_thw`` row p
 copy) on the tower thread, then each image's future gets its own rows. The two stages form a pipeline of depth
 two: the next batch is preprocessed while the tower runs this one, which hides the processor's host time (tens
 of ms for 16 images) behind the tower's GPU time. While a batch is on the tower, new images queue for the next
-one (continuous batching, as in Orca, Yu et al., OSDI 2022): the runner waits for the batching window only when
-the tower is idle and the oldest image has not waited that long.
+one (continuous batching, as in Orca, Yu et al., OSDI 2022). While the tower is idle, the runner waits for the
+batching window only for images already on their way (:meth:`EncodeBatcher.announce`: being decoded for a
+request that arrived): a lone request never waits for company that is not coming.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class EncodeBatcher:
                  metrics: EncoderMetrics | None = None) -> None:
         """Args:
             tower: the executor ``encode`` runs on (single-threaded: VisionEncoder is not thread-safe).
-            batch_wait_ms: how long the oldest pending image may wait for others while the tower is idle, in
-                milliseconds; 0 runs a batch as soon as the tower is free.
+            batch_wait_ms: how long the oldest pending image may wait, while the tower is idle, for announced
+                images (:meth:`announce`), in milliseconds; 0 runs a batch as soon as the tower is free.
             max_batch_patches: budget of one batch in patches before the spatial merge (an image's ``t*h*w``);
                 an image larger than the budget runs alone.
             metrics: where each tower call is recorded (batch size, queue times, duration); optional.
@@ -80,6 +81,8 @@ class EncodeBatcher:
         self._queue: list[_Pending] = []
         self._queued_patches = 0
         self._full = asyncio.Event()  # the queue holds a whole budget: stop waiting for the window
+        self._announced = 0  # images announced and not yet submitted (or withdrawn)
+        self._settled = asyncio.Event()  # set when the last announced image arrived: stop waiting for the window
         self._runner: asyncio.Task | None = None
         self.calls = 0
         self._metrics = metrics
@@ -89,8 +92,25 @@ class EncodeBatcher:
         """Images waiting for a tower call now."""
         return len(self._queue)
 
-    def submit(self, encoder: ImageEncoder, image: Image.Image, patches: int) -> asyncio.Future:
+    def announce(self) -> None:
+        """Say that one image will be submitted soon (it is being decoded), so a batch about to start waits for
+        it up to the batching window. Each call is followed by one ``submit(..., announced=True)`` or one
+        :meth:`withdraw`; must be called on the loop."""
+        self._announced += 1
+
+    def withdraw(self) -> None:
+        """An announced image will not come (its decode failed or its request was cancelled)."""
+        self._arrived()
+
+    def _arrived(self) -> None:
+        self._announced -= 1
+        if self._announced == 0:
+            self._settled.set()
+
+    def submit(self, encoder: ImageEncoder, image: Image.Image, patches: int,
+               announced: bool = False) -> asyncio.Future:
         """Queue ``image`` (``patches`` = its ``t*h*w`` grid size) for ``encoder``; must be called on the loop.
+        ``announced``: this is the image of an earlier :meth:`announce`.
 
         Returns:
             A future of ``(embedding, grid_thw)`` exactly as ``encoder.encode([image])[0]`` would give; it fails
@@ -98,6 +118,8 @@ class EncodeBatcher:
         """
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        if announced:
+            self._arrived()
         self._queue.append(_Pending(encoder, image, patches, loop.time(), fut))
         self._queued_patches += patches
         if self._queued_patches >= self._max_patches:
@@ -131,20 +153,26 @@ class EncodeBatcher:
         batch: list[_Pending] = []
         try:
             while self._queue:
-                delay = self._queue[0].arrival + self._wait_s - loop.time()
+                # The window holds a batch back only for images already being decoded.
+                delay = self._queue[0].arrival + self._wait_s - loop.time() if self._announced else 0.0
                 tower = self._busy_tower()
                 if tower is not None:
                     # Take the next batch only when its preprocessing would end as the tower's call does: the
                     # images that arrive until then still join it, where taking it at once would make it small.
                     delay = max(delay, self._tower_started + self._tower_s - self._prep_s - loop.time())
                 if delay > 0 and not self._full.is_set():
-                    # The wait ends early when the budget fills up or the tower frees up.
-                    full = asyncio.ensure_future(self._full.wait())
+                    # The wait ends early when the budget fills up, the tower frees up, or (tower idle) the last
+                    # announced image arrives.
+                    self._settled.clear()
+                    wakers = [asyncio.ensure_future(self._full.wait())]
+                    if tower is None:
+                        wakers.append(asyncio.ensure_future(self._settled.wait()))
                     try:
-                        await asyncio.wait([full, *([tower] if tower else [])], timeout=delay,
+                        await asyncio.wait([*wakers, *([tower] if tower else [])], timeout=delay,
                                            return_when=asyncio.FIRST_COMPLETED)
                     finally:
-                        full.cancel()
+                        for w in wakers:
+                            w.cancel()
                     continue
                 batch = self._take()
                 if not batch:

@@ -308,8 +308,15 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self._pusher.connect(targets)  # a malformed target fails the request before any encoding
         datas = [im.data for im in request.images]
         self.metrics.images.inc(len(datas))
-        hashes = await asyncio.to_thread(_sha256_all, datas)  # 100 MB takes ~0.2 s: keep it off the loop
-        results = await self._embeddings(encoder, datas, hashes)
+        # From here until its images' decodes have started, this request counts as on its way to the batcher, so a
+        # batch about to start waits for it (up to the batching window).
+        self._batcher.announce()
+        try:
+            hashes = await asyncio.to_thread(_sha256_all, datas)  # 100 MB takes ~0.2 s: keep it off the loop
+            out, pending = self._start_encodes(encoder, datas, hashes)
+        finally:
+            self._batcher.withdraw()
+        results = await self._embeddings(hashes, out, pending)
         if targets:
             msg = ImageEmbeddings(rid=rid, image_hashes=hashes, embeddings=[results[h][0] for h in hashes])
             frames = encode(msg)
@@ -326,9 +333,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         log.debug("rid=%s encoded %d image(s), %d from cache", rid, len(hashes), hits)
         return response
 
-    async def _embeddings(self, encoder: VisionEncoder, datas: list[bytes],
-                          hashes: list[str]) -> dict[str, tuple[torch.Tensor, list[int], bool]]:
-        """``hash -> (embedding, grid_thw, cache_hit)`` for every distinct image of a request."""
+    def _start_encodes(self, encoder: VisionEncoder, datas: list[bytes], hashes: list[str]) -> tuple[
+            dict[str, tuple[torch.Tensor, list[int], bool]], dict[str, asyncio.Future]]:
+        """A request's cache hits as ``hash -> (embedding, grid_thw, True)``, and a future per other distinct image:
+        an encode already in flight for another request, or one started here."""
         out: dict[str, tuple[torch.Tensor, list[int], bool]] = {}
         pending: dict[str, asyncio.Future] = {}
         loop = asyncio.get_running_loop()
@@ -345,12 +353,23 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 fut = loop.create_future()
                 fut.add_done_callback(_consume_exception)
                 self._inflight[h] = fut
+                self._batcher.announce()  # taken back by the task: at submit, or if its decode fails
                 # A task, not an inline await: if this request is cancelled, the encode still finishes for the
                 # other requests waiting on the same image, and its result still lands in the cache.
                 task = asyncio.create_task(self._produce(encoder, h, datas[i], fut))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             pending[h] = fut
+        return out, pending
+
+    async def _embeddings(self, hashes: list[str], out: dict[str, tuple[torch.Tensor, list[int], bool]],
+                          pending: dict[str, asyncio.Future]) -> dict[str, tuple[torch.Tensor, list[int], bool]]:
+        """``hash -> (embedding, grid_thw, cache_hit)`` for every distinct image of a request (``hashes``, in
+        request order): ``out`` (its cache hits) completed with the outcomes of ``pending``.
+
+        Raises:
+            RequestError: INVALID_ARGUMENT for the first image (in request order) that does not decode.
+        """
         outcomes = await asyncio.gather(*(asyncio.shield(f) for f in pending.values()), return_exceptions=True)
         done = dict(zip(pending, outcomes))
         for i, h in enumerate(hashes):  # report the first bad image in request order
@@ -369,8 +388,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         never gets another request's decode error.
         """
         try:
-            image, patches = await asyncio.to_thread(_decode_one, encoder, data, self._max_pixels)
-            emb, grid = await self._batcher.submit(encoder, image, patches)
+            try:
+                image, patches = await asyncio.to_thread(_decode_one, encoder, data, self._max_pixels)
+            except BaseException:
+                self._batcher.withdraw()
+                raise
+            emb, grid = await self._batcher.submit(encoder, image, patches, announced=True)
             self.cache.put(h, emb, grid)
             fut.set_result((emb, grid))
         except BaseException as e:

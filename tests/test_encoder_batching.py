@@ -385,3 +385,37 @@ def test_with_the_tower_busy_the_next_batch_is_taken_just_in_time():
     widths, outs = asyncio.run(run())
     assert widths == [[9], [1], [2, 3, 4]]
     assert [out[0][0, 0].item() for out in outs] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_the_window_waits_only_for_announced_images():
+    # A lone image runs at once although the window is a minute; an announced image is waited for (the batch
+    # starts as soon as it arrives, not after the window); a withdrawn one is not.
+    async def run():
+        tower = ThreadPoolExecutor(1)
+        batcher = EncodeBatcher(tower, batch_wait_ms=LONG_WAIT_MS, max_batch_patches=1000)
+        enc = _GatedEncoder()
+        enc.release.set()
+        t0 = time.monotonic()
+        await batcher.submit(enc, Image.new("RGB", (1, 1)), 4)
+        alone_s = time.monotonic() - t0
+
+        batcher.announce()
+        first = batcher.submit(enc, Image.new("RGB", (2, 1)), 4)
+        await asyncio.sleep(0.2)  # the announced image is still "decoding": the batch must not start
+        waited = list(enc.calls)
+        second = batcher.submit(enc, Image.new("RGB", (3, 1)), 4, announced=True)
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+
+        batcher.announce()
+        third = batcher.submit(enc, Image.new("RGB", (4, 1)), 4)
+        await asyncio.sleep(0.05)
+        batcher.withdraw()  # its decode failed: nothing more is coming
+        await asyncio.wait_for(third, 10)
+        await batcher.aclose()
+        tower.shutdown()
+        return alone_s, waited, enc.widths
+
+    alone_s, waited, widths = asyncio.run(run())
+    assert alone_s < 5
+    assert waited == [1]  # only the lone image's call while the second was announced
+    assert widths == [[1], [2, 3], [4]]
