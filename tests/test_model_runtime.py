@@ -456,8 +456,10 @@ def test_flashinfer_replan_before_the_gpu_ran_the_previous_plan():
     def batch(kv_lens, tables):
         slots = [t[(n - 1) // ps] * ps + (n - 1) % ps for t, n in zip(tables, kv_lens)]
         b = len(kv_lens)
+        # out_slots already on the device, as the CUDA-graph runner hands them over: a CPU tensor would make
+        # prepare() copy it with a blocking .to(), which waits for the GPU and hides the race.
         return ForwardBatch(True, torch.zeros(b, dtype=torch.int64), torch.zeros(3, b, dtype=torch.int64),
-                            torch.tensor(slots), [1] * b, kv_lens, tables)
+                            torch.tensor(slots, device=dev), [1] * b, kv_lens, tables)
 
     long = batch([4000, 3000], [list(range(0, 250)), list(range(250, 438))])  # split-KV over many chunks
     short = batch([17, 20], [[500, 501], [502, 503]])
