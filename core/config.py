@@ -59,10 +59,10 @@ class LMServerConfig:
     request_timeout_s: float = _f(120.0, "drop a request whose inputs (embeddings, KV, registration) never come; "
                                          "also how long a bootstrap room whose partner never comes holds its KV")
     served_model_name: str = _f("", "model name the HTTP front serves (see --port); default: the model path")
-    kv_transfer: str = _f("zmq", "prefill->decode KV path: 'zmq' (through host memory and ZeroMQ) or 'shared' "
-                                 "(decode maps the prefill KV pool when both run on this machine and copies pages "
-                                 "device to device: CUDA IPC, or /dev/shm on CPU; experimental on CUDA, see "
-                                 "docs/performance.md)")
+    kv_transfer: str = _f("auto", "prefill->decode KV path: 'zmq' (through host memory and ZeroMQ), 'shared' "
+                                  "(decode maps the prefill KV pool when both run on this machine and copies pages "
+                                  "device to device: CUDA IPC, or /dev/shm on CPU; zmq otherwise), or 'auto' "
+                                  "(shared on CUDA, zmq on CPU)")
     tp: int = _f(1, "tensor-parallel ranks: this process is rank 0 and starts ranks 1..tp-1 (one GPU each)")
     base_gpu_id: int = _f(0, "TP rank r runs on cuda:(base_gpu_id + r) (when the device is cuda or auto)")
 
@@ -146,7 +146,7 @@ class LaunchConfig:
     encoder_gpu: int = _f(0, "GPU of every encoder (cuda:N) when the device is cuda or auto")
     prefill_base_gpu: int = _f(0, "prefill TP rank r runs on GPU prefill_base_gpu + r")
     decode_base_gpu: int = _f(0, "decode TP rank r runs on GPU decode_base_gpu + r")
-    kv_transfer: str = _f("zmq", "prefill->decode KV path: zmq or shared (see `epdserve prefill --help`)")
+    kv_transfer: str = _f("auto", "prefill->decode KV path: auto, zmq or shared (see `epdserve prefill --help`)")
     encoder_cuda_graphs: int = _f(0, "vision-tower CUDA graphs per encoder (see `epdserve encoder --help`)")
     encoder_compile: bool = _f(True, "torch.compile the encoders' vision towers on CUDA (see `epdserve encoder "
                                      "--help`)")

@@ -52,7 +52,7 @@ def serve(config: DecodeConfig) -> None:
 def _serve(config: DecodeConfig) -> int:
     graph_bs = 0 if config.disable_cuda_graph else min(config.cuda_graph_max_bs, config.max_running_requests)
     model_path, runner, context_length = runner_from_config(config, cuda_graph_max_bs=graph_bs)
-    share = shares_kv(config.kv_transfer) and config.tp == 1  # TP ranks take KV by host path
+    share = shares_kv(config.kv_transfer, runner.device) and config.tp == 1  # TP ranks take KV by host path
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
     metrics = DecodeMetrics()
     sched = DecodeScheduler(runner, context_length=context_length, max_running_requests=config.max_running_requests,

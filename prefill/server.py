@@ -22,6 +22,7 @@ import zmq
 
 from epdserve import transport
 from epdserve.config import PrefillConfig
+from epdserve.device import resolve_device
 from epdserve.gateway.front_process import spawn_front
 from epdserve.embed_gate import EmbeddingGate
 from epdserve.kvcache.kv_share import shares_kv
@@ -53,7 +54,7 @@ def serve(config: PrefillConfig) -> None:
 
 def _serve(config: PrefillConfig) -> int:
     # The shared (same-host) KV hand-off maps one pool; a TP server's KV is split over its ranks: host path.
-    share = shares_kv(config.kv_transfer) and config.tp == 1
+    share = shares_kv(config.kv_transfer, resolve_device(config.device)) and config.tp == 1
     model_path, runner, context_length = runner_from_config(config, share_kv=share)
     metrics = PrefillMetrics()
     sched = PrefillScheduler(runner, context_length=context_length,

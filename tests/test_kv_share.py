@@ -60,9 +60,12 @@ def test_cpu_pool_maps_across_processes():
 
 
 def test_modes_and_bad_handles():
-    assert shares_kv("shared") and not shares_kv("zmq")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert shares_kv("shared", cpu) and shares_kv("shared", cuda)
+    assert not shares_kv("zmq", cpu) and not shares_kv("zmq", cuda)
+    assert shares_kv("auto", cuda) and not shares_kv("auto", cpu)  # no /dev/shm pool unless asked for
     with pytest.raises(ValueError):
-        shares_kv("rdma")
+        shares_kv("rdma", cpu)
     pool = KVPool(**SHAPE, dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(ValueError):
         export_pool(pool.buffer)  # not in shared memory

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -474,5 +475,12 @@ def test_flashinfer_replan_before_the_gpu_ran_the_previous_plan():
     fi.prepare(long)
     got = fi.forward(0, q, k, v)
     fi.prepare(short)
-    torch.cuda.synchronize()
+    # Without the wait, the long batch's kernels can run on the short batch's schedule and never finish (the
+    # decode server's stall under --kv-transfer shared): poll, so that a regression fails instead of hanging.
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + 30
+    while not done.query():
+        assert time.monotonic() < deadline, "the GPU never finished the first batch: it ran a stale plan"
+        time.sleep(0.01)
     torch.testing.assert_close(got, want, atol=0, rtol=0)

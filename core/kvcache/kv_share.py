@@ -24,21 +24,23 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-KV_TRANSFER_MODES = ("zmq", "shared")
+KV_TRANSFER_MODES = ("auto", "zmq", "shared")
 
 
-def shares_kv(mode: str) -> bool:
-    """Whether a server with ``--kv-transfer mode`` shares its KV pool (prefill) or maps a peer's (decode).
+def shares_kv(mode: str, device: torch.device) -> bool:
+    """Whether a server on ``device`` with ``--kv-transfer mode`` shares its KV pool (prefill) or maps a peer's
+    (decode). Sharing only offers the path: a prefill/decode pair uses it when both share and run on one machine,
+    else the host path.
 
-    ``zmq`` is the default everywhere: on the H100 the shared path's CUDA IPC copies made the decode server's
-    GPU work stop completing under 32 concurrent requests (docs/performance.md), cause not yet found.
+    ``auto`` (the default) shares on CUDA (CUDA IPC: no host staging) and not on the CPU, where the pool would
+    have to live in a /dev/shm file, which containers often keep small.
 
     Raises:
         ValueError: an unknown mode.
     """
     if mode not in KV_TRANSFER_MODES:
         raise ValueError(f"--kv-transfer must be one of {KV_TRANSFER_MODES}, got {mode!r}")
-    return mode == "shared"
+    return mode == "shared" or (mode == "auto" and device.type == "cuda")
 
 
 def host_id() -> str:
