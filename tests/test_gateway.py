@@ -303,6 +303,9 @@ def test_prompt_image_count_mismatch(builder):
 
 def test_data_urls():
     assert decode_data_url("data:image/png;base64," + base64.b64encode(b"abc").decode(), 100) == b"abc"
+    wrapped = base64.encodebytes(bytes(range(256))).decode()  # MIME style: 76 columns, newline-terminated lines
+    assert "\n" in wrapped
+    assert decode_data_url("data:image/png;base64," + wrapped.replace("\n", "\r\n\t "), 1000) == bytes(range(256))
     for bad in ["data:image/png;base64,@@@", "data:text/plain;base64,YWJj", "data:image/png,abc", "data:image/png"]:
         with pytest.raises(MediaError) as e:
             decode_data_url(bad, 100)
