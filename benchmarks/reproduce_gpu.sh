@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/reproduce_gpu.sh RESULTS_DIR [launch flags...]
 #   e.g. bash benchmarks/reproduce_gpu.sh /tmp/res --encoder-cuda-graphs 32
-#        bash benchmarks/reproduce_gpu.sh /tmp/res --kv-transfer shared
+#        bash benchmarks/reproduce_gpu.sh /tmp/res --kv-transfer zmq     # the host KV path (default: auto)
 #
 # Steps: the qwen2.5-vl-3b preset (random bf16 weights, ~30 s), the GPU tests, the encoder alone (eager and
 # torch.compile, each without and with CUDA graphs, side by side), then `epdserve launch` with the given flags
