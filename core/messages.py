@@ -50,6 +50,17 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int = -1  # -1: none; 0: each sampled token's log-probability; k > 0: also the k most likely tokens
+
+
+@dataclass
+class TokenLogprob:
+    """One sampled token's log-probability under the model's distribution (log-softmax of the raw logits, before
+    temperature, top-k and top-p, as vLLM's default ``raw_logprobs``), and the most likely tokens at that step as
+    ``[token id, log-probability]`` pairs, most likely first (as many as ``SamplingParams.logprobs``)."""
+
+    logprob: float
+    top: list[list] = field(default_factory=list)
 
 
 @dataclass
@@ -225,6 +236,7 @@ class KVTransfer:
     sent_at: float = 0.0
     input_digest: str = ""  # the PrefillRequest's digest of the ids this KV was computed from
     lend_until: float = 0.0
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass
@@ -233,7 +245,8 @@ class TokenOutput:
     matches stop strings; decode stops only on EOS, ``stop_token_ids``, ``max_new_tokens`` and the context length).
 
     ``finish_reason`` is None while running, then ``"stop"``, ``"length"`` or ``"error"``. ``completion_tokens``
-    counts all output tokens so far, these included.
+    counts all output tokens so far, these included. ``logprobs`` has one entry per id of ``token_ids`` when the
+    request asked for them (``SamplingParams.logprobs >= 0``), else none.
     """
 
     rid: str
@@ -243,6 +256,7 @@ class TokenOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -359,8 +373,8 @@ def tensor_from_bytes(buf, dtype: str, shape: list[int]) -> torch.Tensor:
 _KINDS: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        SamplingParams, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest, ServerInfoRequest, ServerInfo,
-        LoadRequest, Load,
+        SamplingParams, TokenLogprob, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest, ServerInfoRequest,
+        ServerInfo, LoadRequest, Load,
         ImageEmbeddings, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput, TokenOutputBatch,
         TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt,
     )

@@ -1,11 +1,12 @@
-"""Token sampling from last-token logits: greedy, temperature, top-k, top-p (nucleus)."""
+"""Token sampling from last-token logits: greedy, temperature, top-k, top-p (nucleus); and the sampled tokens'
+log-probabilities for requests that ask for them."""
 
 from __future__ import annotations
 
 import torch
 
 from epdserve.device import to_device
-from epdserve.messages import SamplingParams
+from epdserve.messages import SamplingParams, TokenLogprob
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-300 overflows to inf and the
 # softmax to NaN, which multinomial rejects, failing every request of the batch.
@@ -64,3 +65,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             picks[j] = torch.multinomial(probs[j].to(g.device), 1, generator=g).to(dev)[0]
     out[sel] = sorted_ids.gather(1, picks[:, None]).squeeze(1)
     return out
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+             params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Log-probabilities of ``tokens`` (int64 ``[B]``, sampled from ``logits`` ``[B, V]``) under the model's own
+    distribution: ``log_softmax`` of the raw logits in float32, before temperature, top-k and top-p (vLLM's
+    default ``raw_logprobs``). Returns device tensors ``(chosen [B] float32, top values [B, K] float32, top ids
+    [B, K] int64)`` with ``K`` the largest ``logprobs`` asked in ``params``, or None when no row asks (no work).
+    Turn them into messages with :func:`token_logprobs` once they are on the host."""
+    k = max((p.logprobs for p in params), default=-1)
+    if k < 0:
+        return None
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.to(lp.device)[:, None]).squeeze(1)
+    top_v, top_i = lp.topk(k, dim=-1)  # k == 0: empty [B, 0]
+    return chosen, top_v, top_i
+
+
+def token_logprobs(host: tuple[list, list, list] | None, params: list[SamplingParams]) -> list[TokenLogprob | None]:
+    """Per row, the :class:`TokenLogprob` of :func:`sampled_logprobs`' result moved to the host as lists (``.tolist()``
+    of each tensor), with ``params[i].logprobs`` top entries; None for rows that did not ask."""
+    if host is None:
+        return [None] * len(params)
+    chosen, top_v, top_i = host
+    return [None if p.logprobs < 0 else
+            TokenLogprob(chosen[i], [[t, v] for t, v in zip(top_i[i][:p.logprobs], top_v[i][:p.logprobs])])
+            for i, p in enumerate(params)]

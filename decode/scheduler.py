@@ -27,11 +27,11 @@ from epdserve.device import to_device
 from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool, page_slots
 from epdserve.kvcache.kv_share import PeerPools, host_id
-from epdserve.messages import DecodeRequest, KVAck, KVRegister, KVTransfer, Load, TokenOutput
+from epdserve.messages import DecodeRequest, KVAck, KVRegister, KVTransfer, Load, TokenLogprob, TokenOutput
 from epdserve.metrics import DecodeMetrics
 from epdserve.model_runner import ModelRunner
 from epdserve.models.mrope import decode_positions
-from epdserve.sampling import sample
+from epdserve.sampling import sample, sampled_logprobs, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,12 @@ class _Seq:
 
 class _Step:
     """A launched decode step: its requests (row order) and sampled ids ``[B]`` int64 on the device, with their
-    copy to pinned host memory already queued behind them."""
+    copy to pinned host memory already queued behind them; and, when a request asked, the rows' log-probabilities
+    (:func:`epdserve.sampling.sampled_logprobs`, on the device)."""
 
-    def __init__(self, seqs: list[_Seq], tokens: torch.Tensor):
-        self.seqs, self.tokens = seqs, tokens
+    def __init__(self, seqs: list[_Seq], tokens: torch.Tensor,
+                 logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        self.seqs, self.tokens, self.logprobs = seqs, tokens, logprobs
         self._host, self._ready = tokens, None
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -78,6 +80,12 @@ class _Step:
         if self._ready is not None:
             self._ready.synchronize()
         return self._host.tolist()
+
+    def host_logprobs(self) -> list[TokenLogprob | None]:
+        """Per row, the sampled token's :class:`TokenLogprob` (None for rows that did not ask). Call after
+        :meth:`host_tokens`: the values are then computed, and copying them is all that is left."""
+        lp = None if self.logprobs is None else tuple(t.tolist() for t in self.logprobs)
+        return token_logprobs(lp, [s.msg.sampling for s in self.seqs])
 
 
 class DecodeScheduler:
@@ -282,7 +290,7 @@ class DecodeScheduler:
             seq.admitted = time.monotonic()
             self.metrics.on_admit(seq.kv_at)
             log.debug("rid=%s admitted (batch of %d)", seq.msg.rid, len(self.running))
-            self._append_token(seq, transfer.first_token_id)
+            self._append_token(seq, transfer.first_token_id, transfer.first_logprob)
 
     def _copy_shared_kv(self, seq: _Seq, transfer: KVTransfer, slots: torch.Tensor) -> str | None:
         """Copy ``seq``'s KV out of the prefill pool that ``transfer.pool`` maps into ``slots``; queue its
@@ -339,18 +347,20 @@ class DecodeScheduler:
         )
         logits = self.runner.forward(batch)
         self.metrics.on_step(len(seqs))
-        tokens = sample(logits, [s.msg.sampling for s in seqs], [s.generator for s in seqs])
+        params = [s.msg.sampling for s in seqs]
+        tokens = sample(logits, params, [s.generator for s in seqs])
+        lp = sampled_logprobs(logits, tokens, params)  # now: a graph's logits are a view the next replay overwrites
         for row, seq in enumerate(seqs):
             seq.row, seq.launched = row, seq.launched + 1
-        return _Step(seqs, tokens)
+        return _Step(seqs, tokens, lp)
 
     def _collect(self, step: _Step) -> None:
         """Wait for ``step``'s sampled ids and append them (finished or aborted requests' rows are dropped)."""
-        for seq, tok in zip(step.seqs, step.host_tokens()):
+        for seq, tok, tok_lp in zip(step.seqs, step.host_tokens(), step.host_logprobs()):
             if not seq.done:
-                self._append_token(seq, tok)
+                self._append_token(seq, tok, tok_lp)
 
-    def _append_token(self, seq: _Seq, tok: int) -> None:
+    def _append_token(self, seq: _Seq, tok: int, tok_lp: TokenLogprob | None = None) -> None:
         sp = seq.msg.sampling
         seq.output_ids.append(tok)
         finish = None
@@ -362,16 +372,17 @@ class DecodeScheduler:
             self.running.remove(seq)
             self.pool.free(seq.pages)
             seq.pages, seq.done = [], True
-        self._emit(seq, finish, token_ids=[tok])
+        self._emit(seq, finish, token_ids=[tok], logprobs=[tok_lp] if tok_lp is not None else [])
 
-    def _emit(self, seq: _Seq, finish: str | None, *, token_ids: list[int] = (), error=None) -> None:
+    def _emit(self, seq: _Seq, finish: str | None, *, token_ids: list[int] = (), error=None,
+              logprobs: list[TokenLogprob] = ()) -> None:
         self.metrics.on_tokens(len(token_ids))
         if finish is not None:
             self.metrics.on_finish(finish, seq.arrival, seq.admitted, len(seq.output_ids))
         self.outputs.append((seq.peer, TokenOutput(
             rid=seq.msg.rid, token_ids=list(token_ids), finish_reason=finish,
             prompt_tokens=seq.msg.prompt_len, completion_tokens=len(seq.output_ids),
-            cached_tokens=seq.cached_tokens, error=error)))
+            cached_tokens=seq.cached_tokens, error=error, logprobs=list(logprobs))))
 
 
 def _bootstrap(msg: DecodeRequest) -> str:

@@ -20,14 +20,15 @@ from dataclasses import dataclass, replace
 import httpx
 
 from epdserve.gateway.detokenizer import IncrementalDetokenizer, special_ids
+from epdserve.gateway.logprobs import TokenBytes, logprob_content
 from epdserve.gateway.media import MediaError, MediaPolicy, load_image
 from epdserve.gateway.prompt import Prompt, PromptBuilder, PromptError, to_hf_messages
 from epdserve.gateway.protocol import (
-    AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChunkChoice,
-    Delta, ErrorInfo, ErrorResponse, GenerateRequest, Usage,
+    AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChoiceLogprobs,
+    ChunkChoice, Delta, ErrorInfo, ErrorResponse, GenerateRequest, Usage,
 )
 from epdserve.gateway.stages import StageClient, StageError
-from epdserve.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenOutput
+from epdserve.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenLogprob, TokenOutput
 from epdserve.metrics import GatewayMetrics, RequestTrace
 
 logger = logging.getLogger("epdserve.gateway")
@@ -108,6 +109,7 @@ class ChatService:
         # Detokenization runs on the event loop, so it gets its own copy of the tokenizer.
         self._detok_tokenizer = copy.deepcopy(builder.tokenizer)
         self._skip_ids = special_ids(self._detok_tokenizer)
+        self._token_bytes = TokenBytes(self._detok_tokenizer)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -158,6 +160,7 @@ class ChatService:
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
             seed=req.seed,
+            logprobs=(req.top_logprobs or 0) if req.logprobs else -1,
         )
         logger.debug("rid=%s prompt_tokens=%d images=%d max_new_tokens=%d", rid, len(prompt.input_ids),
                      len(images), max_new)
@@ -257,13 +260,20 @@ class ChatService:
     async def collect(self, chat: PreparedChat) -> tuple[str, list[int], TokenOutput]:
         """Run ``chat`` to the end: its whole text, its output token ids, and the last output (with the finish
         reason and the stage's counts). Raises as :meth:`outputs`."""
+        text, token_ids, _, final = await self.collect_logprobs(chat)
+        return text, token_ids, final
+
+    async def collect_logprobs(self, chat: PreparedChat) -> tuple[str, list[int], list[TokenLogprob], TokenOutput]:
+        """As :meth:`collect`, with the output ids' log-probabilities (empty unless the request asked)."""
         texts: list[str] = []
         token_ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
         async with aclosing(self.outputs(chat)) as outputs:
             async for text, final in outputs:
                 texts.append(text)
                 token_ids += final.token_ids
-        return "".join(texts), token_ids, final
+                logprobs += final.logprobs
+        return "".join(texts), token_ids, logprobs, final
 
     async def sse(self, chat: PreparedChat, events: AsyncIterator[str]) -> AsyncIterator[str]:
         """Yield the SSE ``events`` of a started response, then ``data: [DONE]``. A failure on the way (a stage
@@ -291,12 +301,13 @@ class ChatService:
         Raises:
             APIError: as :meth:`outputs`.
         """
-        text, token_ids, final = await self.collect(chat)
+        text, token_ids, logprobs, final = await self.collect_logprobs(chat)
         rti = chat.request.return_token_ids
         return ChatCompletionResponse(
             id=chat.rid, model=self.model_name, usage=self.usage(chat, final, len(token_ids)),
             choices=[Choice(message=AssistantMessage(content=text), finish_reason=final.finish_reason,
-                            token_ids=token_ids if rti else None)],
+                            token_ids=token_ids if rti else None,
+                            logprobs=self._logprobs(chat, token_ids, logprobs))],
             prompt_token_ids=chat.prompt.input_ids if rti else None,
         )
 
@@ -325,12 +336,20 @@ class ChatService:
         async with aclosing(self.outputs(chat)) as outputs:
             async for text, final in outputs:
                 n_tokens += len(final.token_ids)
-                if text or (rti and final.token_ids):
-                    yield event([ChunkChoice(delta=Delta(content=text), token_ids=final.token_ids if rti else None)])
+                if text or final.token_ids and (rti or final.logprobs):
+                    yield event([ChunkChoice(delta=Delta(content=text), token_ids=final.token_ids if rti else None,
+                                             logprobs=self._logprobs(chat, final.token_ids, final.logprobs))])
                 if final.finish_reason is not None:
                     yield event([ChunkChoice(delta=Delta(), finish_reason=final.finish_reason)])
         if opts and opts.include_usage:
             yield event([], usage=self.usage(chat, final, n_tokens))
+
+    def _logprobs(self, chat: PreparedChat, token_ids: list[int],
+                  logprobs: list[TokenLogprob]) -> ChoiceLogprobs | None:
+        """OpenAI's ``logprobs`` of a choice or chunk: None unless the request asked for them."""
+        if not chat.request.logprobs:
+            return None
+        return ChoiceLogprobs(content=logprob_content(self._token_bytes, token_ids, logprobs))
 
     def _detokenizer(self, chat: PreparedChat) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._detok_tokenizer, chat.prefill.sampling.stop, self._skip_ids)
@@ -361,6 +380,6 @@ def _detokenize(detok: IncrementalDetokenizer, out: TokenOutput) -> tuple[str, T
         parts.append(delta)
     if hit:
         unused = len(out.token_ids) - used
-        out = replace(out, token_ids=out.token_ids[:used], finish_reason="stop",
+        out = replace(out, token_ids=out.token_ids[:used], logprobs=out.logprobs[:used], finish_reason="stop",
                       completion_tokens=max(out.completion_tokens - unused, 0))
     return "".join(parts), out

@@ -2,8 +2,9 @@
 
 Only what the gateway can honour is modelled. Unknown request fields are ignored (clients such as the OpenAI
 SDK send fields like ``user``), but fields that would change the answer and are not implemented (``n > 1``,
-``logprobs``, penalties) are rejected by :meth:`ChatCompletionRequest.unsupported` rather than silently
-dropped. Extensions shared with vLLM/SGLang: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``.
+penalties; ``logprobs`` outside chat completions) are rejected by :meth:`ChatCompletionRequest.unsupported` rather
+than silently dropped. Extensions shared with vLLM/SGLang: ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``return_token_ids``.
 """
 
 from __future__ import annotations
@@ -97,16 +98,17 @@ class ChatCompletionRequest(BaseModel):
     ignore_eos: bool = False
     return_token_ids: bool = False
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's range
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
     def unsupported(self) -> str | None:
-        """A message naming the first requested feature the gateway does not implement, else None."""
+        """A message naming the first requested feature the gateway does not implement (or a field that needs
+        another one), else None."""
         if self.n != 1:
             return "n > 1 is not supported"
-        if self.logprobs or self.top_logprobs:
-            return "logprobs are not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs needs logprobs: true"
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty and frequency_penalty are not supported"
         return None
@@ -143,10 +145,29 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    """One likely token at a step. ``token`` is its text (a token may hold part of a UTF-8 character: then
+    ``token`` has U+FFFD and ``bytes`` the exact bytes to join with the neighbours')."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobInfo(TopLogprob):
+    """A sampled token's log-probability and the ``top_logprobs`` most likely tokens at its step."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobInfo] | None = None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = _Extension
 
@@ -169,7 +190,7 @@ class Delta(BaseModel):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _Extension
 

@@ -155,9 +155,9 @@ class OutputRoute:
         self.wake.set()
 
     async def take(self, timeout: float | None) -> TokenOutput:
-        """The next output; outputs that queued up meanwhile come merged into one (their token ids joined, the
-        last one's counts and finish reason), so a gateway that falls behind a decode step sends fewer, larger
-        SSE events instead of a growing backlog of one-token events.
+        """The next output; outputs that queued up meanwhile come merged into one (their token ids and logprobs
+        joined, the last one's counts and finish reason), so a gateway that falls behind a decode step sends fewer,
+        larger SSE events instead of a growing backlog of one-token events.
 
         Raises:
             StageError: the request ended on a stage error (after the outputs queued before it were taken).
@@ -171,11 +171,12 @@ class OutputRoute:
             raise item
         if not self.items or not isinstance(self.items[0], TokenOutput) or item.finish_reason is not None:
             return item
-        ids = list(item.token_ids)
+        ids, logprobs = list(item.token_ids), list(item.logprobs)
         while self.items and isinstance(self.items[0], TokenOutput) and item.finish_reason is None:
             item = self.items.popleft()
             ids += item.token_ids
-        return replace(item, token_ids=ids)
+            logprobs += item.logprobs
+        return replace(item, token_ids=ids, logprobs=logprobs)
 
 
 class StageClient:

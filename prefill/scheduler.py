@@ -22,11 +22,11 @@ from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.radix_cache import RadixCache
 from epdserve.kvcache.kv_share import host_id
-from epdserve.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest
+from epdserve.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest, TokenLogprob
 from epdserve.metrics import PrefillMetrics
 from epdserve.model_runner import ModelRunner
 from epdserve.models.mrope import mrope_positions
-from epdserve.sampling import sample
+from epdserve.sampling import sample, sampled_logprobs, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class _Req:
     cached: int = 0  # tokens whose KV came from the radix cache
     computed: int = 0  # tokens with KV in this server's pages
     first_token: int = -1  # sampled once the whole prompt is prefilled
+    first_logprob: TokenLogprob | None = None  # its log-probability, when the request asked
 
     @property
     def n(self) -> int:
@@ -351,10 +352,14 @@ class PrefillScheduler:
             seed = r.msg.sampling.seed
             gens.append(None if seed is None else torch.Generator(device=dev).manual_seed(seed))
         # .tolist() waits for the forward, so the pages hold the whole KV before any decode server is told.
-        first = sample(logits[done], [r.msg.sampling for r in reqs], gens).tolist()
-        for req, tok in zip(reqs, first):
+        rows, params = logits[done], [r.msg.sampling for r in reqs]
+        first_t = sample(rows, params, gens)
+        lp = sampled_logprobs(rows, first_t, params)
+        first = first_t.tolist()
+        first_lp = token_logprobs(None if lp is None else tuple(t.tolist() for t in lp), params)
+        for req, tok, tok_lp in zip(reqs, first, first_lp):
             self.running.remove(req)
-            req.first_token = tok
+            req.first_token, req.first_logprob = tok, tok_lp
             self.embeds.pop(req.msg.rid, None)
             item = req if self.pool_handle is not None else self._host_transfer(req)
             self.finished[req.msg.bootstrap_room] = (time.monotonic() + self.timeout_s, item)
@@ -370,14 +375,15 @@ class PrefillScheduler:
         return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
                           cached_tokens=req.cached, mrope_position_delta=req.mrope_delta, pool=self.pool_handle,
                           kv_pages=req.pages[:self.pool.pages_for(req.n)], input_digest=req.msg.input_digest,
-                          lend_until=time.time() + self.timeout_s)
+                          lend_until=time.time() + self.timeout_s, first_logprob=req.first_logprob)
 
     def _host_transfer(self, req: _Req) -> KVTransfer:
         """Gather a prefilled request's KV into host memory, free its pages, and return the transfer."""
         slots = torch.tensor(self.pool.slots(req.pages, 0, req.n), dtype=torch.int64)
         transfer = KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
                               cached_tokens=req.cached, mrope_position_delta=req.mrope_delta,
-                              kv=self.runner.read_kv(slots), input_digest=req.msg.input_digest)
+                              kv=self.runner.read_kv(slots), input_digest=req.msg.input_digest,
+                              first_logprob=req.first_logprob)
         self._release(req, insert=True)
         return transfer
 

@@ -49,12 +49,11 @@ def _openai_messages(turns):
     return out
 
 
-def _hf_reference(hf, turns, new_tokens=NEW_TOKENS):
-    """Greedy ids from transformers' generate() on the processor's own output (EOS ignored, like ignore_eos)."""
+def _hf_inputs(hf, turns):
+    """The processor's own output for ``turns`` (chat template, images)."""
     from PIL import Image
-    from transformers import GenerationConfig
 
-    processor, model = hf
+    processor, _ = hf
     messages, images = [], []
     for role, parts in turns:
         if len(parts) == 1 and isinstance(parts[0], str):
@@ -69,12 +68,24 @@ def _hf_reference(hf, turns, new_tokens=NEW_TOKENS):
                 content.append({"type": "text", "text": p})
         messages.append({"role": role, "content": content})
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=[text], images=images or None, return_tensors="pt")
-    gen = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+    return processor(text=[text], images=images or None, return_tensors="pt")
+
+
+def _hf_generate(hf, turns, new_tokens=NEW_TOKENS, **gen_kw):
+    """transformers' greedy generate() on the processor's own output (EOS ignored, like ignore_eos)."""
+    from transformers import GenerationConfig
+
+    inputs = _hf_inputs(hf, turns)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **gen_kw)
     with torch.inference_mode():
-        out = model.generate(**inputs, generation_config=gen)
+        return inputs, hf[1].generate(**inputs, generation_config=gen)
+
+
+def _hf_reference(hf, turns, new_tokens=NEW_TOKENS):
+    """Greedy ids from transformers' generate() on the processor's own output (EOS ignored, like ignore_eos)."""
+    inputs, out = _hf_generate(hf, turns, new_tokens)
     ids = out[0, inputs["input_ids"].shape[1]:].tolist()
-    return inputs["input_ids"][0].tolist(), ids, processor.tokenizer.decode(ids, skip_special_tokens=True)
+    return inputs["input_ids"][0].tolist(), ids, hf[0].tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def _chat(url, model, messages, **extra):
@@ -327,3 +338,44 @@ def test_completions_with_the_openai_client_match_transformers(server, hf, tiny_
     assert r.status_code == 400 and "batch" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/completions", json={"model": "other", "prompt": "a"}, timeout=30)
     assert r.status_code == 404
+
+
+def test_logprobs_match_transformers_stream_and_not(server, hf, tiny_model_path, photo_paths):
+    # Each sampled token's logprob and the top-5 at its step equal log_softmax of transformers' raw logits at that
+    # step (generate(output_logits=True)); the OpenAI SDK parses them, streamed chunk by chunk and not.
+    openai = pytest.importorskip("openai")
+    url, _ = server
+    turns = _resolve("one_photo", photo_paths)
+    n = 12
+    inputs, out = _hf_generate(hf, turns, n, output_logits=True, return_dict_in_generate=True)
+    ref_ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    ref_lp = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY")
+    kw = dict(model=tiny_model_path, messages=_openai_messages(turns), temperature=0, max_completion_tokens=n,
+              logprobs=True, top_logprobs=5, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [e for c in client.chat.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    tok = hf[0].tokenizer
+    for content in (whole, streamed):
+        assert len(content) == n, (len(whole), len(streamed))
+        assert b"".join(bytes(e.bytes) for e in content).decode(errors="replace") == tok.decode(ref_ids)
+        for step, (e, want_id, lp) in enumerate(zip(content, ref_ids, ref_lp)):
+            assert e.logprob == pytest.approx(lp[want_id].item(), abs=1e-3), step
+            top_v, top_i = lp.topk(5)
+            assert [bytes(t.bytes) for t in e.top_logprobs] == [_token_bytes(tok, i) for i in top_i.tolist()], step
+            assert [t.logprob for t in e.top_logprobs] == pytest.approx(top_v.tolist(), abs=1e-3), step
+    no_lp = _chat(url, tiny_model_path, _openai_messages(turns))
+    assert no_lp["choices"][0]["logprobs"] is None
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": tiny_model_path, "top_logprobs": 2,
+                                                         "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+
+
+def _token_bytes(tokenizer, token_id: int) -> bytes:
+    """Exact bytes of a byte-level BPE token (the inverse of transformers' bytes_to_unicode)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(byte_of[c] for c in tokenizer.convert_ids_to_tokens(token_id))

@@ -379,3 +379,29 @@ def test_decode_sends_ids_only_and_a_gateway_abort_frees_pages(runner, photo_req
     outs = [o for _, o in _run(dec, 10)]
     assert {o.rid for o in outs} == {"b"} and outs[-1].finish_reason == "length"
     assert not dec.running and dec.pool.num_free == dec.pool.num_pages
+
+
+def test_logprobs_ride_the_host_path_for_the_requests_that_ask(runner, photo_request):
+    # r0 asks for its tokens' logprobs and the top 3, r1 for none; they prefill and decode in one batch. Greedy, so
+    # each token is its step's most likely one: the first top entry names it, with the same log-probability.
+    prefill = _prefill(runner)
+    asks = {"r0": 3, "r1": -1}
+    transfers = [_transfer_when_done(prefill, _req(photo_request, rid, i, logprobs=k), _embeds(photo_request, rid))
+                 for i, (rid, k) in enumerate(asks.items())]
+    first = transfers[0].first_logprob
+    assert transfers[0].kv is not None and transfers[1].first_logprob is None
+    assert [t for t, _ in first.top][0] == transfers[0].first_token_id and len(first.top) == 3
+    assert first.logprob == first.top[0][1] < 0 and first.top[0][1] >= first.top[1][1] >= first.top[2][1]
+    dec = _decode_sched(runner)
+    for i, ((rid, k), t) in enumerate(zip(asks.items(), transfers)):
+        dec.add_request(DecodeRequest(rid=rid, prompt_len=len(photo_request[0]), sampling=SamplingParams(
+            temperature=0, max_new_tokens=5, ignore_eos=True, logprobs=k), bootstrap_host="h", bootstrap_port=1,
+            bootstrap_room=i), peer=b"g")
+        dec.add_transfer(t)
+    outs = [o for _ in range(10) for _, o in dec.step()]
+    got = {rid: [(tok, lp) for o in outs if o.rid == rid for tok, lp in zip(o.token_ids, o.logprobs)]
+           for rid in asks}
+    assert len(got["r0"]) == 5 and got["r1"] == []
+    assert all(not o.logprobs for o in outs if o.rid == "r1")
+    for tok, lp in got["r0"]:
+        assert lp.top[0][0] == tok and lp.logprob == lp.top[0][1] and len(lp.top) == 3
