@@ -224,10 +224,11 @@ def _reference(hf, references, case, turns):
     return ref_prompt, spans, embeds, ref_ids
 
 
-def _stream_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: str, new_tokens: int):
+def _stream_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: str, new_tokens: int,
+                   logprobs: int = -1):
     """Send one greedy request straight to a prefill and a decode server over ZeroMQ (the gateway's part), push
     its embeddings to every prefill TP rank (the encoder's part), and yield its ``TokenOutput`` s until one has a
-    ``finish_reason``."""
+    ``finish_reason`` (with the top ``logprobs`` log-probabilities of each token when >= 0)."""
     ctx = zmq.Context()
     try:
         p, d = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
@@ -238,7 +239,7 @@ def _stream_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: str
         info = decode(p.recv_multipart())
         assert isinstance(info, ServerInfo)
         room = int.from_bytes(os.urandom(7), "little")
-        sampling = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+        sampling = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True, logprobs=logprobs)
         d.send_multipart(encode(DecodeRequest(rid, len(prompt), sampling, info.bootstrap_host, info.bootstrap_port,
                                               room)))
         p.send_multipart(encode(PrefillRequest(rid, list(prompt), spans, sampling, room)))
@@ -263,11 +264,33 @@ def _stream_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: str
 def _generate_direct(prefill: str, decode_ep: str, prompt, spans, embeds, rid: str,
                      new_tokens: int = NEW_TOKENS) -> list[int]:
     """The greedy output ids of one request sent with :func:`_stream_direct`."""
-    ids: list[int] = []
-    for out in _stream_direct(prefill, decode_ep, prompt, spans, embeds, rid, new_tokens):
+    return _generate_logprobs(prefill, decode_ep, prompt, spans, embeds, rid, new_tokens, -1)[0]
+
+
+def _generate_logprobs(prefill: str, decode_ep: str, prompt, spans, embeds, rid: str, new_tokens: int,
+                       logprobs: int) -> tuple[list[int], list]:
+    """The greedy output ids of one request sent with :func:`_stream_direct`, and their ``TokenLogprob`` s."""
+    ids, lps = [], []
+    for out in _stream_direct(prefill, decode_ep, prompt, spans, embeds, rid, new_tokens, logprobs):
         assert out.error is None, out.error
         ids += out.token_ids
-    return ids
+        lps += out.logprobs
+    return ids, lps
+
+
+def _greedy_close(want: tuple[list[int], list], got: tuple[list[int], list]) -> str | None:
+    """None when two greedy runs agree, or diverge only where both were near a tie: at the first differing
+    token, each run's token is among the other's top log-probabilities (after that the runs continue different
+    texts and are not compared). Else what differs. As vLLM's ``check_logprobs_close`` (tests/models/utils.py):
+    bf16 with another reduction order (TP all-reduces) may flip a near-tie of a random-weight model."""
+    (w_ids, w_lp), (g_ids, g_lp) = want, got
+    j = next((j for j, (a, b) in enumerate(zip(w_ids, g_ids)) if a != b), None)
+    if j is None:
+        return None if len(w_ids) == len(g_ids) else f"lengths {len(w_ids)} != {len(g_ids)}"
+    w_top, g_top = [t for t, _ in w_lp[j].top], [t for t, _ in g_lp[j].top]
+    if g_ids[j] in w_top and w_ids[j] in g_top:
+        return None
+    return f"token {j}: {g_ids[j:j + 4]} != {w_ids[j:j + 4]}; top logprobs {w_lp[j].top} vs {g_lp[j].top}"
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -294,7 +317,7 @@ def _gpu_model_paths(tmp_path_factory) -> list[str]:
 def test_tp2_greedy_equals_tp1_on_two_gpus(tmp_path_factory):
     """Prefill TP=2 + decode TP=2 on cuda:0,1 (NCCL, decode CUDA graphs, flashinfer fused ops) give the same 32
     greedy tokens as prefill TP=1 + decode TP=1 on cuda:0, for 4 text prompts one at a time, and so does prefill
-    TP=2 -> decode TP=1 (the KV re-sharded)."""
+    TP=2 -> decode TP=1 (the KV re-sharded); a divergence passes only at a near-tie (:func:`_greedy_close`)."""
     pytest.importorskip("flashinfer")
     tmp = tmp_path_factory.mktemp("tp-gpu")
     steps = 32
@@ -319,17 +342,17 @@ def test_tp2_greedy_equals_tp1_on_two_gpus(tmp_path_factory):
             try:
                 for name, proc in procs.items():
                     _wait_for(logs[name], f"{name} ready", proc, timeout_s=900)
-                outs[ptp, dtp] = [_generate_direct(f"tcp://127.0.0.1:{ports['p']}", f"tcp://127.0.0.1:{ports['d']}",
-                                                   q, [], [], f"gpu-{ptp}{dtp}-{i}", new_tokens=steps)
+                outs[ptp, dtp] = [_generate_logprobs(f"tcp://127.0.0.1:{ports['p']}",
+                                                     f"tcp://127.0.0.1:{ports['d']}", q, [], [],
+                                                     f"gpu-{ptp}{dtp}-{i}", steps, 5)
                                   for i, q in enumerate(prompts)]
             finally:
                 codes = _stop_all(procs)
-            assert codes == {"prefill": 0, "decode": 0}, codes
+            assert codes == {"prefill": 0, "decode": 0}, f"{path}: TP {ptp}/{dtp} exit codes {codes}"
         for pair in ((2, 2), (2, 1)):
             for i, (want, got) in enumerate(zip(outs[1, 1], outs[pair])):
-                first = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), None)
-                assert first is None, f"{path}: prompt {i}: prefill/decode TP {pair} diverged from TP=1 at token " \
-                                      f"{first}: {got[first:first + 4]} != {want[first:first + 4]}"
+                problem = _greedy_close(want, got)
+                assert problem is None, f"{path}: prompt {i}: prefill/decode TP {pair} vs TP=1: {problem}"
 
 
 # ------------------------------------------------------------------------------------ last: a rank dies
