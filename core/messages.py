@@ -51,6 +51,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int = -1  # -1: none; 0: each sampled token's log-probability; k > 0: also the k most likely tokens
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted from a token's logit once per time it was output
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from the logit of every token output so far
 
 
 @dataclass

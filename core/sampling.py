@@ -1,5 +1,5 @@
-"""Token sampling from last-token logits: greedy, temperature, top-k, top-p (nucleus); and the sampled tokens'
-log-probabilities for requests that ask for them."""
+"""Token sampling from last-token logits: greedy, temperature, top-k, top-p (nucleus); OpenAI's presence and
+frequency penalties; and the sampled tokens' log-probabilities for requests that ask for them."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-             params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                     params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Log-probabilities of ``tokens`` (int64 ``[B]``, sampled from ``logits`` ``[B, V]``) under the model's own
     distribution: ``log_softmax`` of the raw logits in float32, before temperature, top-k and top-p (vLLM's
     default ``raw_logprobs``). Returns device tensors ``(chosen [B] float32, top values [B, K] float32, top ids
@@ -92,3 +92,32 @@ def token_logprobs(host: tuple[list, list, list] | None, params: list[SamplingPa
     return [None if p.logprobs < 0 else
             TokenLogprob(chosen[i], [[t, v] for t, v in zip(top_i[i][:p.logprobs], top_v[i][:p.logprobs])])
             for i, p in enumerate(params)]
+
+
+def has_penalties(params: list[SamplingParams]) -> bool:
+    """Whether any request of a batch has a presence or frequency penalty (else :func:`apply_penalties` is not
+    needed)."""
+    return any(p.frequency_penalty or p.presence_penalty for p in params)
+
+
+def apply_penalties(logits: torch.Tensor, output_ids: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties over each request's output tokens so far (not the prompt):
+    ``logits[t] - frequency_penalty * count(t) - presence_penalty * (count(t) > 0)``, the formula of OpenAI's API
+    reference and vLLM's ``apply_penalties``.
+
+    Args:
+        logits: ``[B, V]`` float32 (not modified).
+        output_ids: ``[B, L]`` int64 on ``logits.device``, each row's output ids, padded with -1.
+        params: per row.
+
+    Returns:
+        New ``[B, V]`` float32 logits.
+    """
+    B, V = logits.shape
+    dev = logits.device
+    ids = output_ids.masked_fill(output_ids < 0, V)  # pads count in a column that is dropped
+    counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=dev)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
+    counts = counts[:, :V]
+    knobs = to_device(torch.tensor([[p.frequency_penalty, p.presence_penalty] for p in params]), dev)
+    return logits - knobs[:, :1] * counts - knobs[:, 1:] * (counts > 0)

@@ -31,7 +31,7 @@ from epdserve.messages import DecodeRequest, KVAck, KVRegister, KVTransfer, Load
 from epdserve.metrics import DecodeMetrics
 from epdserve.model_runner import ModelRunner
 from epdserve.models.mrope import decode_positions
-from epdserve.sampling import sample, sampled_logprobs, token_logprobs
+from epdserve.sampling import apply_penalties, has_penalties, sample, sampled_logprobs, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +348,9 @@ class DecodeScheduler:
         logits = self.runner.forward(batch)
         self.metrics.on_step(len(seqs))
         params = [s.msg.sampling for s in seqs]
-        tokens = sample(logits, params, [s.generator for s in seqs])
+        penalized = apply_penalties(logits, _output_ids(seqs, input_ids, dev), params) \
+            if has_penalties(params) else logits
+        tokens = sample(penalized, params, [s.generator for s in seqs])
         lp = sampled_logprobs(logits, tokens, params)  # now: a graph's logits are a view the next replay overwrites
         for row, seq in enumerate(seqs):
             seq.row, seq.launched = row, seq.launched + 1
@@ -383,6 +385,17 @@ class DecodeScheduler:
             rid=seq.msg.rid, token_ids=list(token_ids), finish_reason=finish,
             prompt_tokens=seq.msg.prompt_len, completion_tokens=len(seq.output_ids),
             cached_tokens=seq.cached_tokens, error=error, logprobs=list(logprobs))))
+
+
+def _output_ids(seqs: list[_Seq], newest: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``[B, L]`` int64 on ``dev``: each request's output ids so far, padded with -1. The newest one of each row
+    is ``newest`` (this step's input ids, maybe still on the device from the previous step); the ones before it
+    are on the host."""
+    before = [s.output_ids[:s.launched - 1] for s in seqs]
+    width = max(map(len, before))
+    host = torch.tensor([ids + [-1] * (width - len(ids)) for ids in before], dtype=torch.int64).view(len(seqs), width)
+    newest = newest if newest.device.type == dev.type else to_device(newest, dev)
+    return torch.cat([to_device(host, dev), newest[:, None]], dim=1)
 
 
 def _bootstrap(msg: DecodeRequest) -> str:

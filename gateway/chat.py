@@ -161,6 +161,8 @@ class ChatService:
             ignore_eos=req.ignore_eos,
             seed=req.seed,
             logprobs=(req.top_logprobs or 0) if req.logprobs else -1,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
         )
         logger.debug("rid=%s prompt_tokens=%d images=%d max_new_tokens=%d", rid, len(prompt.input_ids),
                      len(images), max_new)
@@ -190,7 +192,8 @@ class ChatService:
         max_new = self._max_new_tokens(sp.max_new_tokens, len(ids), "input_ids", "max_new_tokens")
         sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=max_new,
                                   stop=sp.stop_list(), stop_token_ids=list(sp.stop_token_ids or []),
-                                  ignore_eos=sp.ignore_eos, seed=sp.sampling_seed)
+                                  ignore_eos=sp.ignore_eos, seed=sp.sampling_seed,
+                                  frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty)
         prompt = Prompt(ids, [], req.text or "")
         logger.debug("rid=%s /generate prompt_tokens=%d max_new_tokens=%d", rid, len(ids), max_new)
         return PreparedChat(rid, None, prompt, *self._stage_requests(rid, prompt, sampling), self.metrics.trace(),

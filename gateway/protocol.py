@@ -2,9 +2,9 @@
 
 Only what the gateway can honour is modelled. Unknown request fields are ignored (clients such as the OpenAI
 SDK send fields like ``user``), but fields that would change the answer and are not implemented (``n > 1``,
-penalties; ``logprobs`` outside chat completions) are rejected by :meth:`ChatCompletionRequest.unsupported` rather
-than silently dropped. Extensions shared with vLLM/SGLang: ``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``return_token_ids``.
+``repetition_penalty``, ``min_p``; ``logprobs`` outside chat completions) are rejected by each request's
+``unsupported()`` rather than silently dropped. Extensions shared with vLLM/SGLang: ``top_k``, ``ignore_eos``,
+``stop_token_ids``, ``return_token_ids``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ _Extension = Field(default=None, exclude_if=_is_none)
 _INT64_MAX = (1 << 63) - 1
 _Int64 = Annotated[int, Field(ge=-(1 << 63), le=_INT64_MAX)]
 _TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
+_Penalty = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)  # OpenAI's range for presence/frequency
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -99,8 +100,8 @@ class ChatCompletionRequest(BaseModel):
     return_token_ids: bool = False
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's range
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = _Penalty
+    frequency_penalty: float | None = _Penalty
 
     def unsupported(self) -> str | None:
         """A message naming the first requested feature the gateway does not implement (or a field that needs
@@ -109,8 +110,6 @@ class ChatCompletionRequest(BaseModel):
             return "n > 1 is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty and frequency_penalty are not supported"
         return None
 
     def requested_max_tokens(self) -> int | None:
@@ -254,8 +253,8 @@ class GenerateSamplingParams(BaseModel):
     skip_special_tokens: bool = True
     sampling_seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
     n: int = Field(default=1, ge=1)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = 1.0
 
     def stop_list(self) -> list[str]:
@@ -289,8 +288,8 @@ class GenerateRequest(BaseModel):
         sp = self.sampling_params
         if sp.n != 1:
             return "n > 1 is not supported"
-        if sp.min_p or sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
-            return "min_p and the penalties are not supported"
+        if sp.min_p or sp.repetition_penalty != 1.0:
+            return "min_p and repetition_penalty are not supported"
         if not sp.skip_special_tokens:
             return "skip_special_tokens=false is not supported"
         return None
@@ -322,8 +321,8 @@ class CompletionRequest(BaseModel):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = _Penalty
+    frequency_penalty: float | None = _Penalty
 
     def _prompts(self) -> list[str | list[int]]:
         """The prompts of this request: one string or one id list, or the elements of a batch of them."""
@@ -340,8 +339,6 @@ class CompletionRequest(BaseModel):
             return "logprobs are not supported"
         if self.echo or self.suffix:
             return "echo and suffix are not supported"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty and frequency_penalty are not supported"
         return None
 
     def as_generate(self) -> GenerateRequest:
@@ -352,7 +349,8 @@ class CompletionRequest(BaseModel):
             max_new_tokens=16 if self.max_tokens is None else self.max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
-            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, sampling_seed=self.seed)
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, sampling_seed=self.seed,
+            frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0)
         return GenerateRequest(text=text, input_ids=ids, sampling_params=sampling, stream=self.stream)
 
 

@@ -71,14 +71,15 @@ def _hf_inputs(hf, turns):
     return processor(text=[text], images=images or None, return_tensors="pt")
 
 
-def _hf_generate(hf, turns, new_tokens=NEW_TOKENS, **gen_kw):
+def _hf_generate(hf, turns, new_tokens=NEW_TOKENS, logits_processor=None, **gen_kw):
     """transformers' greedy generate() on the processor's own output (EOS ignored, like ignore_eos)."""
     from transformers import GenerationConfig
 
     inputs = _hf_inputs(hf, turns)
-    gen = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **gen_kw)
+    # eos_token_id=[], not None: None falls back to the checkpoint's generation_config (EOS ids 2 and 0).
+    gen = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0, **gen_kw)
     with torch.inference_mode():
-        return inputs, hf[1].generate(**inputs, generation_config=gen)
+        return inputs, hf[1].generate(**inputs, generation_config=gen, logits_processor=logits_processor)
 
 
 def _hf_reference(hf, turns, new_tokens=NEW_TOKENS):
@@ -379,3 +380,39 @@ def _token_bytes(tokenizer, token_id: int) -> bytes:
 
     byte_of = {c: b for b, c in bytes_to_unicode().items()}
     return bytes(byte_of[c] for c in tokenizer.convert_ids_to_tokens(token_id))
+
+
+def test_presence_and_frequency_penalties_match_transformers(server, hf, tiny_model_path, photo_paths):
+    # Greedy output with OpenAI's penalties equals transformers' generate() with the same formula as a logits
+    # processor over the generated tokens (prompt excluded), streaming and not; without penalties this prompt
+    # repeats tokens, so the penalties change the text.
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Penalties(LogitsProcessor):
+        def __init__(self, prompt_len, frequency, presence):
+            self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+        def __call__(self, input_ids, scores):
+            out = input_ids[:, self.prompt_len:]
+            counts = torch.zeros_like(scores).scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+            return scores - self.frequency * counts - self.presence * (counts > 0)
+
+    url, _ = server
+    turns = _resolve("one_photo", photo_paths)
+    plain = _hf_reference(hf, turns)[1]
+    prompt_len = _hf_inputs(hf, turns)["input_ids"].shape[1]
+    _, out = _hf_generate(hf, turns, logits_processor=LogitsProcessorList([Penalties(prompt_len, 0.7, 0.4)]))
+    ref_ids = out[0, prompt_len:].tolist()
+    assert ref_ids != plain
+    body = {"frequency_penalty": 0.7, "presence_penalty": 0.4}
+    resp = _chat(url, tiny_model_path, _openai_messages(turns), **body)
+    assert resp["choices"][0]["token_ids"] == ref_ids
+    assert resp["choices"][0]["message"]["content"] == hf[0].tokenizer.decode(ref_ids, skip_special_tokens=True)
+    r = httpx.post(f"{url}/v1/chat/completions", json={
+        "model": tiny_model_path, "messages": _openai_messages(turns), "temperature": 0, "ignore_eos": True,
+        "max_completion_tokens": NEW_TOKENS, "stream": True, "return_token_ids": True, **body}, timeout=120)
+    events = [json.loads(e) for e in _sse_events(r) if e != "[DONE]"]
+    assert [t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []] == ref_ids
+    bad = httpx.post(f"{url}/v1/chat/completions", json={"model": tiny_model_path, "frequency_penalty": 2.5,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+    assert bad.status_code == 400 and "frequency_penalty" in bad.text
