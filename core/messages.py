@@ -53,6 +53,8 @@ class SamplingParams:
     logprobs: int = -1  # -1: none; 0: each sampled token's log-probability; k > 0: also the k most likely tokens
     frequency_penalty: float = 0.0  # OpenAI's: subtracted from a token's logit once per time it was output
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from the logit of every token output so far
+    # OpenAI's: [token id, bias] pairs, the bias added to that token's logit (pairs: every map on the wire is a message)
+    logit_bias: list[list] = field(default_factory=list)
 
 
 @dataclass

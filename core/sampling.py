@@ -1,5 +1,5 @@
-"""Token sampling from last-token logits: greedy, temperature, top-k, top-p (nucleus); OpenAI's presence and
-frequency penalties; and the sampled tokens' log-probabilities for requests that ask for them."""
+"""Token sampling from last-token logits: greedy, temperature, top-k, top-p (nucleus); OpenAI's logit bias and
+presence and frequency penalties; and the sampled tokens' log-probabilities for requests that ask for them."""
 
 from __future__ import annotations
 
@@ -121,3 +121,18 @@ def apply_penalties(logits: torch.Tensor, output_ids: torch.Tensor, params: list
     counts = counts[:, :V]
     knobs = to_device(torch.tensor([[p.frequency_penalty, p.presence_penalty] for p in params]), dev)
     return logits - knobs[:, :1] * counts - knobs[:, 1:] * (counts > 0)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """OpenAI's ``logit_bias``: each row's ``[token id, bias]`` pairs added to its logits (``[B, V]`` float32, not
+    modified; a new tensor is returned, or ``logits`` itself when no row has a bias). Ids outside the
+    vocabulary are ignored (the gateway refuses them)."""
+    V = logits.shape[1]
+    entries = [(i, int(t), float(b)) for i, p in enumerate(params) for t, b in p.logit_bias if 0 <= int(t) < V]
+    if not entries:
+        return logits
+    rows, ids, bias = zip(*entries)
+    flat = to_device(torch.tensor(rows, dtype=torch.int64) * V + torch.tensor(ids, dtype=torch.int64), logits.device)
+    out = logits.clone()
+    out.view(-1).index_add_(0, flat, to_device(torch.tensor(bias, dtype=logits.dtype), logits.device))
+    return out

@@ -31,7 +31,8 @@ from epdserve.messages import DecodeRequest, KVAck, KVRegister, KVTransfer, Load
 from epdserve.metrics import DecodeMetrics
 from epdserve.model_runner import ModelRunner
 from epdserve.models.mrope import decode_positions
-from epdserve.sampling import apply_penalties, has_penalties, sample, sampled_logprobs, token_logprobs
+from epdserve.sampling import (apply_logit_bias, apply_penalties, has_penalties, sample, sampled_logprobs,
+                               token_logprobs)
 
 log = logging.getLogger(__name__)
 
@@ -348,9 +349,10 @@ class DecodeScheduler:
         logits = self.runner.forward(batch)
         self.metrics.on_step(len(seqs))
         params = [s.msg.sampling for s in seqs]
-        penalized = apply_penalties(logits, _output_ids(seqs, input_ids, dev), params) \
-            if has_penalties(params) else logits
-        tokens = sample(penalized, params, [s.generator for s in seqs])
+        adjusted = apply_logit_bias(logits, params)
+        if has_penalties(params):
+            adjusted = apply_penalties(adjusted, _output_ids(seqs, input_ids, dev), params)
+        tokens = sample(adjusted, params, [s.generator for s in seqs])
         lp = sampled_logprobs(logits, tokens, params)  # now: a graph's logits are a view the next replay overwrites
         for row, seq in enumerate(seqs):
             seq.row, seq.launched = row, seq.launched + 1

@@ -125,6 +125,7 @@ class ChatService:
             APIError: 400/413 for bad images or prompts, the encoder's status for encoder failures, 503 when the
                 stages are not ready or a stage goes down, 504 past ``deadline``.
         """
+        bias = self._logit_bias(req.logit_bias)  # before any image goes to an encoder
         trace = self.metrics.trace()
         hf_messages, urls = to_hf_messages(req.messages)
         logger.debug("rid=%s received (%d images)", rid, len(urls))
@@ -163,6 +164,7 @@ class ChatService:
             logprobs=(req.top_logprobs or 0) if req.logprobs else -1,
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
+            logit_bias=bias,
         )
         logger.debug("rid=%s prompt_tokens=%d images=%d max_new_tokens=%d", rid, len(prompt.input_ids),
                      len(images), max_new)
@@ -193,11 +195,21 @@ class ChatService:
         sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=max_new,
                                   stop=sp.stop_list(), stop_token_ids=list(sp.stop_token_ids or []),
                                   ignore_eos=sp.ignore_eos, seed=sp.sampling_seed,
-                                  frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty)
+                                  frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+                                  logit_bias=self._logit_bias(sp.logit_bias))
         prompt = Prompt(ids, [], req.text or "")
         logger.debug("rid=%s /generate prompt_tokens=%d max_new_tokens=%d", rid, len(ids), max_new)
         return PreparedChat(rid, None, prompt, *self._stage_requests(rid, prompt, sampling), self.metrics.trace(),
                             deadline)
+
+    def _logit_bias(self, bias: dict[int, float] | None) -> list[list]:
+        """A request's ``logit_bias`` for the stages, as ``[token id, bias]`` pairs. Raises APIError 400 for a
+        token id outside the vocabulary."""
+        vocab = len(self._detok_tokenizer)
+        if bias and max(bias) >= vocab:
+            raise APIError(400, f"logit_bias names token id {max(bias)}, outside the vocabulary ({vocab} ids)",
+                           param="logit_bias")
+        return [[t, b] for t, b in sorted((bias or {}).items())]
 
     def _stage_requests(self, rid: str, prompt: Prompt, sampling: SamplingParams) -> tuple[PrefillRequest,
                                                                                           DecodeRequest]:

@@ -26,6 +26,8 @@ _INT64_MAX = (1 << 63) - 1
 _Int64 = Annotated[int, Field(ge=-(1 << 63), le=_INT64_MAX)]
 _TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
 _Penalty = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)  # OpenAI's range for presence/frequency
+# OpenAI's logit_bias: token ids (JSON object keys, so strings) -> a bias in [-100, 100] added to their logits.
+_LogitBias = dict[_TokenId, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -102,6 +104,9 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's range
     presence_penalty: float | None = _Penalty
     frequency_penalty: float | None = _Penalty
+    logit_bias: _LogitBias = None
+    response_format: dict | None = None
+    tools: list | None = None
 
     def unsupported(self) -> str | None:
         """A message naming the first requested feature the gateway does not implement (or a field that needs
@@ -110,6 +115,10 @@ class ChatCompletionRequest(BaseModel):
             return "n > 1 is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return f"response_format {self.response_format.get('type')!r} (constrained decoding) is not supported"
+        if self.tools:
+            return "tools (function calling) are not supported"
         return None
 
     def requested_max_tokens(self) -> int | None:
@@ -256,6 +265,7 @@ class GenerateSamplingParams(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = 1.0
+    logit_bias: _LogitBias = None
 
     def stop_list(self) -> list[str]:
         return stop_list(self.stop)
@@ -323,6 +333,7 @@ class CompletionRequest(BaseModel):
     suffix: str | None = None
     presence_penalty: float | None = _Penalty
     frequency_penalty: float | None = _Penalty
+    logit_bias: _LogitBias = None
 
     def _prompts(self) -> list[str | list[int]]:
         """The prompts of this request: one string or one id list, or the elements of a batch of them."""
@@ -350,7 +361,8 @@ class CompletionRequest(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, sampling_seed=self.seed,
-            frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0)
+            frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+            logit_bias=self.logit_bias)
         return GenerateRequest(text=text, input_ids=ids, sampling_params=sampling, stream=self.stream)
 
 

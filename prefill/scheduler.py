@@ -26,7 +26,7 @@ from epdserve.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Lo
 from epdserve.metrics import PrefillMetrics
 from epdserve.model_runner import ModelRunner
 from epdserve.models.mrope import mrope_positions
-from epdserve.sampling import sample, sampled_logprobs, token_logprobs
+from epdserve.sampling import apply_logit_bias, sample, sampled_logprobs, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +353,7 @@ class PrefillScheduler:
             gens.append(None if seed is None else torch.Generator(device=dev).manual_seed(seed))
         # .tolist() waits for the forward, so the pages hold the whole KV before any decode server is told.
         rows, params = logits[done], [r.msg.sampling for r in reqs]
-        first_t = sample(rows, params, gens)
+        first_t = sample(apply_logit_bias(rows, params), params, gens)
         lp = sampled_logprobs(rows, first_t, params)
         first = first_t.tolist()
         first_lp = token_logprobs(None if lp is None else tuple(t.tolist() for t in lp), params)

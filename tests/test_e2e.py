@@ -416,3 +416,37 @@ def test_presence_and_frequency_penalties_match_transformers(server, hf, tiny_mo
     bad = httpx.post(f"{url}/v1/chat/completions", json={"model": tiny_model_path, "frequency_penalty": 2.5,
                                                            "messages": [{"role": "user", "content": "hi"}]})
     assert bad.status_code == 400 and "frequency_penalty" in bad.text
+
+
+def test_logit_bias_matches_transformers_and_unsupported_fields_are_refused(server, hf, tiny_model_path,
+                                                                            photo_paths):
+    # logit_bias bans the unbiased greedy first token and favours two others; transformers' generate() with the
+    # same bias as a logits processor (every step, the first included) gives the same ids. response_format JSON
+    # and tools are refused with 400, not silently ignored.
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    url, _ = server
+    turns = _resolve("one_photo", photo_paths)
+    plain = _hf_reference(hf, turns)[1]
+    bias = {plain[0]: -100.0, plain[3]: 4.0, 17: 2.5}
+
+    class Bias(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            for t, b in bias.items():
+                scores[:, t] += b
+            return scores
+
+    inputs, out = _hf_generate(hf, turns, logits_processor=LogitsProcessorList([Bias()]))
+    ref_ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert ref_ids[0] != plain[0]
+    resp = _chat(url, tiny_model_path, _openai_messages(turns), logit_bias={str(t): b for t, b in bias.items()})
+    assert resp["choices"][0]["token_ids"] == ref_ids
+    msgs = [{"role": "user", "content": "hi"}]
+    for extra, word in (({"logit_bias": {"99999999": 1}}, "vocabulary"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+                        ({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": tiny_model_path, "messages": msgs, **extra})
+        assert r.status_code == 400 and word in r.text, (extra, r.text)
+    ok = _chat(url, tiny_model_path, msgs, response_format={"type": "text"}, tools=[])
+    assert ok["choices"][0]["finish_reason"] == "length"
