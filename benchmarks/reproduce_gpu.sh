@@ -7,8 +7,9 @@
 #
 # Steps: the qwen2.5-vl-3b preset (random bf16 weights, ~30 s), the GPU tests, the encoder alone (eager and
 # torch.compile, each without and with CUDA graphs, side by side), then `epdserve launch` with the given flags
-# and the issue workloads: 1 request at a time (448x448 and 1280x720), 32 and 128 concurrent. JSON records go to RESULTS_DIR. A workload that runs past
-# BENCH_TIMEOUT_S (default 300) gets every server's Python stacks dumped into the launch log (SIGUSR1) and the
+# and the issue workloads: 1 request at a time (448x448 and 1280x720), 32 and 128 concurrent; then the same
+# launch with DEBUG logs for the one-request stage timeline. JSON records go to RESULTS_DIR. A workload that runs
+# past BENCH_TIMEOUT_S (default 300) gets every server's Python stacks dumped into the launch log (SIGUSR1) and the
 # GPU's utilization printed before the next one: a hung GPU shows 100 % or 0 %, a slow one in between.
 set -uo pipefail
 RES=${1:?results directory}; shift
@@ -17,7 +18,9 @@ mkdir -p "$RES"
 run() { echo "+ $*"; "$@"; }
 
 [ -f "$MODEL/config.json" ] || run epdserve make-tiny-model "$MODEL" --preset qwen2.5-vl-3b --device cuda
-EPDSERVE_GPU_TEST_MODELS=$MODEL run python -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -3
+# The whole pytest output stays in RESULTS_DIR: a failure's message is in its middle, not its last lines.
+EPDSERVE_GPU_TEST_MODELS=$MODEL run python -m pytest -q -p no:cacheprovider -m gpu tests/ > "$RES/gpu_tests.log" 2>&1
+tail -3 "$RES/gpu_tests.log"
 run python -m epdserve.bench.encoder --model-path "$MODEL" --image-sizes 448x448 1280x720 --batch 1 32 \
     --num-images 96 --device cuda --max-batch-patches 65536 --compile 0 1 --cuda-graphs 0 32 \
     --output-json "$RES/encoder.json"
@@ -50,3 +53,16 @@ for w in c1 c1_720p c32 c128; do
   fi
 done
 kill -INT $LAUNCH; wait $LAUNCH
+
+# Where one request's time goes: the same launch with DEBUG logs (their cost stays out of the figures above),
+# one request at a time, then the stage timeline of epdserve.bench.timeline.
+epdserve --log-level DEBUG launch --model-path "$MODEL" --port 8000 "$@" > "$RES/launch_debug.log" 2>&1 &
+LAUNCH=$!
+for _ in $(seq 900); do grep -q "epdserve ready" "$RES/launch_debug.log" && break; kill -0 $LAUNCH || break; sleep 1; done
+for w in c1 c1_720p; do  # without --scrape-metrics: this launch's metrics ports are new
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT_S:-300}" epdserve bench --base-url http://127.0.0.1:8000 --dataset random-mm \
+    --tokenizer "$MODEL" --temperature 0 --disable-tqdm ${LOADS[$w]} --output-json "$RES/${w}_debug.json" > /dev/null
+done
+kill -INT $LAUNCH; wait $LAUNCH
+python -m epdserve.bench.timeline "$RES/launch_debug.log" | tee "$RES/timeline_c1.txt"
