@@ -73,7 +73,7 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     distribution: ``log_softmax`` of the raw logits in float32, before temperature, top-k and top-p (vLLM's
     default ``raw_logprobs``). Returns device tensors ``(chosen [B] float32, top values [B, K] float32, top ids
     [B, K] int64)`` with ``K`` the largest ``logprobs`` asked in ``params``, or None when no row asks (no work).
-    Turn them into messages with :func:`token_logprobs` once they are on the host."""
+    Turn them into messages with :func:`token_logprobs` once the device has computed them."""
     k = max((p.logprobs for p in params), default=-1)
     if k < 0:
         return None
@@ -83,12 +83,13 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     return chosen, top_v, top_i
 
 
-def token_logprobs(host: tuple[list, list, list] | None, params: list[SamplingParams]) -> list[TokenLogprob | None]:
-    """Per row, the :class:`TokenLogprob` of :func:`sampled_logprobs`' result moved to the host as lists (``.tolist()``
-    of each tensor), with ``params[i].logprobs`` top entries; None for rows that did not ask."""
-    if host is None:
+def token_logprobs(logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                   params: list[SamplingParams]) -> list[TokenLogprob | None]:
+    """Per row, the :class:`TokenLogprob` of a :func:`sampled_logprobs` result (copied to the host here), with
+    ``params[i].logprobs`` top entries; None for rows that did not ask."""
+    if logprobs is None:
         return [None] * len(params)
-    chosen, top_v, top_i = host
+    chosen, top_v, top_i = (t.tolist() for t in logprobs)
     return [None if p.logprobs < 0 else
             TokenLogprob(chosen[i], [[t, v] for t, v in zip(top_i[i][:p.logprobs], top_v[i][:p.logprobs])])
             for i, p in enumerate(params)]

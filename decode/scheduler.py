@@ -85,8 +85,7 @@ class _Step:
     def host_logprobs(self) -> list[TokenLogprob | None]:
         """Per row, the sampled token's :class:`TokenLogprob` (None for rows that did not ask). Call after
         :meth:`host_tokens`: the values are then computed, and copying them is all that is left."""
-        lp = None if self.logprobs is None else tuple(t.tolist() for t in self.logprobs)
-        return token_logprobs(lp, [s.msg.sampling for s in self.seqs])
+        return token_logprobs(self.logprobs, [s.msg.sampling for s in self.seqs])
 
 
 class DecodeScheduler:

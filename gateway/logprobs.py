@@ -34,18 +34,15 @@ class TokenBytes:
             self._cache[token_id] = out
         return out
 
-    def entry(self, token_id: int, logprob: float) -> TopLogprob:
-        """``token_id`` as OpenAI's ``{token, logprob, bytes}``."""
+    def entry(self, token_id: int, logprob: float, model: type[TopLogprob] = TopLogprob, **extra) -> TopLogprob:
+        """``token_id`` as OpenAI's ``{token, logprob, bytes}`` (a ``model``, with its ``extra`` fields)."""
         b = self(token_id)
-        return TopLogprob(token=b.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(b))
+        return model(token=b.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(b), **extra)
 
 
 def logprob_content(token_bytes: TokenBytes, token_ids: list[int],
                     logprobs: list[TokenLogprob]) -> list[TokenLogprobInfo]:
     """OpenAI's ``choices[].logprobs.content`` for ``token_ids`` and their stage entries (same length)."""
-    out = []
-    for token_id, lp in zip(token_ids, logprobs):
-        head = token_bytes.entry(token_id, lp.logprob)
-        out.append(TokenLogprobInfo(**head.model_dump(),
-                                    top_logprobs=[token_bytes.entry(int(t), float(v)) for t, v in lp.top]))
-    return out
+    return [token_bytes.entry(token_id, lp.logprob, TokenLogprobInfo,
+                              top_logprobs=[token_bytes.entry(int(t), float(v)) for t, v in lp.top])
+            for token_id, lp in zip(token_ids, logprobs)]

@@ -356,7 +356,7 @@ class PrefillScheduler:
         first_t = sample(apply_logit_bias(rows, params), params, gens)
         lp = sampled_logprobs(rows, first_t, params)
         first = first_t.tolist()
-        first_lp = token_logprobs(None if lp is None else tuple(t.tolist() for t in lp), params)
+        first_lp = token_logprobs(lp, params)
         for req, tok, tok_lp in zip(reqs, first, first_lp):
             self.running.remove(req)
             req.first_token, req.first_logprob = tok, tok_lp
