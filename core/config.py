@@ -82,6 +82,9 @@ class PrefillConfig(LMServerConfig):
     chunked_prefill_size: int = _f(2048, "most new tokens of one request in one prefill forward: a longer prompt is "
                                          "prefilled in chunks over several forwards, beside other requests' "
                                          "chunks, so it does not stall them; 0 = up to --max-prefill-tokens")
+    cuda_graph_max_tokens: int = _f(2048, "longest one-request prefill forward (new tokens) replayed from a CUDA "
+                                          "graph (flashinfer backend); longer ones and batches of several requests "
+                                          "run eagerly; 0 = every prefill eagerly")
     metrics_port: int = _f(30301, "HTTP port of /metrics (Prometheus text format); 0 = a free port")
 
 
@@ -148,6 +151,8 @@ class LaunchConfig:
     decode_base_gpu: int = _f(0, "decode TP rank r runs on GPU decode_base_gpu + r")
     kv_transfer: str = _f("auto", "prefill->decode KV path: auto, zmq or shared (see `epdserve prefill --help`)")
     encoder_cuda_graphs: int = _f(0, "vision-tower CUDA graphs per encoder (see `epdserve encoder --help`)")
+    prefill_cuda_graph_max_tokens: int = _f(2048, "longest one-request prefill replayed from a CUDA graph (see "
+                                                  "`epdserve prefill --help`, --cuda-graph-max-tokens)")
     encoder_compile: bool = _f(True, "torch.compile the encoders' vision towers on CUDA (see `epdserve encoder "
                                      "--help`)")
 

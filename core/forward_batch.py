@@ -19,12 +19,15 @@ class ForwardBatch:
         q_lens: per request, new tokens in this forward (sum is ``T``).
         kv_lens: per request, KV length after this forward (cached prefix + new tokens).
         page_table: per request, its KV page ids in order; at least ``ceil(kv_len / page_size)`` of them.
-        mm_embeds: ``[N, hidden]`` image embeddings (any float dtype) replacing token embeddings where
-            ``mm_mask`` is True, in row order; ``N == mm_mask.sum()``.
+        mm_embeds: image embeddings (any float dtype) replacing token embeddings where ``mm_mask`` is True:
+            ``[N, hidden]`` in row order with ``N == mm_mask.sum()``, or ``[T, hidden]`` aligned with the tokens
+            (rows outside the mask ignored; what a CUDA graph replays, since it needs no data-dependent shape).
         mm_mask: ``[T]`` bool.
         mm_sources: where each block of ``mm_embeds`` rows came from, in order: ``(rid, image_hash, start,
             end)`` rows of that image's embeddings (lets TP ranks other than 0 gather the same rows from their own
             copy); None when not known.
+        last_rows: ``[B]`` int64 row of each request's last new token, on the model's device; None: from
+            ``q_lens``. A prefill CUDA graph passes its own buffer, since ``q_lens`` would be frozen into the graph.
     """
 
     is_decode: bool
@@ -37,6 +40,7 @@ class ForwardBatch:
     mm_embeds: torch.Tensor | None = None
     mm_mask: torch.Tensor | None = None
     mm_sources: list[tuple[str, str, int, int]] | None = None
+    last_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

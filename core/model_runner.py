@@ -38,7 +38,8 @@ class ModelRunner:
 
     def __init__(self, model_path: str, *, device: torch.device, dtype: torch.dtype, num_pages: int,
                  page_size: int, attention_backend: str = "auto", mem_fraction: float = 0.5,
-                 cuda_graph_max_bs: int = 0, share_kv: bool = False, tp: TPGroup | None = None):
+                 cuda_graph_max_bs: int = 0, prefill_graph_max_tokens: int = 0, share_kv: bool = False,
+                 tp: TPGroup | None = None):
         """Load config and LM weights (vision weights are skipped), then size and allocate the KV pool.
 
         ``num_pages == 0`` sizes the pool automatically: on CUDA ``mem_fraction`` of the free memory left after
@@ -48,7 +49,9 @@ class ModelRunner:
 
         With the flashinfer backend the model uses flashinfer's fused norm/RoPE/activation kernels, and
         ``cuda_graph_max_bs > 0`` captures decode CUDA graphs up to that batch size (see
-        :mod:`epdserve.cuda_graph`); the graphs need the flashinfer backend and are skipped otherwise.
+        :mod:`epdserve.cuda_graph`), and ``prefill_graph_max_tokens > 0`` one-request prefill graphs up to that
+        many new tokens (:mod:`epdserve.prefill_graph`); the graphs need the flashinfer backend and are skipped
+        otherwise.
 
         ``share_kv`` makes the KV pool mappable by other processes of this machine (:meth:`kv_handle`): on CUDA
         every pool is; on the CPU the pool is then allocated in a /dev/shm file.
@@ -85,6 +88,13 @@ class ModelRunner:
 
             self.graphs = CudaGraphRunner(self.model, self.backend, vocab_size=cfg.vocab_size,
                                           max_bs=cuda_graph_max_bs, scratch_page=num_pages, page_size=page_size)
+        self.prefill_graphs = None
+        if prefill_graph_max_tokens > 0 and self.backend.uses_flashinfer:
+            from epdserve.prefill_graph import PrefillGraphRunner
+
+            self.prefill_graphs = PrefillGraphRunner(
+                self.model, self.backend, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                max_tokens=prefill_graph_max_tokens, scratch_page=num_pages, page_size=page_size, dtype=dtype)
 
     def _auto_pages(self, mem_fraction: float) -> int:
         if self.device.type != "cuda":
@@ -101,8 +111,9 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run ``batch`` (tensors on any device; moved here) and return float32 logits ``[B, vocab]`` at each
-        request's last new token. New K/V land in ``batch.out_slots``. Decode batches that a CUDA graph covers
-        are replayed (their logits are a view valid until the next forward); the rest run eagerly.
+        request's last new token. New K/V land in ``batch.out_slots``. Decode batches and one-request prefills
+        that a CUDA graph covers are replayed (their logits are a view valid until the next forward); the rest run
+        eagerly.
 
         With TP, rank 0's ``input_ids`` are broadcast to the other ranks first (theirs are ignored: any ``[T]``
         int64 tensor), so ids that rank 0 holds only on the device (overlapped decode) never visit the host.
@@ -116,6 +127,8 @@ class ModelRunner:
             batch = dataclasses.replace(batch, input_ids=self.tp.broadcast(ids))
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(batch)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            return self.prefill_graphs.replay(batch)
         batch = dataclasses.replace(
             batch,
             input_ids=batch.input_ids.to(dev, non_blocking=True),
@@ -204,7 +217,8 @@ def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
                  share_kv: bool = False) -> ModelRunner:
     """Build and warm up TP rank ``tp.rank``'s model runner of a prefill or decode server from its
     :class:`~epdserve.config.LMServerConfig` (every rank calls this with the same ``cfg``; its collectives pair
-    up across ranks), with decode CUDA graphs up to ``cuda_graph_max_bs`` (0: none).
+    up across ranks), with decode CUDA graphs up to ``cuda_graph_max_bs`` (0: none) and, for a prefill server,
+    prefill CUDA graphs up to its ``cuda_graph_max_tokens``.
 
     Raises:
         ValueError: unknown dtype or attention backend, heads that do not split over the ranks.
@@ -213,8 +227,8 @@ def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
 
     runner = ModelRunner(model_path, device=tp.device, dtype=resolve_dtype(cfg.dtype, tp.device),
                          num_pages=cfg.num_pages, page_size=cfg.page_size, attention_backend=cfg.attention_backend,
-                         mem_fraction=cfg.mem_fraction, cuda_graph_max_bs=cuda_graph_max_bs, share_kv=share_kv,
-                         tp=tp)
+                         mem_fraction=cfg.mem_fraction, cuda_graph_max_bs=cuda_graph_max_bs,
+                         prefill_graph_max_tokens=getattr(cfg, "cuda_graph_max_tokens", 0), share_kv=share_kv, tp=tp)
     runner.warmup()
     return runner
 

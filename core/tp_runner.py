@@ -141,7 +141,8 @@ class TPRunner:
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def close(self, timeout_s: float = 10.0) -> None:
-        """Tell the other ranks to exit, wait for them (killing any that do not), leave the process group."""
+        """Tell the other ranks to exit, leave the process group alongside them, and wait for them (killing any
+        that do not exit within ``timeout_s``)."""
         if self._closing.is_set():
             return
         self._closing.set()
@@ -150,6 +151,9 @@ class TPRunner:
                 self._send(TPShutdown())
             except zmq.ZMQError:
                 pass
+            # Every rank leaves the group at about the same time: the ranks leave it on TPShutdown, and an NCCL
+            # group's teardown may wait for its peers, so rank 0 must not first wait for them to exit.
+            self.tp.close()
         deadline = time.monotonic() + timeout_s
         for proc in self._procs.values():
             try:
@@ -157,8 +161,6 @@ class TPRunner:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self.failed is None:
-            self.tp.close()
         self._ctx.destroy(linger=0)
 
     def _send(self, msg) -> None:

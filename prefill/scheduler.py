@@ -327,16 +327,17 @@ class PrefillScheduler:
                     sources.append((req.msg.rid, span.image_hash, a - span.offset, b - span.offset))
             mask.append(m)
         dev = self.runner.device
+        # Built on the host: the runner moves what it needs (a CUDA graph takes it in one pinned copy).
         batch = ForwardBatch(
             is_decode=False,
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.cat(pos, dim=1).to(dev),
-            out_slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.cat(pos, dim=1),
+            out_slots=torch.tensor(slots, dtype=torch.int64),
             q_lens=[e - s for s, e in chunks],
             kv_lens=[e for _, e in chunks],
             page_table=[r.pages for r in batch_reqs],
-            mm_embeds=torch.cat(mm).to(dev) if mm else None,
-            mm_mask=torch.cat(mask).to(dev) if mm else None,
+            mm_embeds=torch.cat(mm) if mm else None,
+            mm_mask=torch.cat(mask) if mm else None,
             mm_sources=sources if mm else None,
         )
         logits = self.runner.forward(batch)

@@ -35,6 +35,17 @@ def tiny_qwen2_vl_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def gpu_test_models(tmp_path_factory) -> list[str]:
+    """Checkpoints the GPU tests run on: the ``small`` random checkpoint, and every directory listed in
+    ``EPDSERVE_GPU_TEST_MODELS`` (comma-separated; e.g. the ``qwen2.5-vl-3b`` preset written by ``epdserve
+    make-tiny-model --preset``). Only GPU tests ask for it."""
+    from epdserve.models.tiny import make_tiny_model
+
+    paths = [str(make_tiny_model(tmp_path_factory.mktemp("small"), size="small"))]
+    return paths + [p for p in os.environ.get("EPDSERVE_GPU_TEST_MODELS", "").split(",") if p]
+
+
+@pytest.fixture(scope="session")
 def photo_paths() -> dict[str, Path]:
     """The CC0 photos in ../shared/images, by file stem."""
     paths = {p.stem: p for p in sorted(IMAGES_DIR.glob("*")) if p.suffix in (".png", ".jpg")}

@@ -1,12 +1,10 @@
 """Decode CUDA graphs: replayed steps give the same greedy tokens as eager steps (GPU only; skipped on CPU).
 
-Models: the ``small`` random checkpoint, and every checkpoint directory listed in ``EPDSERVE_GPU_TEST_MODELS``
-(comma-separated; e.g. the ``qwen2.5-vl-3b`` preset written by ``epdserve make-tiny-model --preset``).
+Models: the ``gpu_test_models`` fixture (conftest.py).
 """
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -52,13 +50,6 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[li
     return out
 
 
-def _model_paths(tmp_path_factory) -> list[str]:
-    from epdserve.models.tiny import make_tiny_model
-
-    paths = [str(make_tiny_model(tmp_path_factory.mktemp("small"), size="small"))]
-    return paths + [p for p in os.environ.get("EPDSERVE_GPU_TEST_MODELS", "").split(",") if p]
-
-
 def overlapped(runner: ModelRunner, eager: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
     """Greedy outputs through the decode server's scheduler (overlap on, ``runner``'s CUDA graphs), from prompt KV
     that ``eager`` prefilled and hands over as :class:`KVTransfer` s."""
@@ -91,11 +82,11 @@ def overlapped(runner: ModelRunner, eager: ModelRunner, prompts: list[list[int]]
 
 @pytest.mark.gpu
 @needs_cuda
-def test_graph_and_overlapped_decode_match_eager(tmp_path_factory):
+def test_graph_and_overlapped_decode_match_eager(gpu_test_models):
     """64 greedy tokens at batch 1 and 16: graph replays equal eager steps, and so does the decode scheduler
     (overlap on) over the graphs."""
     pytest.importorskip("flashinfer")
-    for path in _model_paths(tmp_path_factory):
+    for path in gpu_test_models:
         kw = dict(device=torch.device("cuda"), dtype=torch.bfloat16, num_pages=2048, page_size=16)
         eager = ModelRunner(path, **kw)
         graphed = ModelRunner(path, cuda_graph_max_bs=16, **kw)

@@ -284,6 +284,27 @@ def test_prefix_reuse_matches_one_shot(hf25, runner25, photo_paths):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_aligned_image_rows_and_last_rows_match_packed(hf25, runner25, photo_paths):
+    """The graph-safe form of a prefill (image embeddings aligned with the tokens and spliced by ``torch.where``;
+    the last row given as a tensor) computes exactly what the packed form does, for a whole prompt and for an
+    extend that starts inside the image."""
+    import dataclasses
+
+    inputs = hf25.prompt([photo_paths["astronaut"]])
+    n, ps = inputs["input_ids"].shape[1], runner25.page_size
+    pages = Pages(runner25.num_pages, seed=4)
+    packed, aligned = (hf25.seq(inputs, pages.take(-(-n // ps)), ps) for _ in range(2))
+    for end in (n // 2, n):  # the second extend starts inside the image and has a cached prefix
+        want = runner25.forward(make_batch([packed.extend_part(end)]))
+        batch = make_batch([aligned.extend_part(end)])
+        assert batch.mm_embeds.shape[0] < batch.input_ids.shape[0]  # the test covers the packed form too
+        rows = torch.zeros(batch.input_ids.shape[0], batch.mm_embeds.shape[1])
+        rows[batch.mm_mask] = batch.mm_embeds
+        rows[~batch.mm_mask] = float("nan")  # rows outside the mask must not leak in
+        batch = dataclasses.replace(batch, mm_embeds=rows, last_rows=torch.tensor([batch.q_lens[0] - 1]))
+        assert torch.equal(runner25.forward(batch), want)
+
+
 def test_batched_extend_and_decode_match_alone(hf25, runner25, photo_paths):
     ps = runner25.page_size
     pages = Pages(runner25.num_pages, seed=2)

@@ -305,29 +305,22 @@ def test_mixed_tp_pairings_match_transformers(servers, hf, references, photo_pat
 
 # ---------------------------------------------------------------------------------------------------- GPU
 
-def _gpu_model_paths(tmp_path_factory) -> list[str]:
-    from epdserve.models.tiny import make_tiny_model
-
-    paths = [str(make_tiny_model(tmp_path_factory.mktemp("small"), size="small"))]
-    return paths + [p for p in os.environ.get("EPDSERVE_GPU_TEST_MODELS", "").split(",") if p]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tp2_greedy_equals_tp1_on_two_gpus(tmp_path_factory):
+def test_tp2_greedy_equals_tp1_on_two_gpus(tmp_path_factory, gpu_test_models):
     """Prefill TP=2 + decode TP=2 on cuda:0,1 (NCCL, decode CUDA graphs, flashinfer fused ops) give the same 32
     greedy tokens as prefill TP=1 + decode TP=1 on cuda:0, for 4 text prompts one at a time, and so does prefill
     TP=2 -> decode TP=1 (the KV re-sharded); a divergence passes only at a near-tie (:func:`_greedy_close`)."""
     pytest.importorskip("flashinfer")
     tmp = tmp_path_factory.mktemp("tp-gpu")
     steps = 32
-    for path in _gpu_model_paths(tmp_path_factory):
+    for path in gpu_test_models:
         from epdserve.models.config import ModelConfig
 
         vocab = min(ModelConfig.load(path).vocab_size, 1000)  # the small checkpoint's tokenizer has < 1000 ids
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(10, vocab, (int(n),), generator=gen).tolist() for n in (7, 60, 200, 450)]
-        outs = {}
+        outs, exits = {}, {}
         for ptp, dtp in ((1, 1), (2, 2), (2, 1)):
             ports = {k: free_port() for k in ("p", "e", "b", "d", "kv")}
             common = ["--model-path", path, "--device", "cuda", "--num-pages", "4096"]
@@ -347,12 +340,15 @@ def test_tp2_greedy_equals_tp1_on_two_gpus(tmp_path_factory):
                                                      f"gpu-{ptp}{dtp}-{i}", steps, 5)
                                   for i, q in enumerate(prompts)]
             finally:
-                codes = _stop_all(procs)
-            assert codes == {"prefill": 0, "decode": 0}, f"{path}: TP {ptp}/{dtp} exit codes {codes}"
+                exits[ptp, dtp] = (_stop_all(procs), logs)
         for pair in ((2, 2), (2, 1)):
             for i, (want, got) in enumerate(zip(outs[1, 1], outs[pair])):
                 problem = _greedy_close(want, got)
                 assert problem is None, f"{path}: prompt {i}: prefill/decode TP {pair} vs TP=1: {problem}"
+        # Checked after the outputs, so a shutdown problem does not hide whether the outputs agree.
+        for (ptp, dtp), (codes, logs) in exits.items():
+            tails = "\n".join(f"--- {k}:\n" + "\n".join(p.read_text().splitlines()[-15:]) for k, p in logs.items())
+            assert codes == {"prefill": 0, "decode": 0}, f"{path}: TP {ptp}/{dtp} exit codes {codes}\n{tails}"
 
 
 # ------------------------------------------------------------------------------------ last: a rank dies

@@ -8,7 +8,11 @@ flashinfer's causal mask in append mode is bottom-right aligned, which is the pr
 CUDA graphs: a decode wrapper in CUDA-graph mode has a fixed batch size and plans into fixed index buffers, so
 :meth:`FlashInferBackend.enable_cuda_graphs` makes one per captured batch size over shared buffers; ``plan`` runs
 on the host before each replay and the captured kernels read what it wrote (as SGLang's and mini-sglang's
-flashinfer backends do).
+flashinfer backends do). Prefill graphs (:meth:`FlashInferBackend.enable_prefill_cuda_graphs`) are one
+one-request prefill wrapper per captured token count: in CUDA-graph mode flashinfer sizes its work split for the
+row count of the first plan (the capture's) and any later plan may have fewer rows (flashinfer's
+``PrefillSplitQOKVIndptr``: "the dummy data based on which the CUDA graph is created fixes the maximum number of
+tokens"); the padding rows past ``qo_indptr[-1]`` are not computed.
 """
 
 from __future__ import annotations
@@ -48,9 +52,10 @@ class FlashInferBackend(AttentionBackend):
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
         self._graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
+        self._graph_prefill: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
         self._wrapper = None
         self._out_slots: torch.Tensor | None = None
-        self._planned: dict[int, torch.cuda.Event] = {}  # id(decode wrapper) -> recorded after its last plan
+        self._planned: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> recorded after its last plan
 
     def enable_cuda_graphs(self, batch_sizes: list[int]) -> None:
         """Create a CUDA-graph-mode decode wrapper for each batch size, over index buffers shared by all of them
@@ -64,13 +69,40 @@ class FlashInferBackend(AttentionBackend):
                 self._workspace, kv_layout="NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr[:bs + 1],
                 paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last[:bs])
 
+    def enable_prefill_cuda_graphs(self, token_counts: list[int]) -> None:
+        """Create a CUDA-graph-mode prefill wrapper for one request of each of ``token_counts`` new tokens (at
+        most), over index buffers shared by all of them."""
+        dev = self.kv_pool.device
+        qo_indptr = torch.zeros(2, dtype=torch.int32, device=dev)
+        kv_indptr = torch.zeros(2, dtype=torch.int32, device=dev)
+        indices = torch.zeros(self.kv_pool.num_pages + 1, dtype=torch.int32, device=dev)
+        last = torch.zeros(1, dtype=torch.int32, device=dev)
+        for n in token_counts:
+            self._graph_prefill[n] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=qo_indptr,
+                paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last)
+
+    def _wait_previous_plan(self, wrapper) -> None:
+        # plan() writes its schedule into the wrapper's one pinned host buffer and queues an async copy of it to
+        # the device. The overlap scheduler plans step N+1 while step N may still wait in the stream (behind KV
+        # copies, or while another process holds the GPU): overwriting the buffer before N's copy ran would hand
+        # N's kernels N+1's schedule. So wait for that copy first (almost always done).
+        if (planned := self._planned.get(id(wrapper))) is not None:
+            planned.synchronize()
+
+    def _planned_now(self, wrapper) -> None:
+        planned = self._planned[id(wrapper)] = torch.cuda.Event()
+        planned.record(torch.cuda.current_stream(self.kv_pool.device))
+
     def prepare(self, batch: ForwardBatch, *, cuda_graph: bool = False) -> None:
-        """Plan the prefill or decode wrapper for ``batch`` (``cuda_graph``: the graph-mode decode wrapper of
-        exactly ``batch.batch_size``). Makes no blocking host-device copy on the decode path.
+        """Plan the prefill or decode wrapper for ``batch``. ``cuda_graph``: the graph-mode wrapper of the batch's
+        padded shape, for decode of exactly ``batch.batch_size`` requests, for prefill (one request) of exactly
+        ``batch.input_ids.shape[0]`` token rows, which may exceed ``q_lens[0]`` (padding rows). Makes no blocking
+        host-device copy on the decode path.
 
         Raises:
             ValueError: a page table shorter than ``ceil(kv_len / page_size)``.
-            KeyError: ``cuda_graph`` for a batch size with no graph wrapper.
+            KeyError: ``cuda_graph`` for a shape with no graph wrapper.
         """
         ps, dev = self.kv_pool.page_size, self.kv_pool.device
         indices, counts, last = [], [], []
@@ -87,24 +119,18 @@ class FlashInferBackend(AttentionBackend):
         pool, dtype = self.kv_pool, self.kv_pool.dtype
         if batch.is_decode:
             wrapper = self._graph_decode[batch.batch_size] if cuda_graph else self._decode
-            # plan() writes its split-KV schedule into the wrapper's one pinned host buffer and queues an async
-            # copy of it to the device. The overlap scheduler plans step N+1 while step N may still wait in the
-            # stream (behind KV copies, or while another process holds the GPU): overwriting the buffer before
-            # N's copy ran would hand N's kernels N+1's schedule. So wait for that copy first (almost always done).
-            if (planned := self._planned.get(id(wrapper))) is not None:
-                planned.synchronize()
+            self._wait_previous_plan(wrapper)
             wrapper.plan(kv_indptr.pin_memory(), kv_indices, last_len.pin_memory(), self.num_qo_heads,
                          pool.num_kv_heads, pool.head_dim, ps, q_data_type=dtype, kv_data_type=dtype,
                          sm_scale=self.scale, non_blocking=True)
-            planned = self._planned[id(wrapper)] = torch.cuda.Event()
-            planned.record(torch.cuda.current_stream(dev))
-            self._wrapper = wrapper
         else:
+            wrapper = self._graph_prefill[int(batch.input_ids.shape[0])] if cuda_graph else self._prefill
+            self._wait_previous_plan(wrapper)
             qo_indptr = torch.tensor([0] + list(batch.q_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            self._prefill.plan(qo_indptr, kv_indptr, kv_indices, last_len, self.num_qo_heads, pool.num_kv_heads,
-                               pool.head_dim, ps, causal=True, q_data_type=dtype, kv_data_type=dtype,
-                               sm_scale=self.scale)
-            self._wrapper = self._prefill
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_len, self.num_qo_heads, pool.num_kv_heads,
+                         pool.head_dim, ps, causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scale)
+        self._planned_now(wrapper)
+        self._wrapper = wrapper
         self._out_slots = batch.out_slots.to(dev)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -289,8 +289,9 @@ class Qwen2VLLanguageModel(nn.Module):
         does it, outside the CUDA graph when one replays this forward. A decode batch makes no host-to-device
         copy here, so it can be captured in a CUDA graph.
 
-        Rows where ``batch.mm_mask`` is True take ``batch.mm_embeds`` (cast to the model dtype) instead of the
-        token embedding.
+        Rows where ``batch.mm_mask`` is True take ``batch.mm_embeds`` (cast to the model dtype; packed or aligned,
+        see :class:`ForwardBatch`) instead of the token embedding. A prefill batch with ``last_rows`` makes no
+        host-to-device copy either (the prefill CUDA graphs, :mod:`epdserve.prefill_graph`).
 
         Raises:
             RuntimeError: no attention backend set, or ``mm_embeds`` row count != ``mm_mask.sum()``.
@@ -299,7 +300,10 @@ class Qwen2VLLanguageModel(nn.Module):
             raise RuntimeError("Qwen2VLLanguageModel.attn is not set")
         x = self.embed_tokens(batch.input_ids)
         if batch.mm_mask is not None and batch.mm_embeds is not None:
-            x[batch.mm_mask] = batch.mm_embeds.to(x.dtype)
+            if batch.mm_embeds.shape[0] == x.shape[0]:  # aligned rows: no data-dependent shape, graph-safe
+                x = torch.where(batch.mm_mask[:, None], batch.mm_embeds.to(x.dtype), x)
+            else:
+                x[batch.mm_mask] = batch.mm_embeds.to(x.dtype)
         section = self.config.mrope_section
         if self.fused_ops:
             table = mrope_cos_sin_table(batch.positions, self.inv_freq, section)
@@ -310,7 +314,9 @@ class Qwen2VLLanguageModel(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, rope, self.attn)
         if not batch.is_decode:  # decode has one new token per request: every row is a last row
-            last = torch.tensor(batch.q_lens, device=x.device).cumsum(0) - 1
+            last = batch.last_rows
+            if last is None:
+                last = torch.tensor(batch.q_lens, device=x.device).cumsum(0) - 1
             x, residual = x[last], residual[last]
         x, _ = self.norm(x, residual)
         logits = self.lm_head(x)

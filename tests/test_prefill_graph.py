@@ -1,0 +1,85 @@
+"""Prefill CUDA graphs: a replayed one-request prefill computes what the eager forward does (GPU only; skipped on
+CPU), with image rows, padding up to the captured size, and a cached prefix.
+
+Models: the ``gpu_test_models`` fixture (conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epdserve.forward_batch import ForwardBatch
+from epdserve.kvcache.page_pool import PagePool
+from epdserve.model_runner import ModelRunner
+from epdserve.prefill_graph import prefill_graph_sizes
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_prefill_graph_sizes():
+    assert prefill_graph_sizes(16) == [16]
+    assert prefill_graph_sizes(100) == [16, 32, 64, 100]
+    sizes = prefill_graph_sizes(2048)
+    assert sizes[0] == 16 and sizes[-1] == 2048 and sizes == sorted(set(sizes))
+    assert all(b <= 1.25 * a for a, b in zip(sizes, sizes[1:]) if a >= 256)
+    with pytest.raises(ValueError):
+        prefill_graph_sizes(0)
+
+
+def _extend(runner: ModelRunner, ids, positions, pages, start: int, end: int, mm_rows, hidden: int):
+    """One request's prefill of tokens ``start .. end`` over ``pages``; ``mm_rows`` (a set of row indices of the
+    whole prompt) take seeded random image embeddings. Returns (logits [1, vocab] float32 on the host, KV)."""
+    ps = runner.page_size
+    slots = torch.tensor([pages[i // ps] * ps + i % ps for i in range(start, end)])
+    mask = torch.tensor([i in mm_rows for i in range(start, end)])
+    gen = torch.Generator().manual_seed(start * 7919 + end)
+    emb = torch.randn(int(mask.sum()), hidden, generator=gen) * 0.05 if mask.any() else None
+    batch = ForwardBatch(False, ids[start:end], positions[:, start:end], slots, [end - start], [end], [pages],
+                         mm_embeds=emb, mm_mask=mask if emb is not None else None)
+    logits = runner.forward(batch).float().cpu()
+    return logits, runner.read_kv(slots).float()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_prefill_graph_replay_matches_eager(gpu_test_models):
+    """Prompts of 5 .. 1,500 tokens (sizes on and between the captured ones), some with image rows, some after a
+    cached prefix: the graph runner's logits and KV equal the eager runner's (bf16 tolerance; the graphs run the
+    same kernels), and the greedy token is the same."""
+    pytest.importorskip("flashinfer")
+    for path in gpu_test_models:
+        kw = dict(device=torch.device("cuda"), dtype=torch.bfloat16, num_pages=1024, page_size=16)
+        eager = ModelRunner(path, **kw)
+        graphed = ModelRunner(path, prefill_graph_max_tokens=2048, **kw)
+        assert eager.prefill_graphs is None and graphed.prefill_graphs is not None
+        hidden = eager.config.hidden_size
+        vocab = min(eager.config.vocab_size, 1000)
+        gen = torch.Generator().manual_seed(0)
+        cases = [(5, 0, False), (16, 0, False), (17, 0, True), (300, 0, True), (350, 100, True), (1000, 999, False),
+                 (1500, 64, True), (2048, 0, False)]
+        for n, cached, images in cases:
+            ids = torch.randint(10, vocab, (n,), generator=gen)
+            positions = torch.arange(n).expand(3, -1).clone()
+            mm_rows = set(range(n // 4, n // 2)) if images else set()
+            outs = []
+            for runner in (eager, graphed):
+                pool = PagePool(runner.num_pages, runner.page_size)
+                pages = pool.alloc(pool.pages_for(n))
+                if cached:  # the prefix is computed eagerly on both: a batch of two is never replayed
+                    pages_other = pool.alloc(pool.pages_for(8))
+                    runner.forward(ForwardBatch(
+                        False, torch.cat([ids[:cached], ids[:8]]), torch.cat([positions[:, :cached],
+                                                                              positions[:, :8]], 1),
+                        torch.tensor([pages[i // 16] * 16 + i % 16 for i in range(cached)] +
+                                     [pages_other[i // 16] * 16 + i % 16 for i in range(8)]),
+                        [cached, 8], [cached, 8], [pages, pages_other],
+                        mm_embeds=None, mm_mask=None))
+                outs.append(_extend(runner, ids, positions, pages, cached, n, mm_rows, hidden))
+            (want, want_kv), (got, got_kv) = outs
+            what = f"{path}: {n} tokens, {cached} cached, images={images}"
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.02, msg=lambda m: f"{what}: logits: {m}")
+            torch.testing.assert_close(got_kv, want_kv, atol=0.02, rtol=0.02, msg=lambda m: f"{what}: KV: {m}")
+            assert int(got.argmax()) == int(want.argmax()), what
+        del eager, graphed
+        torch.cuda.empty_cache()
