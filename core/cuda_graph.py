@@ -33,6 +33,24 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def capture_forward(model, backend, batch: ForwardBatch, out: torch.Tensor, pool) -> torch.cuda.CUDAGraph:
+    """Plan ``batch`` on ``backend``'s graph-mode wrapper, run ``model(batch, out=out)`` once eagerly (JIT builds
+    and lazy allocations happen outside the graph), then capture the same call into a new graph that allocates
+    from memory pool ``pool`` (None: a new pool; pass the returned graph's ``pool()`` to the next capture so all
+    share one). Call under ``torch.inference_mode()``; ``batch``'s tensors must be static device buffers.
+
+    Raises:
+        RuntimeError: an operation that cannot be captured (a host sync, a data-dependent shape).
+    """
+    backend.prepare(batch, cuda_graph=True)
+    model(batch, out=out)
+    torch.cuda.synchronize(out.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        model(batch, out=out)
+    return graph
+
+
 class CudaGraphRunner:
     """Captured decode forwards of a model over a :class:`~epdserve.attention.flashinfer.FlashInferBackend`.
 
@@ -65,14 +83,8 @@ class CudaGraphRunner:
         with torch.inference_mode():
             for bs in reversed(self.sizes):
                 batch = self._static_batch(bs, [1] * bs, [[scratch_page]] * bs)
-                backend.prepare(batch, cuda_graph=True)
-                model(batch, out=self.logits[:bs])  # warm-up: JIT builds and lazy allocations happen outside
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    model(batch, out=self.logits[:bs])
-                pool = graph.pool()
-                self.graphs[bs] = graph
+                self.graphs[bs] = capture_forward(model, backend, batch, self.logits[:bs], pool)
+                pool = self.graphs[bs].pool()
         torch.cuda.synchronize(dev)
         log.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.sizes), self.sizes[0], top,
                  time.monotonic() - t0)

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from epdserve.cuda_graph import capture_forward
 from epdserve.device import to_device
 from epdserve.forward_batch import ForwardBatch
 
@@ -82,15 +83,9 @@ class PrefillGraphRunner:
         with torch.inference_mode():
             for n in reversed(self.sizes):
                 self.last_row.fill_(n - 1)
-                batch = self._static_batch(n, n, n, pages)
-                backend.prepare(batch, cuda_graph=True)
-                model(batch, out=self.logits)  # warm-up: JIT builds and lazy allocations happen outside
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    model(batch, out=self.logits)
-                pool = graph.pool()
-                self.graphs[n] = graph
+                self.graphs[n] = capture_forward(model, backend, self._static_batch(n, n, n, pages), self.logits,
+                                                 pool)
+                pool = self.graphs[n].pool()
         torch.cuda.synchronize(dev)
         log.info("captured %d prefill CUDA graphs (%d..%d tokens) in %.1f s", len(self.sizes), self.sizes[0], top,
                  time.monotonic() - t0)
