@@ -35,10 +35,9 @@ class EncoderConfig:
                                        "runs alone")
     metrics_port: int = _f(50151, "HTTP port of /metrics (Prometheus text format) next to the gRPC port; 0 = a "
                                   "free port")
-    cuda_graphs: int = _f(0, "vision-tower CUDA graphs to keep, one per image grid and power-of-two batch size, "
-                             "captured on a shape's second use (CUDA, bf16/fp16); 0 = none. Cuts one-image latency; "
-                             "off by default because each new shape's capture stalls the first burst (see "
-                             "docs/performance.md)")
+    cuda_graphs: int = _f(0, "vision-tower CUDA graphs to keep, one per image grid, for tower calls of one image "
+                             "(batches run eagerly), captured on a grid's second lone use (CUDA, bf16/fp16); 0 = "
+                             "none. Cuts one-image latency (see docs/performance.md)")
     compile: bool = _f(True, "run the vision tower's blocks through torch.compile on CUDA in bf16/fp16 (fused "
                              "elementwise kernels, aligned GEMMs); compiles for ~15 s before the server is ready")
 

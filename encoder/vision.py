@@ -155,8 +155,8 @@ class VisionEncoder:
             model_path: local checkpoint directory (``config.json``, processor config, safetensors).
             device: a ``torch.device`` or a name understood by :func:`epdserve.device.resolve_device`.
             dtype: a ``torch.dtype`` or a name understood by :func:`epdserve.device.resolve_dtype`.
-            cuda_graphs: on CUDA in fp16/bf16, how many vision-tower CUDA graphs (one per image grid and batch
-                size) to keep, see :mod:`epdserve.encoder.vision_graph`; 0 runs the tower eagerly.
+            cuda_graphs: on CUDA in fp16/bf16, how many vision-tower CUDA graphs (one per image grid, for tower
+                calls of one image) to keep, see :mod:`epdserve.encoder.vision_graph`; 0 runs the tower eagerly.
             compile: on CUDA in fp16/bf16, run each vision block and the merger through ``torch.compile``
                 (``dynamic=True``: one compiled block serves every block and every patch count). Inductor fuses
                 the tower's float32 RMSNorm and rotary arithmetic and pads the MLP's GEMMs (Qwen2.5-VL's

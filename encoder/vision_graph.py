@@ -1,4 +1,4 @@
-"""CUDA graphs of a transformers Qwen2-VL / Qwen2.5-VL vision tower, one per (image grid, number of images).
+"""CUDA graphs of a transformers Qwen2-VL / Qwen2.5-VL vision tower, one per image grid, for lone images.
 
 Why: eagerly the 3B tower spends ~41 ms of host time launching ~1,000 small kernels per call against ~11 ms of
 GPU work for one 448x448 image (docs/performance.md), so a lone image waits on Python, not on the GPU. A replayed
@@ -11,11 +11,13 @@ tower's ``forward`` as the precomputed kwargs transformers accepts for exactly t
 unchanged transformers forward. Only the packed-attention implementation
 (:mod:`epdserve.encoder.varlen_attention`) is capturable, so graphs are for CUDA with that attention.
 
-A batch is split into groups of images with the same grid, and each group into power-of-two chunks; each chunk
-replays the graph of ``(grid, chunk size)``. Graphs are captured on a key's second use (a one-off image size runs
-eagerly, with the precomputed metadata) and kept in an LRU of ``--cuda-graphs`` entries (without graphs the whole
-batch runs eagerly in one call); all share one memory pool, which is safe because
-the graphs replay one at a time on one thread. Same technique as SGLang's and vLLM's CUDA-graph runners for the LM.
+Only a tower call of one image replays a graph: that is the call that waits on the host (H100, 3B tower, 448²:
+7.1 ms per image from a graph against 20.6 ms compiled without, docs/performance.md). A batch of several images
+runs as one eager call: its GPU time hides the launches, and graphs per batch shape were slower there (87 against
+128 images/s at 32 concurrent, captures included), since every new (grid, batch size) needs its own capture. A
+grid's graph is captured on its second lone use (a one-off image size runs eagerly, with the precomputed
+metadata) and kept in an LRU of ``--cuda-graphs`` entries; all share one memory pool, which is safe because the
+graphs replay one at a time on one thread. Same technique as SGLang's and vLLM's CUDA-graph runners for the LM.
 """
 
 from __future__ import annotations
@@ -56,13 +58,13 @@ def tower_metadata(model: torch.nn.Module, grids: list[Grid], device: torch.devi
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    pixels: torch.Tensor  # static input [n * t*h*w, patch_dim]
-    out: torch.Tensor  # static output [n * tokens, hidden]
+    pixels: torch.Tensor  # static input [t*h*w, patch_dim]
+    out: torch.Tensor  # static output [tokens, hidden]
     meta: dict  # the metadata tensors the graph reads (held here: the metadata LRU may drop its entry)
 
 
 class TowerGraphs:
-    """Runs a vision tower on a batch of images through per-``(grid, n)`` CUDA graphs (see the module doc).
+    """Runs a vision tower on a batch of images, a lone image through its grid's CUDA graph (see the module doc).
 
     Not thread-safe: call :meth:`run` from one thread (the encoder's tower thread).
     """
@@ -71,8 +73,8 @@ class TowerGraphs:
         """``model``: a transformers Qwen2-VL / Qwen2.5-VL vision tower on ``device`` (CUDA) whose attention is
         :mod:`epdserve.encoder.varlen_attention`; ``max_graphs``: graphs kept (LRU), 0 = eager only."""
         self.model, self.device, self.max_graphs = model, device, max_graphs
-        self._graphs: OrderedDict[tuple[Grid, int], _Graph] = OrderedDict()
-        self._seen: set[tuple[Grid, int]] = set()
+        self._graphs: OrderedDict[Grid, _Graph] = OrderedDict()
+        self._seen: set[Grid] = set()
         self._meta: OrderedDict[tuple[Grid, ...], dict] = OrderedDict()  # by the grids of one tower call
         self._pool = None  # one memory pool for all graphs, made at the first capture
 
@@ -83,47 +85,27 @@ class TowerGraphs:
     def run(self, pixels: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         """The tower's merged output for images packed in ``pixels`` (``[sum t*h*w, patch_dim]``, the processor's
         ``pixel_values`` in the tower dtype, on the device) with patch grids ``grids``: ``[sum tokens_i,
-        hidden]`` in image order, equal to ``model(pixels, grid_thw=...).pooler_output``."""
-        if not self.max_graphs:  # eager: the whole batch in one call
-            return self._forward(pixels, tuple(map(tuple, grids)))
-        starts = [0]
-        for t, h, w in grids:
-            starts.append(starts[-1] + t * h * w)
-        groups: dict[Grid, list[int]] = {}
-        for i, g in enumerate(grids):
-            groups.setdefault(tuple(g), []).append(i)
-        per_image: list[torch.Tensor | None] = [None] * len(grids)
-        for grid, idx in groups.items():
-            while idx:
-                # Power-of-two chunks keep the graphs per grid at log2(batch): 13 images replay 8 + 4 + 1.
-                n = 1 << (len(idx).bit_length() - 1)
-                chunk, idx = idx[:n], idx[n:]
-                if chunk == list(range(chunk[0], chunk[0] + n)):  # consecutive: a view, no copy
-                    chunk_pixels = pixels[starts[chunk[0]]:starts[chunk[-1] + 1]]
-                else:
-                    chunk_pixels = torch.cat([pixels[starts[i]:starts[i + 1]] for i in chunk])
-                out = self._run_group(chunk_pixels, grid, n)
-                for i, emb in zip(chunk, out.chunk(n)):
-                    per_image[i] = emb
-        return per_image[0] if len(per_image) == 1 else torch.cat(per_image)
-
-    def _run_group(self, pixels: torch.Tensor, grid: Grid, n: int) -> torch.Tensor:
-        key = (grid, n)
-        g = self._graphs.get(key)
-        if g is None and self.max_graphs and key in self._seen:
+        hidden]`` in image order, equal to ``model(pixels, grid_thw=...).pooler_output``. One image replays its
+        grid's graph once captured; several run in one eager call."""
+        grids = [tuple(g) for g in grids]
+        if not self.max_graphs or len(grids) != 1:
+            return self._forward(pixels, tuple(grids))
+        grid = grids[0]
+        g = self._graphs.get(grid)
+        if g is None and grid in self._seen:
             try:
-                g = self._capture(key, pixels)
+                g = self._capture(grid, pixels)
             except RuntimeError as e:  # e.g. an op that cannot be captured: serve eagerly from now on
                 log.warning("vision-tower CUDA graph capture failed, running the tower eagerly: %s", e)
                 self.max_graphs = 0
                 self._graphs.clear()
         if g is not None:
-            self._graphs.move_to_end(key)
+            self._graphs.move_to_end(grid)
             g.pixels.copy_(pixels)
             g.graph.replay()
             return g.out.clone()  # the next replay reuses g.out and the shared pool
-        self._seen.add(key)
-        return self._forward(pixels, (grid,) * n)
+        self._seen.add(grid)
+        return self._forward(pixels, (grid,))
 
     def _forward(self, pixels: torch.Tensor, grids: tuple[Grid, ...]) -> torch.Tensor:
         meta = self._meta.get(grids)
@@ -136,13 +118,13 @@ class TowerGraphs:
         # device copy out of the captured stream.
         return self.model(pixels, grid_thw=torch.tensor(grids), **dict(meta)).pooler_output
 
-    def _capture(self, key: tuple[Grid, int], pixels: torch.Tensor) -> _Graph:
+    def _capture(self, grid: Grid, pixels: torch.Tensor) -> _Graph:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
         static = pixels.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        grids = (key[0],) * key[1]
+        grids = (grid,)
         with torch.cuda.stream(stream):  # warm-up off the capture (lazy inits, autotuning)
             self._forward(static, grids)
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -152,7 +134,6 @@ class TowerGraphs:
         # thread_local: the encoder's other threads (image decoding, the event loop) may touch CUDA meanwhile.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(static, grids)
-        g = self._graphs[key] = _Graph(graph, static, out, self._meta[grids])
-        log.debug("captured a vision-tower graph for %d image(s) of grid %s (%d graphs)", key[1], key[0],
-                  len(self._graphs))
+        g = self._graphs[grid] = _Graph(graph, static, out, self._meta[grids])
+        log.debug("captured a vision-tower graph for an image of grid %s (%d graphs)", grid, len(self._graphs))
         return g

@@ -1,5 +1,5 @@
 """The vision tower run from precomputed metadata (CPU: equal to transformers' own call) and from CUDA graphs
-(GPU only: equal to the eager call, captured on a shape's second use, bounded in number)."""
+(GPU only: a lone image's grid captured on its second use, equal to the eager call, bounded in number)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from epdserve.encoder.vision_graph import TowerGraphs, tower_metadata
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-# Three grids, repeated out of order so that grouping by grid and power-of-two chunking (3 -> 2 + 1) both happen.
+# Three grids, repeated out of order: a batch mixes them, and alone they are more grids than the LRU below keeps.
 SIZES = [(56, 56), (84, 56), (56, 56), (112, 84), (56, 56), (84, 56)]
 
 
@@ -51,21 +51,22 @@ def test_precomputed_metadata_equals_transformers_call(cpu_encoder):
 
 
 @torch.inference_mode()
-def test_grouped_run_gives_each_image_its_own_rows(cpu_encoder):
-    # With graphs on, TowerGraphs splits the batch by grid and into power-of-two chunks (a shape's first use runs
-    # eagerly, so this runs on the CPU); every image's rows equal the tower on that image alone, in order.
+def test_batch_run_gives_each_image_its_own_rows(cpu_encoder):
+    # With graphs on or off, a batch of several images is one eager call from the precomputed metadata (graphs
+    # are for lone images only); every image's rows equal the tower on that image alone, in order.
     enc = cpu_encoder
     images = _images()
     pixels, grid = _inputs(enc, images)
     rows = [tuple(r) for r in grid.tolist()]
     sizes = [enc.num_tokens(r) for r in rows]
     alone = [enc.model(*_inputs(enc, [img])[:1], grid_thw=_inputs(enc, [img])[1]).pooler_output for img in images]
-    for max_graphs in (8, 0):  # 0: the whole batch in one eager call
+    for max_graphs in (8, 0):
         tower = TowerGraphs(enc.model, enc.device, max_graphs=max_graphs)
-        out = tower.run(pixels, rows)
-        assert out.shape == (sum(sizes), enc.hidden_size) and tower.num_graphs == 0
-        for got, want in zip(torch.split(out, sizes), alone):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for _ in range(2):  # a batch's second sight captures nothing either
+            out = tower.run(pixels, rows)
+            assert out.shape == (sum(sizes), enc.hidden_size) and tower.num_graphs == 0
+            for got, want in zip(torch.split(out, sizes), alone):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
@@ -75,25 +76,31 @@ def test_cuda_graphs_match_eager_and_stay_bounded(tiny_model_path):
     enc = VisionEncoder(tiny_model_path, "cuda", "bfloat16", cuda_graphs=2)
     assert VisionEncoder(tiny_model_path, "cuda", "bfloat16", cuda_graphs=0).tower is None  # the plain call
     images = _images()
-    pixels, grid = _inputs(enc, images)
-    rows = [tuple(r) for r in grid.tolist()]
-    plain = enc.model(pixels, grid_thw=grid.to(enc.device)).pooler_output
-    first = enc.tower.run(pixels, rows)  # first sight of every (grid, n): eager, chunk by chunk
-    assert enc.tower.num_graphs == 0
-    second = enc.tower.run(pixels, rows)  # second sight: captured, at most 2 kept
+    lone = [_inputs(enc, [img]) for img in images]  # three grids among six images
+    plain = [enc.model(p, grid_thw=g.to(enc.device)).pooler_output for p, g in lone]
+    runs = []
+    for sight in range(3):  # first sight of a grid: eager; second: captured (at most 2 kept); then replays
+        runs.append([enc.tower.run(p, [tuple(r) for r in g.tolist()]) for p, g in lone])
+        if sight == 0:
+            assert enc.tower.num_graphs == 0
     assert enc.tower.num_graphs == 2
-    third = enc.tower.run(pixels, rows)  # replays (and re-captures what the LRU dropped)
-    for got in (second, third):  # the same kernels on the same chunks
-        torch.testing.assert_close(got, first, atol=0, rtol=0)
-    # Chunks change the GEMMs' shapes, so against the whole-batch call only up to bf16 rounding.
-    torch.testing.assert_close(first.float(), plain.float(), atol=2e-2, rtol=2e-2)
-    # A replay reads its new input: other pixels (a shape already graphed) give the plain call's answer for them.
-    p2, g2 = _inputs(enc, _images([(56, 56)] * 2))
-    r2 = [tuple(r) for r in g2.tolist()]
+    for got in runs[1:]:  # replays run the eager call's kernels on the same shapes
+        for a, b in zip(got, runs[0]):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for a, b in zip(runs[0], plain):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    # A replay reads its new input: other pixels of a graphed grid give the plain call's answer for them.
+    p2, g2 = _inputs(enc, _images([(56, 56)]))
     want2 = enc.model(p2, grid_thw=g2.to(enc.device)).pooler_output
-    assert not torch.allclose(want2.float(), first[:want2.shape[0]].float(), atol=0.1)  # really other images
+    assert not torch.allclose(want2.float(), runs[0][0].float(), atol=0.1)  # really another image
     for _ in range(3):
-        torch.testing.assert_close(enc.tower.run(p2, r2).float(), want2.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(enc.tower.run(p2, [tuple(g2[0].tolist())]).float(), want2.float(), atol=2e-2,
+                                   rtol=2e-2)
+    # A batch is one eager call and leaves the graphs alone.
+    pixels, grid = _inputs(enc, images)
+    batch = enc.tower.run(pixels, [tuple(r) for r in grid.tolist()])
+    torch.testing.assert_close(batch.float(), enc.model(pixels, grid_thw=grid.to(enc.device)).pooler_output.float(),
+                               atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
@@ -110,8 +117,8 @@ def test_compiled_tower_matches_eager_and_composes_with_graphs(tiny_model_path):
         enc = VisionEncoder(tiny_model_path, "cuda", "bfloat16", cuda_graphs=graphs, compile=True)
         assert enc.compiled
         enc.warm_up()
-        for _ in range(3):  # graphs: eager chunks, capture, replay
-            got = enc.encode(images)
+        for sight in range(3):  # the batch, then each image alone: eager, capture, replay
+            got = enc.encode(images) if sight == 0 else [enc.encode([img])[0] for img in images]
             for (emb, _), ref in zip(got, want):
                 cos = torch.nn.functional.cosine_similarity(emb.float().flatten(), ref.flatten(), dim=0)
                 assert cos > 0.999, f"compiled tower drifted from eager (cosine {cos:.5f}, graphs={graphs})"
