@@ -272,14 +272,10 @@ class ChatService:
         logger.debug("rid=%s finished (%s): %d+%d tokens in %.3f s", chat.rid, final.finish_reason,
                      usage.prompt_tokens, usage.completion_tokens, time.monotonic() - t0)
 
-    async def collect(self, chat: PreparedChat) -> tuple[str, list[int], TokenOutput]:
-        """Run ``chat`` to the end: its whole text, its output token ids, and the last output (with the finish
-        reason and the stage's counts). Raises as :meth:`outputs`."""
-        text, token_ids, _, final = await self.collect_logprobs(chat)
-        return text, token_ids, final
-
-    async def collect_logprobs(self, chat: PreparedChat) -> tuple[str, list[int], list[TokenLogprob], TokenOutput]:
-        """As :meth:`collect`, with the output ids' log-probabilities (empty unless the request asked)."""
+    async def collect(self, chat: PreparedChat) -> tuple[str, list[int], list[TokenLogprob], TokenOutput]:
+        """Run ``chat`` to the end: its whole text, its output token ids, their log-probabilities (empty unless the
+        request asked), and the last output (with the finish reason and the stage's counts). Raises as
+        :meth:`outputs`."""
         texts: list[str] = []
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
@@ -316,7 +312,7 @@ class ChatService:
         Raises:
             APIError: as :meth:`outputs`.
         """
-        text, token_ids, logprobs, final = await self.collect_logprobs(chat)
+        text, token_ids, logprobs, final = await self.collect(chat)
         rti = chat.request.return_token_ids
         return ChatCompletionResponse(
             id=chat.rid, model=self.model_name, usage=self.usage(chat, final, len(token_ids)),

@@ -45,7 +45,7 @@ async def generate_json(service: ChatService, chat: PreparedChat) -> dict[str, A
         APIError: as :meth:`ChatService.outputs`.
     """
     t0 = time.monotonic()
-    text, ids, final = await service.collect(chat)
+    text, ids, _, final = await service.collect(chat)
     return {"text": text, "output_ids": ids, "meta_info": _meta_info(service, chat, final, len(ids), t0)}
 
 
@@ -72,7 +72,7 @@ async def completion_json(service: ChatService, chat: PreparedChat, req: Complet
     Raises:
         APIError: as :meth:`ChatService.outputs`.
     """
-    text, ids, final = await service.collect(chat)
+    text, ids, _, final = await service.collect(chat)
     rti = req.return_token_ids
     choice = CompletionChoice(text=text, finish_reason=final.finish_reason, token_ids=ids if rti else None)
     return CompletionResponse(id=chat.rid, model=service.model_name, choices=[choice],
