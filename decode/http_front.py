@@ -12,7 +12,7 @@ from typing import Any
 from epdserve.config import DecodeConfig
 from epdserve.gateway.image_slots import image_slots
 from epdserve.gateway.media import run_cpu_bound
-from epdserve.gateway.pd_front import SchedulerClient
+from epdserve.gateway.pd_front import FrontStages, SchedulerClient
 from epdserve.gateway.prompt import EncodedImage, PromptBuilder
 from epdserve.messages import DecodeRequest, PrefillRequest, ServerInfo, TokenOutput
 
@@ -20,7 +20,7 @@ from epdserve.messages import DecodeRequest, PrefillRequest, ServerInfo, TokenOu
 _NO_PREFILL = ServerInfo(role="prefill", model_path="", context_length=0, page_size=0, num_pages=0)
 
 
-class DecodeFrontStages:
+class DecodeFrontStages(FrontStages):
     """The ``stages`` of a decode front's ``ChatService`` (see ``epdserve.gateway.pd_front.FrontStages``)."""
 
     role = "decode"

@@ -247,6 +247,7 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
         except Overloaded as e:
             raise APIError(e.status, e.message, headers={"Retry-After": str(e.retry_after_s)}) from None
         streaming = False
+        prepared = None
         try:
             timeout = config.request_timeout_s
             deadline = time.monotonic() + timeout if timeout > 0 else None
@@ -261,9 +262,12 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
         finally:
             if not streaming:
                 gw.admission.release()
+                if prepared is not None:  # an image request is dispatched before its answer begins
+                    gw.stages.release(prepared.rid)
 
     def _stream_closed(prepared) -> None:
         gw.admission.release()
+        gw.stages.release(prepared.rid)
         gw.requests.close(prepared.rid)
         prepared.trace.fail("client_disconnected", "abort")  # a no-op when the stream got to its end
 

@@ -21,8 +21,9 @@ import httpx
 
 from epdserve.gateway.detokenizer import IncrementalDetokenizer, special_ids
 from epdserve.gateway.logprobs import TokenBytes, logprob_content
-from epdserve.gateway.media import MediaError, MediaPolicy, load_image
-from epdserve.gateway.prompt import Prompt, PromptBuilder, PromptError, to_hf_messages
+from epdserve.gateway.image_slots import image_slots
+from epdserve.gateway.media import MediaError, MediaPolicy, load_image, run_cpu_bound
+from epdserve.gateway.prompt import EncodedImage, Prompt, PromptBuilder, PromptError, to_hf_messages
 from epdserve.gateway.protocol import (
     AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChoiceLogprobs,
     ChunkChoice, Delta, ErrorInfo, ErrorResponse, GenerateRequest, Usage,
@@ -110,6 +111,7 @@ class ChatService:
         self._detok_tokenizer = copy.deepcopy(builder.tokenizer)
         self._skip_ids = special_ids(self._detok_tokenizer)
         self._token_bytes = TokenBytes(self._detok_tokenizer)
+        self._image_processor = builder.processor.image_processor
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -136,23 +138,45 @@ class ChatService:
         # The chat template and the text's tokens do not depend on the images: they run while the encoder works.
         pieces = asyncio.get_running_loop().run_in_executor(self._executor, self.builder.tokenize_template,
                                                             hf_messages)
+        encoding = asyncio.ensure_future(self._encode(trace, rid, images, deadline)) if images else None
         try:
-            encoded = await trace.encode(self.stages.encode(rid, images, deadline)) if images else []
-            logger.debug("rid=%s encoder answered", rid)
-            prompt = self.builder.splice(await pieces, encoded)
+            # Each image's hash, token count and grid follow from its bytes and header, as the encoder's processor
+            # computes them: the prompt is built and sent to prefill and decode while the encoder still works, so
+            # prefill starts when the embeddings land instead of after a round trip through this gateway.
+            slots = [await run_cpu_bound(len(b), image_slots, self._image_processor, b) for b in images]
+            prompt = self.builder.splice(await pieces, slots)
             max_new = self._max_new_tokens(req.requested_max_tokens(), len(prompt.input_ids), "messages",
                                            "max_completion_tokens")
+            sampling = self._sampling(req, max_new, bias)
+            prefill, decode = self._stage_requests(rid, prompt, sampling)
+            if encoding is not None:
+                self.stages.dispatch(prefill, decode)
+                _check_encoded(await encoding, slots)
+                logger.debug("rid=%s encoder answered", rid)
         except BaseException as e:
             pieces.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
-            # The encoder may already have pushed this request's embeddings to prefill: let it drop them.
-            if images:
+            if encoding is not None:
+                encoding.cancel()
+                encoding.add_done_callback(lambda f: f.cancelled() or f.exception())
+                # The encoder may already have pushed this request's embeddings to prefill (and the request may
+                # be there): let the stages drop them.
                 self.stages.abort(rid)
             if isinstance(e, StageError):
                 raise APIError.from_stage(e) from None
             if isinstance(e, PromptError):
                 raise APIError(400, str(e), param="messages") from None
             raise
-        sampling = SamplingParams(
+        logger.debug("rid=%s prompt_tokens=%d images=%d max_new_tokens=%d", rid, len(prompt.input_ids),
+                     len(images), max_new)
+        return PreparedChat(rid, req, prompt, prefill, decode, trace, deadline)
+
+    async def _encode(self, trace: RequestTrace, rid: str, images: list[bytes],
+                      deadline: float | None) -> list[EncodedImage]:
+        return await trace.encode(self.stages.encode(rid, images, deadline))
+
+    @staticmethod
+    def _sampling(req: ChatCompletionRequest, max_new: int, bias: list[list]) -> SamplingParams:
+        return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
@@ -166,9 +190,6 @@ class ChatService:
             presence_penalty=req.presence_penalty or 0.0,
             logit_bias=bias,
         )
-        logger.debug("rid=%s prompt_tokens=%d images=%d max_new_tokens=%d", rid, len(prompt.input_ids),
-                     len(images), max_new)
-        return PreparedChat(rid, req, prompt, *self._stage_requests(rid, prompt, sampling), trace, deadline)
 
     async def prepare_ids(self, rid: str, req: GenerateRequest, deadline: float | None = None) -> PreparedChat:
         """The stage requests of an SGLang-style ``/generate`` request: ``req.text`` tokenized as is (no chat
@@ -371,6 +392,17 @@ class ChatService:
         are authoritative; ours are the fallback when a stage leaves them at 0."""
         return Usage.of(final.prompt_tokens or len(chat.prompt.input_ids), final.completion_tokens or n_tokens,
                         final.cached_tokens)
+
+
+def _check_encoded(encoded: list[EncodedImage], expected: list[EncodedImage]) -> None:
+    """Raise StageError 500 unless the encoder reported each image as the gateway predicted it (same hash, token
+    count and grid): the prompt sent ahead of the embeddings was built from the prediction."""
+    for i, (got, want) in enumerate(zip(encoded, expected)):
+        if got != want:
+            raise StageError(f"the encoder reported image {i} as {got.num_tokens} tokens of grid {got.grid_thw} "
+                             f"(hash {got.image_hash[:12]}), the gateway expected {want.num_tokens} tokens of grid "
+                             f"{want.grid_thw} (hash {want.image_hash[:12]}): are the encoder and the gateway "
+                             "serving the same checkpoint?", 500)
 
 
 def _detokenize(detok: IncrementalDetokenizer, out: TokenOutput) -> tuple[str, TokenOutput]:

@@ -217,6 +217,10 @@ class FrontStages(Protocol):
 
     async def encode(self, rid: str, images: list[bytes], deadline: float | None = None) -> list[EncodedImage]: ...
 
+    def dispatch(self, prefill_req, decode_req) -> None:
+        """A front starts its leg in :meth:`generate` (the router sent the request once its inputs were ready):
+        nothing to do ahead of it."""
+
     def generate(self, prefill_req, decode_req, deadline: float | None = None) -> AsyncIterator[TokenOutput]: ...
 
     def abort(self, rid: str) -> None: ...

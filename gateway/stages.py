@@ -383,9 +383,28 @@ class StageClient:
             raise StageError(f"the prefill server went down ({prefill_down.result()}); retry later", 503)
         raise StageError("the request did not finish within the server's deadline (while encoding images)", 504)
 
+    def dispatch(self, prefill_req: PrefillRequest, decode_req: DecodeRequest) -> None:
+        """Send the request to decode, then prefill, now; its outputs are taken with :meth:`generate`. The gateway
+        dispatches an image request before the encoder has answered: prefill holds it until the embeddings land.
+        Whoever dispatches ends the request with :meth:`generate` (to its end or closed early) or :meth:`release`.
+
+        Raises:
+            StageError: 503 when prefill or decode is down or has no connection.
+        """
+        if (why := self.unavailable()) is not None:
+            raise StageError(why, 503)
+        self._routes[prefill_req.rid] = OutputRoute()
+        # Decode first: it registers with prefill's bootstrap server, and prefill waits for that anyway.
+        for role, sock, msg in (("decode", self._decode, decode_req), ("prefill", self._prefill, prefill_req)):
+            if not try_send(sock, msg):
+                self.release(prefill_req.rid)
+                self.liveness[role].mark_down("no connection")
+                raise StageError(f"the {role} server is unavailable (no connection); retry later", 503)
+
     async def generate(self, prefill_req: PrefillRequest, decode_req: DecodeRequest,
                        deadline: float | None = None) -> AsyncIterator[TokenOutput]:
-        """Send the request to decode, then prefill, and yield its outputs until one has a ``finish_reason``.
+        """Yield the request's outputs until one has a ``finish_reason``, dispatching it first (see
+        :meth:`dispatch`) unless that was done already.
 
         If the iteration stops early (client gone, task cancelled, generator closed, error) an ``AbortRequest``
         goes to both servers. Use it under ``contextlib.aclosing`` so that happens promptly.
@@ -397,18 +416,12 @@ class StageClient:
             StageError: 503 when prefill or decode is down (or goes down while the request depends on it), 504
                 past ``deadline``.
         """
-        if (why := self.unavailable()) is not None:
-            raise StageError(why, 503)
         rid = prefill_req.rid
-        route = OutputRoute()
-        self._routes[rid] = route
+        if rid not in self._routes:
+            self.dispatch(prefill_req, decode_req)
+        route = self._routes[rid]
         finished = False
         try:
-            # Decode first: it registers with prefill's bootstrap server, and prefill waits for that anyway.
-            for role, sock, msg in (("decode", self._decode, decode_req), ("prefill", self._prefill, prefill_req)):
-                if not try_send(sock, msg):
-                    self.liveness[role].mark_down("no connection")
-                    raise StageError(f"the {role} server is unavailable (no connection); retry later", 503)
             while True:
                 timeout = None if deadline is None else deadline - time.monotonic()
                 try:
@@ -424,10 +437,17 @@ class StageClient:
             if not finished:
                 self.abort(rid)
 
+    def release(self, rid: str) -> None:
+        """End a dispatched request whose outputs nobody will take (its client left before :meth:`generate`
+        began): abort it on the stages. Does nothing for a request that has ended."""
+        if self._routes.pop(rid, None) is not None:
+            self.abort(rid)
+
     def abort(self, rid: str) -> None:
         """Tell prefill and decode to drop ``rid`` (unknown ids are the servers' to ignore); a stage with no
         connection is skipped (a restarted one has nothing of ``rid``). Synchronous: it runs in ``finally`` blocks
         of cancelled tasks."""
+        self._routes.pop(rid, None)
         if self._prefill is None:
             return
         logger.debug("rid=%s abort", rid)

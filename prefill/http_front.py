@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from epdserve.config import PrefillConfig
-from epdserve.gateway.pd_front import SchedulerClient
+from epdserve.gateway.pd_front import FrontStages, SchedulerClient
 from epdserve.gateway.prompt import EncodedImage, PromptBuilder
 from epdserve.gateway.stages import EncoderClient, StageError
 from epdserve.messages import DecodeRequest, PrefillRequest, ServerInfo, TokenOutput
@@ -19,7 +19,7 @@ from epdserve.messages import DecodeRequest, PrefillRequest, ServerInfo, TokenOu
 logger = logging.getLogger("epdserve.front")
 
 
-class PrefillFrontStages:
+class PrefillFrontStages(FrontStages):
     """The ``stages`` of a prefill front's ``ChatService`` (see ``epdserve.gateway.pd_front.FrontStages``).
 
     Args:

@@ -83,10 +83,15 @@ class FakeEncoder:
     def __init__(self, processor):
         self.processor = processor
         self.calls: list[tuple[str, int, list[str]]] = []
+        self.hold = threading.Event()  # cleared: answers wait until it is set again
+        self.hold.set()
+        self.extra_tokens = 0  # reported on top of the true count: an encoder serving another checkpoint
 
     async def encode(self, rid, images, targets):
         self.calls.append((rid, len(images), list(targets)))
-        return await asyncio.to_thread(self._encode, images)
+        await asyncio.to_thread(self.hold.wait, 10)
+        out = await asyncio.to_thread(self._encode, images)
+        return [EncodedImage(e.image_hash, e.num_tokens + self.extra_tokens, e.grid_thw) for e in out]
 
     def _encode(self, images):
         from PIL import Image
@@ -364,6 +369,8 @@ def gw(gateway):
     prefill.reset()
     decode_.reset()
     encoder.calls.clear()
+    encoder.hold.set()
+    encoder.extra_tokens = 0
     return gateway
 
 
@@ -534,9 +541,9 @@ def test_request_errors(gw, tiny_model_path):
                          ("http://example.com/a.png", "remote"), ("file:///etc/passwd", "disabled")]:
         r = _chat(base, tiny_model_path, [{"type": "image_url", "image_url": {"url": bad_url}}])
         assert r.status_code == 400 and why in _error(r)["message"], (bad_url, r.text)
-    # Valid base64, but not an image: the encoder rejects it (INVALID_ARGUMENT -> 400 with its message).
+    # Valid base64, but not an image: the gateway finds no image header in it (400 with PIL's reason).
     r = _chat(base, tiny_model_path, [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])
-    assert r.status_code == 400 and "cannot be decoded" in _error(r)["message"]
+    assert r.status_code == 400 and "cannot decode image" in _error(r)["message"]
     r = httpx.get(f"{base}/v1/nothing")
     assert r.status_code == 404 and _error(r)
     # ... and the server still serves.
@@ -555,6 +562,53 @@ def test_context_length(gw, tiny_model_path, photo_paths):
     rid = encoder.calls[-1][0]
     assert _wait_for(lambda: any(m.rid == rid for m in prefill.messages(AbortRequest)))
     assert prefill.messages(PrefillRequest) == []
+
+
+def test_image_request_reaches_prefill_before_the_encoder_answers(gw, tiny_model_path, photo_paths):
+    """The gateway knows an image's hash, token count and grid from its bytes and header, so prefill and decode
+    get the request while the encoder still works; the answer waits for the encoder's agreement."""
+    base, prefill, decode_, encoder = gw
+    encoder.hold.clear()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(_chat, base, tiny_model_path, _photo_content(photo_paths["chelsea"]))
+        assert _wait_for(lambda: prefill.messages(PrefillRequest))
+        (req,) = prefill.messages(PrefillRequest)
+        assert [m.rid for m in decode_.messages(DecodeRequest)] == [req.rid]
+        time.sleep(0.2)
+        assert not answer.done()  # held by the encoder
+        encoder.hold.set()
+        r = answer.result(30)
+    assert r.status_code == 200, r.text
+    data = photo_paths["chelsea"].read_bytes()
+    (span,) = req.images
+    assert span.image_hash == hashlib.sha256(data).hexdigest()
+    from PIL import Image
+
+    expected = _encoded(encoder.processor, Image.open(photo_paths["chelsea"]).convert("RGB"))
+    assert (span.length, span.grid_thw) == (expected.num_tokens, expected.grid_thw)
+
+
+def test_encoder_failure_after_dispatch_aborts_the_request(gw, tiny_model_path, photo_paths):
+    """An image whose header reads but whose pixels do not (truncated) passes the gateway and fails at the
+    encoder: 400 with the encoder's message, and prefill and decode drop the request sent ahead."""
+    base, prefill, decode_, encoder = gw
+    data = photo_paths["chelsea"].read_bytes()
+    data = data[:len(data) // 2]
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    r = _chat(base, tiny_model_path, [{"type": "image_url", "image_url": {"url": url}}])
+    assert r.status_code == 400 and "cannot be decoded" in _error(r)["message"]
+    (req,) = prefill.messages(PrefillRequest)
+    for stage in (prefill, decode_):
+        assert _wait_for(lambda: req.rid in [m.rid for m in stage.messages(AbortRequest)]), stage.role
+    # An encoder that counts the image's tokens differently than the gateway: 500, and the request is dropped.
+    encoder.extra_tokens = 4
+    r = _chat(base, tiny_model_path, _photo_content(photo_paths["chelsea"]))
+    assert r.status_code == 500 and "the gateway expected" in _error(r)["message"]
+    rid = prefill.messages(PrefillRequest)[-1].rid
+    for stage in (prefill, decode_):
+        assert _wait_for(lambda: rid in [m.rid for m in stage.messages(AbortRequest)]), stage.role
+    encoder.extra_tokens = 0
+    assert _chat(base, tiny_model_path, _photo_content(photo_paths["chelsea"])).status_code == 200
 
 
 def test_stage_error(gw, tiny_model_path):
