@@ -9,6 +9,7 @@ and one line of every process's ``/metrics`` URL, and on SIGINT/SIGTERM (or any 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import socket
@@ -27,18 +28,26 @@ _LOCAL = "127.0.0.1"
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind((_LOCAL, 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 right now. All are held until the last is chosen: ports picked
+    one at a time can repeat once released (a launch on an H100 failed with two servers given one port)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((_LOCAL, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]], list[str], dict[str, str]]:
     """The command line of every process by name (``encoder0``.., ``prefill``, ``decode``, ``gateway``), the
     encoders' addresses, and every process's ``/metrics`` URL by name."""
-    pre, emb, boot, dec, kv = (free_port() for _ in range(5))
-    encoders = [f"{_LOCAL}:{free_port()}" for _ in range(cfg.num_encoders)]
-    metrics_ports = {name: free_port() for name in [f"encoder{i}" for i in range(cfg.num_encoders)] +
-                     ["prefill", "decode"]}
+    metrics_names = [f"encoder{i}" for i in range(cfg.num_encoders)] + ["prefill", "decode"]
+    pre, emb, boot, dec, kv, *rest = free_ports(5 + cfg.num_encoders + len(metrics_names))
+    encoders = [f"{_LOCAL}:{port}" for port in rest[:cfg.num_encoders]]
+    metrics_ports = dict(zip(metrics_names, rest[cfg.num_encoders:]))
     common = ["--model-path", model_path, "--device", cfg.device, "--dtype", cfg.dtype]
     kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages), "--kv-transfer", cfg.kv_transfer]
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())

@@ -76,7 +76,12 @@ def test_cuda_graphs_match_eager_and_stay_bounded(tiny_model_path):
     enc = VisionEncoder(tiny_model_path, "cuda", "bfloat16", cuda_graphs=2)
     assert VisionEncoder(tiny_model_path, "cuda", "bfloat16", cuda_graphs=0).tower is None  # the plain call
     images = _images()
-    lone = [_inputs(enc, [img]) for img in images]  # three grids among six images
+    by_grid = {}
+    for img in images:  # one image per grid (three grids among six images): a grid's second sight captures
+        p, g = _inputs(enc, [img])
+        by_grid.setdefault(tuple(g[0].tolist()), (p, g))
+    lone = list(by_grid.values())
+    assert len(lone) == 3
     plain = [enc.model(p, grid_thw=g.to(enc.device)).pooler_output for p, g in lone]
     runs = []
     for sight in range(3):  # first sight of a grid: eager; second: captured (at most 2 kept); then replays
