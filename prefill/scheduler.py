@@ -303,6 +303,7 @@ class PrefillScheduler:
         return True
 
     def _forward(self) -> None:
+        t0 = time.perf_counter()
         budget = self.max_prefill_tokens
         batch_reqs, chunks = [], []
         for req in self.running:
@@ -340,7 +341,16 @@ class PrefillScheduler:
             mm_mask=torch.cat(mask) if mm else None,
             mm_sources=sources if mm else None,
         )
+        # With DEBUG logs, CUDA events time the forward on the GPU: the stage timeline then tells host from GPU.
+        timed = log.isEnabledFor(logging.DEBUG) and dev.type == "cuda"
+        if timed:
+            t1 = time.perf_counter()
+            gpu = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            gpu[0].record()
         logits = self.runner.forward(batch)
+        if timed:
+            gpu[1].record()
+            t2 = time.perf_counter()
         self.metrics.on_forward(len(batch_reqs))
         done = [i for i, (req, (_, e)) in enumerate(zip(batch_reqs, chunks)) if e == req.n]
         for req, (_, e) in zip(batch_reqs, chunks):
@@ -358,6 +368,10 @@ class PrefillScheduler:
         lp = sampled_logprobs(rows, first_t, params)
         first = first_t.tolist()
         first_lp = token_logprobs(lp, params)
+        if timed:
+            log.debug("forward of %d tokens for %s: batch built in %.1f ms, launched in %.1f ms, on the GPU %.1f ms, "
+                      "first token %.1f ms after the start", len(ids), ",".join(r.msg.rid for r in reqs),
+                      (t1 - t0) * 1e3, (t2 - t1) * 1e3, gpu[0].elapsed_time(gpu[1]), (time.perf_counter() - t0) * 1e3)
         for req, tok, tok_lp in zip(reqs, first, first_lp):
             self.running.remove(req)
             req.first_token, req.first_logprob = tok, tok_lp
