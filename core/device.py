@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 _NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,3 +41,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     asynchronous copy (a plain ``.to("cuda")`` of pageable memory waits for the whole stream, which would stall a
     step that is meant to overlap the GPU's work). Torch's pinned allocator keeps the block until the copy ran."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def limit_cpu_threads(device: torch.device) -> None:
+    """On CUDA, run torch's CPU ops on one thread, unless ``OMP_NUM_THREADS`` is set (then that rules).
+
+    A GPU server's CPU work is small tensors and Python; torch's default pool of one thread per core only makes
+    the encoder, prefill and decode processes of one machine crowd each other's cores. On an H100 with all stages
+    on one machine, the prefill host's work for one 334-token forward took 10-30 ms in the server against 1.1 ms
+    in a process alone (docs/performance.md, seventh session). vLLM makes the same choice for its GPU workers.
+    On the CPU the pool is the forward's parallelism and stays as it is.
+    """
+    if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)

@@ -223,8 +223,9 @@ def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
     Raises:
         ValueError: unknown dtype or attention backend, heads that do not split over the ranks.
     """
-    from epdserve.device import resolve_dtype
+    from epdserve.device import limit_cpu_threads, resolve_dtype
 
+    limit_cpu_threads(tp.device)
     runner = ModelRunner(model_path, device=tp.device, dtype=resolve_dtype(cfg.dtype, tp.device),
                          num_pages=cfg.num_pages, page_size=cfg.page_size, attention_backend=cfg.attention_backend,
                          mem_fraction=cfg.mem_fraction, cuda_graph_max_bs=cuda_graph_max_bs,

@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from PIL import Image
 
 from epdserve.config import EncoderConfig
-from epdserve.device import resolve_device, resolve_dtype
+from epdserve.device import limit_cpu_threads, resolve_device, resolve_dtype
 from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.cache import EmbeddingCache
 from epdserve.encoder.info import model_info, server_info
@@ -432,6 +432,7 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
     """
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    limit_cpu_threads(device)
     max_bytes = config.max_message_mb * MIB
     server = grpc.aio.server(options=[("grpc.max_send_message_length", max_bytes),
                                       ("grpc.max_receive_message_length", max_bytes)])
