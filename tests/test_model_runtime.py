@@ -505,3 +505,22 @@ def test_flashinfer_replan_before_the_gpu_ran_the_previous_plan():
         assert time.monotonic() < deadline, "the GPU never finished the first batch: it ran a stale plan"
         time.sleep(0.01)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_limit_cpu_threads_only_on_cuda_and_only_without_omp_num_threads(monkeypatch):
+    from epdserve.device import limit_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        limit_cpu_threads(torch.device("cpu"))  # the CPU forward keeps its pool
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        limit_cpu_threads(torch.device("cuda"))  # an operator's OMP_NUM_THREADS rules
+        assert torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        limit_cpu_threads(torch.device("cuda"))  # a GPU server: one thread
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
