@@ -1,7 +1,8 @@
 """One chat completion, from a validated request to a response or an SSE stream (no HTTP plumbing here).
 
-Steps: fetch images -> encode (embeddings go straight to prefill) -> tokenize with image slots -> check lengths ->
-send ``DecodeRequest`` then ``PrefillRequest`` -> detokenize the ``TokenOutput``s' ids (one
+Steps: fetch images -> start encoding (embeddings go straight to prefill) -> image slots from the file headers,
+tokenize with them, check lengths -> send ``DecodeRequest`` then ``PrefillRequest`` (an image request before the
+encoder answers) -> check the encoder's answer against the slots -> detokenize the ``TokenOutput``s' ids (one
 :class:`IncrementalDetokenizer` per request, stop strings matched here) -> collect or stream the text.
 """
 
@@ -117,15 +118,17 @@ class ChatService:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def prepare(self, rid: str, req: ChatCompletionRequest, deadline: float | None = None) -> PreparedChat:
-        """Fetch and encode images, build the prompt, check lengths and build the stage requests.
+        """Fetch and encode images, build the prompt, check lengths and build the stage requests; an image request
+        is dispatched to the stages (``stages.dispatch``) before the encoder answers, and its answer is checked.
 
         Args:
             deadline: ``time.monotonic()`` value after which the request ends with 504 (None: none); it is kept in
                 the result for :meth:`complete` and :meth:`stream`.
 
         Raises:
-            APIError: 400/413 for bad images or prompts, the encoder's status for encoder failures, 503 when the
-                stages are not ready or a stage goes down, 504 past ``deadline``.
+            APIError: 400/413 for bad images or prompts, the encoder's status for encoder failures, 500 when the
+                encoder counts an image's tokens differently, 503 when the stages are not ready or a stage goes
+                down, 504 past ``deadline``. The stages have dropped the request whenever this raises.
         """
         bias = self._logit_bias(req.logit_bias)  # before any image goes to an encoder
         trace = self.metrics.trace()
