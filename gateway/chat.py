@@ -175,6 +175,8 @@ class ChatService:
 
     async def _encode(self, trace: RequestTrace, rid: str, images: list[bytes],
                       deadline: float | None) -> list[EncodedImage]:
+        # A coroutine of its own, so the encoder call is only created once the task runs: a request that fails
+        # (and cancels the task) before then leaves no never-awaited coroutine behind.
         return await trace.encode(self.stages.encode(rid, images, deadline))
 
     @staticmethod
