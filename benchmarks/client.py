@@ -22,11 +22,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from .datasets import BenchRequest
 
@@ -124,7 +123,7 @@ def _stream_error_text(obj: dict[str, Any]) -> str:
 
 
 async def stream_chat(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     body: bytes,
     record: RequestRecord,
@@ -147,16 +146,16 @@ async def stream_chat(
     overhead = 0.0
     try:
         async with asyncio.timeout(timeout_s) as request_timeout:
-            async with client.stream("POST", url, content=body, headers=headers) as resp:
-                record.http_status = resp.status_code
-                if resp.status_code != 200:
-                    record.error = _error_text(resp.status_code, await resp.aread())
+            async with client.post(url, data=body, headers=headers) as resp:
+                record.http_status = resp.status
+                if resp.status != 200:
+                    record.error = _error_text(resp.status, await resp.read())
                     return record
-                lines = resp.aiter_lines()
-                async for line in lines:
+                async for raw in resp.content:  # one line per iteration, its b"\n" included
                     now = time.perf_counter()  # the chunk's arrival; everything until the next await is overhead
                     try:
                         record.num_events += 1
+                        line = raw.decode("utf-8", "replace").rstrip("\r\n")
                         if not line.startswith("data:"):
                             continue  # blank separators, ": keep-alive" comments, "event:" fields
                         payload = line[5:].strip()
@@ -189,14 +188,14 @@ async def stream_chat(
                         overhead += time.perf_counter() - now
                 if done:
                     request_timeout.reschedule(None)  # the request is complete: the drain has its own bound
-                    await _drain(lines)
+                    await _drain(resp)
     except TimeoutError:
         record.error = f"timeout after {timeout_s:g} s"
         return record
     except json.JSONDecodeError as e:
         record.error = f"malformed stream: invalid JSON in a data line ({e.msg})"
         return record
-    except (httpx.HTTPError, OSError) as e:
+    except (aiohttp.ClientError, OSError) as e:
         record.error = f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS] if str(e) else type(e).__name__
         return record
     except Exception as e:  # a stream this reader cannot follow is a failed request, never a lost one
@@ -225,18 +224,17 @@ async def stream_chat(
     return record
 
 
-async def _drain(lines: AsyncIterator[str]) -> None:
-    """Read ``lines`` (a response's remaining body) to its end, for at most ``_DRAIN_AFTER_DONE_S``.
+async def _drain(resp: aiohttp.ClientResponse) -> None:
+    """Read ``resp``'s remaining body to its end, for at most ``_DRAIN_AFTER_DONE_S``.
 
     Called after ``data: [DONE]``: only a response read to its end leaves its HTTP/1.1 connection reusable
-    (httpcore closes one that is closed mid-body). Whatever follows ``[DONE]`` is ignored, and so is a server
+    (aiohttp closes one that is released mid-body). Whatever follows ``[DONE]`` is ignored, and so is a server
     that keeps the body open or drops the connection now: the request is already complete.
     """
     try:
         async with asyncio.timeout(_DRAIN_AFTER_DONE_S):
-            async for _ in lines:
-                pass
-    except (TimeoutError, httpx.HTTPError, OSError):
+            await resp.read()
+    except (TimeoutError, aiohttp.ClientError, OSError):
         pass
 
 

@@ -35,9 +35,9 @@ class EncoderConfig:
                                        "runs alone")
     metrics_port: int = _f(50151, "HTTP port of /metrics (Prometheus text format) next to the gRPC port; 0 = a "
                                   "free port")
-    cuda_graphs: int = _f(0, "vision-tower CUDA graphs to keep, one per image grid, for tower calls of one image "
-                             "(batches run eagerly), captured on a grid's second lone use (CUDA, bf16/fp16); 0 = "
-                             "none. Cuts one-image latency (see docs/performance.md)")
+    cuda_graphs: int = _f(32, "vision-tower CUDA graphs to keep, one per image grid, for tower calls of one image "
+                              "(batches run eagerly), captured on a grid's second lone use (CUDA, bf16/fp16); 0 = "
+                              "none. Cuts one-image latency (see docs/performance.md)")
     compile: bool = _f(True, "run the vision tower's blocks through torch.compile on CUDA in bf16/fp16 (fused "
                              "elementwise kernels, aligned GEMMs); compiles for ~15 s before the server is ready")
 
@@ -149,7 +149,7 @@ class LaunchConfig:
     prefill_base_gpu: int = _f(0, "prefill TP rank r runs on GPU prefill_base_gpu + r")
     decode_base_gpu: int = _f(0, "decode TP rank r runs on GPU decode_base_gpu + r")
     kv_transfer: str = _f("auto", "prefill->decode KV path: auto, zmq or shared (see `epdserve prefill --help`)")
-    encoder_cuda_graphs: int = _f(0, "vision-tower CUDA graphs per encoder (see `epdserve encoder --help`)")
+    encoder_cuda_graphs: int = _f(32, "vision-tower CUDA graphs per encoder (see `epdserve encoder --help`)")
     prefill_cuda_graph_max_tokens: int = _f(2048, "longest one-request prefill replayed from a CUDA graph (see "
                                                   "`epdserve prefill --help`, --cuda-graph-max-tokens)")
     encoder_compile: bool = _f(True, "torch.compile the encoders' vision towers on CUDA (see `epdserve encoder "

@@ -109,7 +109,7 @@ def test_timeouts_and_refused_connections_fail_loudly(tmp_path):
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     assert _run(dead, "--num-prompts", "2", "--warmup", "0", "--output-json", str(out)) == 1
     errors = _load(out)["summary"]["errors"]
-    assert sum(errors.values()) == 2 and all(k.startswith("ConnectError") for k in errors)
+    assert sum(errors.values()) == 2 and all(k.startswith("ClientConnectorError") for k in errors)
     # With warm-up, a dead server stops the run before it starts.
     assert _run(dead, "--num-prompts", "2", "--warmup", "1") == 1
 
