@@ -23,6 +23,7 @@ _MAX_BINS = 120
 # The client's share of a measured gap above which the summary warns that its numbers may be inflated.
 _OVERHEAD_WARN_SHARE = 0.01
 _LAG_WARN_SHARE = 0.10
+_CACHED_WARN_SHARE = 0.5  # above this, a run mostly measured prefix-cache hits
 
 
 def parse_slo(text: str | None) -> dict[str, float]:
@@ -182,6 +183,10 @@ def _warnings(s: dict[str, Any], ok: list[RequestRecord]) -> list[str]:
     if short:
         out.append(f"{short} requests returned a different number of output tokens than asked "
                    "(the server may not honour ignore_eos)")
+    if s["cached_token_share"] > _CACHED_WARN_SHARE:
+        out.append(f"{s['cached_token_share']:.0%} of the prompt tokens came from the server's prefix cache: a run "
+                   "that repeats an earlier --seed against the same server repeats its prompts and images, and "
+                   "measures cached requests")
     if s["stopped_by"] == "duration":
         out.append(f"--duration reached: {s['not_issued_requests']} requests were not issued")
     return out

@@ -114,6 +114,15 @@ def test_timeouts_and_refused_connections_fail_loudly(tmp_path):
     assert _run(dead, "--num-prompts", "2", "--warmup", "1") == 1
 
 
+def test_a_run_of_cached_prompts_is_flagged(tmp_path):
+    out = tmp_path / "run.json"
+    with StubServer(StubBehavior(ttft_s=0.01, itl_s=0.001, cached_tokens=10_000)) as stub:
+        assert _run(stub.url, "--num-prompts", "2", "--warmup", "0", "--output-json", str(out)) == 0
+    s = _load(out)["summary"]
+    assert s["cached_token_share"] > 0.5
+    assert any("prefix cache" in w for w in s["warnings"])
+
+
 def test_json_schema_and_plot(tmp_path):
     out, png = tmp_path / "run.json", tmp_path / "run.png"
     with StubServer(StubBehavior(ttft_s=0.05, itl_s=0.01, cached_tokens=3)) as stub:
@@ -137,7 +146,7 @@ def test_json_schema_and_plot(tmp_path):
     for key in ("request_throughput_rps", "input_token_throughput_tps", "output_token_throughput_tps",
                 "total_token_throughput_tps", "duration_s", "errors", "client", "timeline", "warnings"):
         assert key in s
-    assert s["total_cached_tokens"] == 15
+    assert s["total_cached_tokens"] == 15 and not any("prefix cache" in w for w in s["warnings"])
     # TPOT here is ~10 ms, so an SLO of 1 ms admits nothing; TTFT alone would admit all.
     assert s["slo_ms"] == {"ttft": 1000.0, "tpot": 1.0} and s["good_requests"] == 0 and s["goodput_rps"] == 0
     tl = s["timeline"]
