@@ -118,8 +118,9 @@ async def _run(url, bodies, requests, load: LoadConfig, *, headers, show_progres
     # and one httpx client at 128 concurrent streams was saturated before the server was (eighth session).
     # limit=0: no connection cap (--max-concurrency is the cap). trust_env=False: a benchmark measures the
     # server, not an HTTP proxy picked up from the environment. No session timeout: stream_chat bounds each
-    # whole request with load.timeout_s instead.
-    connector = aiohttp.TCPConnector(limit=0)
+    # whole request with load.timeout_s instead. keepalive_timeout under uvicorn's default 5 s (aiohttp's own is
+    # 15 s): against a server that closes idle connections at 5 s, reusing one then races its close (ReadError).
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
                                      trust_env=False) as client:
         sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else contextlib.nullcontext()

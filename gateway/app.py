@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import httpx
 from fastapi import Depends, FastAPI, Request
@@ -41,9 +41,18 @@ from epdserve.logging_setup import set_request_context
 from epdserve.metrics import GatewayMetrics
 from epdserve.models.tiny import resolve_model_path
 
+if TYPE_CHECKING:
+    import uvicorn
+
 logger = logging.getLogger("epdserve.gateway")
 
 T = TypeVar("T")
+
+# How long an idle keep-alive connection stays open, in seconds: longer than any client pool's own idle expiry
+# (httpx and the openai SDK 5 s, aiohttp 15 s). A client starts that clock once it has closed a response, later
+# than the server did, so at uvicorn's default (5 s, httpx's too) a loaded httpx pool reused connections the gateway
+# was closing at that moment, and those requests died unanswered (ReadError; a POST is not retried).
+KEEP_ALIVE_S = 120
 
 
 class ClientGone(Exception):
@@ -331,6 +340,16 @@ def first_error_param(e: ValidationError) -> str | None:
     return str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
 
 
+def server_config(app: FastAPI, config: GatewayConfig) -> uvicorn.Config:
+    """The uvicorn settings ``main`` serves ``app`` with, on ``config.host``/``config.port``."""
+    import uvicorn
+
+    # loop="asyncio" even where uvloop is installed: the encoder client is grpc.aio, and under uvloop a CI run saw
+    # image requests outlive a killed encoder (its health probe never timed out). The HTTP parser is httptools.
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
+                          loop="asyncio", timeout_keep_alive=KEEP_ALIVE_S)
+
+
 def main(config: GatewayConfig) -> None:
     """Serve the gateway until interrupted (uvicorn, log level warning).
 
@@ -341,10 +360,7 @@ def main(config: GatewayConfig) -> None:
     import uvicorn
 
     app = create_app(config)
-    # loop="asyncio" even where uvloop is installed: the encoder client is grpc.aio, and under uvloop a CI run saw
-    # image requests outlive a killed encoder (its health probe never timed out). The HTTP parser is httptools.
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           access_log=False, loop="asyncio"))
+    server = uvicorn.Server(server_config(app, config))
     if not asyncio.run(_serve(server, app.state.gateway)):
         sys.exit(1)
 

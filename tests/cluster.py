@@ -8,6 +8,7 @@ without a restart of its own.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -130,11 +131,12 @@ def serve_gateway(config: GatewayConfig, timeout_s: float = 60.0):
     """Serve a gateway for ``config`` with uvicorn on a free port in a thread; yield ``(base_url, app)``."""
     import uvicorn
 
-    from epdserve.gateway.app import create_app
+    from epdserve.gateway.app import create_app, server_config
 
     app = create_app(config, startup_timeout_s=timeout_s)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
-                                           timeout_graceful_shutdown=1))
+    uv_config = server_config(app, dataclasses.replace(config, host="127.0.0.1", port=free_port()))
+    uv_config.timeout_graceful_shutdown = 1
+    server = uvicorn.Server(uv_config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{server.config.port}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import dataclasses
 import hashlib
 import io
 import json
@@ -23,14 +24,14 @@ import pytest
 import zmq
 
 from epdserve.config import GatewayConfig
-from epdserve.gateway.app import create_app
+from epdserve.gateway.app import create_app, server_config
 from epdserve.gateway.media import MediaError, MediaPolicy, decode_data_url, load_image
 from epdserve.gateway.prompt import EncodedImage, PromptBuilder, PromptError, to_hf_messages
 from epdserve.gateway.protocol import ChatMessage
 from epdserve.gateway.stages import StageClient, StageError
 from epdserve.messages import (
-    AbortRequest, DecodeRequest, PrefillRequest, ServerInfo, ServerInfoRequest, TokenOutput, TokenOutputBatch,
-    decode, encode,
+    AbortRequest, DecodeRequest, Load, LoadRequest, PrefillRequest, ServerInfo, ServerInfoRequest, TokenOutput,
+    TokenOutputBatch, decode, encode,
 )
 from epdserve.models.tiny import build_tokenizer
 
@@ -189,6 +190,11 @@ class FakeStage:
                         info.embed_endpoints = EMBED_ENDPOINTS
                         info.bootstrap_host, info.bootstrap_port = "127.0.0.1", 38998
                     sock.send_multipart([ident, *encode(info)])
+                elif isinstance(msg, LoadRequest):
+                    # The gateway's heartbeat: a stage silent for stage_timeout_s (10 s) is taken as down, so a
+                    # fake that ignored it would flap down and up in a long test module (503s).
+                    sock.send_multipart([ident, *encode(Load(role=self.role, num_running_reqs=0, num_waiting_reqs=0,
+                                                             kv_pages_used=0, kv_pages_total=256))])
                 elif isinstance(msg, DecodeRequest) and self.role == "decode":
                     for batch in self.script(msg):
                         sock.send_multipart([ident, *encode(batch)])
@@ -221,7 +227,8 @@ def running_gateway(config: GatewayConfig, stages: StageClient):
     import uvicorn
 
     app = create_app(config, stages, startup_timeout_s=30)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    # The settings `epdserve gateway` serves with, on a free local port.
+    server = uvicorn.Server(server_config(app, dataclasses.replace(config, host="127.0.0.1", port=_free_port())))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{server.config.port}"
@@ -520,6 +527,49 @@ def test_stream_without_usage(gw, tiny_model_path):
     assert events[-1] == "[DONE]"
     assert all("usage" not in c and "token_ids" not in c["choices"][0] for c in events[:-1])
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+# How long client pools keep an idle connection for reuse: httpx's default (also the openai SDK's) and aiohttp's
+# (TCPConnector's keepalive_timeout; SGLang's bench_serving, epdserve bench).
+CLIENT_POOL_IDLE_S = {"httpx": httpx.Limits().keepalive_expiry, "aiohttp": 15.0}
+
+
+def test_keep_alive_outlasts_client_pools():
+    """The gateway closes an idle connection well after any common client pool stops reusing it: a pool starts its
+    clock later than the server (once it has closed the response), so equal timeouts race."""
+    keep_alive = server_config(None, GatewayConfig()).timeout_keep_alive
+    for client, idle_s in CLIENT_POOL_IDLE_S.items():
+        assert keep_alive >= 2 * idle_s, f"{client} pools reuse connections idle for up to {idle_s} s"
+
+
+def test_idle_connection_is_still_served_when_a_client_pool_reuses_it(gw):
+    """The benchmark's ReadErrors: a loaded httpx pool handed out a connection idle for nearly its own 5 s expiry
+    (counted from its close of the last response, late) and wrote the request just as uvicorn's 5 s keep-alive timer
+    closed it; the request was never read (no response, connection reset). Reusing a connection idle for httpx's
+    expiry plus half a second of client lag must get an answer."""
+    url = httpx.URL(gw[0])
+    request = f"GET /health HTTP/1.1\r\nHost: {url.host}\r\n\r\n".encode()
+    with socket.create_connection((url.host, url.port), timeout=5) as sock:
+        sock.sendall(request)
+        assert _read_head(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(CLIENT_POOL_IDLE_S["httpx"] + 0.5)
+        try:
+            sock.sendall(request)
+            head = _read_head(sock)
+        except ConnectionError as e:
+            head = repr(e).encode()
+        assert head.startswith(b"HTTP/1.1 200"), f"the gateway closed the idle connection: {head!r}"
+
+
+def _read_head(sock: socket.socket) -> bytes:
+    """A response's status line and headers (``/health`` answers 200 with no body); b"" if the server closed."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def test_request_errors(gw, tiny_model_path):
