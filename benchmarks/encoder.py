@@ -96,19 +96,20 @@ def _tower_ms(encoder: VisionEncoder, width: int, height: int, n: int, reps: int
 
 
 async def run(args: argparse.Namespace) -> list[dict]:
-    """One result row per (torch.compile setting, CUDA-graph setting, image size, batch level); see the module
-    docstring."""
+    """One result row per (torch.compile setting, CUDA-graph setting, JPEG decoder, image size, batch level); see
+    the module docstring."""
     rows = []
     for compiled in args.compile:
         for graphs in args.cuda_graphs:
-            rows += await _run_one(args, graphs, bool(compiled))
+            for gpu_jpeg in args.gpu_jpeg_decode:
+                rows += await _run_one(args, graphs, bool(compiled), bool(gpu_jpeg))
     return rows
 
 
-async def _run_one(args: argparse.Namespace, graphs: int, compiled: bool) -> list[dict]:
+async def _run_one(args: argparse.Namespace, graphs: int, compiled: bool, gpu_jpeg: bool) -> list[dict]:
     device = resolve_device(args.device)
     encoder = VisionEncoder(resolve_model_path(args.model_path), device, resolve_dtype(args.dtype, device), graphs,
-                            compiled)
+                            compiled, gpu_jpeg)
     t0 = time.perf_counter()
     encoder.warm_up()
     warm_up_s = time.perf_counter() - t0
@@ -136,7 +137,8 @@ async def _run_one(args: argparse.Namespace, graphs: int, compiled: bool) -> lis
                              "p99_latency_ms": float(np.percentile(lat_ms, 99)),
                              "tower_calls": calls, "mean_images_per_call": args.num_images / calls,
                              "patches_per_image": patches, "tokens_per_image": patches // encoder.merge_size**2,
-                             "cuda_graphs": graphs, "compile": encoder.compiled, "warm_up_s": warm_up_s,
+                             "cuda_graphs": graphs, "compile": encoder.compiled,
+                             "gpu_jpeg_decode": encoder.gpu_jpeg_decode, "warm_up_s": warm_up_s,
                              "tower_ms": await asyncio.get_running_loop().run_in_executor(
                                  tower, _tower_ms, encoder, width, height, min(batch, 16))})
                 await servicer.aclose()
@@ -150,6 +152,7 @@ def _table(rows: list[dict]) -> str:
     return text_table([
         ("compile", 7, lambda r: "on" if r["compile"] else "off"),
         ("graphs", 6, lambda r: str(r["cuda_graphs"])),
+        ("jpeg", 4, lambda r: "gpu" if r.get("gpu_jpeg_decode") else "cpu"),
         ("image", 10, lambda r: r["image_size"]),
         ("batch", 5, lambda r: str(r["batch"])),
         ("images/s", 9, lambda r: f"{r['images_per_s']:.1f}"),
@@ -179,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the encoder's --cuda-graphs; several values run side by side (e.g. 0 32)")
     p.add_argument("--compile", nargs="+", type=int, choices=(0, 1), default=[1],
                    help="the encoder's --compile (1) or --no-compile (0); 0 1 runs both side by side")
+    p.add_argument("--gpu-jpeg-decode", nargs="+", type=int, choices=(0, 1), default=[1],
+                   help="the encoder's --gpu-jpeg-decode (1, CUDA only) or --no-gpu-jpeg-decode (0, PIL); 0 1 runs "
+                        "both side by side")
     p.add_argument("--output-json", help="also write the config and the rows here")
     args = p.parse_args(argv)
     for size in args.image_sizes:

@@ -59,7 +59,8 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
     commands = {f"encoder{i}": [*exe, "encoder", *common[:2], "--device", encoder_device, "--dtype", cfg.dtype,
                                 "--port", addr.rsplit(":", 1)[1], "--metrics-port", str(metrics_ports[f"encoder{i}"]),
                                 "--cuda-graphs", str(cfg.encoder_cuda_graphs),
-                                "--compile" if cfg.encoder_compile else "--no-compile"]
+                                "--compile" if cfg.encoder_compile else "--no-compile",
+                                "--gpu-jpeg-decode" if cfg.encoder_gpu_jpeg_decode else "--no-gpu-jpeg-decode"]
                 for i, addr in enumerate(encoders)}
     commands |= {
         # --port 0: no HTTP front (that is for a PD router such as smg); the gateway speaks ZMQ to the stages.

@@ -32,7 +32,7 @@ from epdserve.device import limit_cpu_threads, resolve_device, resolve_dtype
 from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.cache import EmbeddingCache
 from epdserve.encoder.info import model_info, server_info
-from epdserve.encoder.vision import ImageDecodeError, VisionEncoder, decode_image
+from epdserve.encoder.vision import ImageDecodeError, VisionEncoder
 from epdserve.logging_setup import request_context
 from epdserve.messages import ImageEmbeddings, encode, tensor_bytes, tensor_from_bytes
 from epdserve.metrics import EncoderMetrics, start_metrics_server
@@ -128,8 +128,8 @@ def _sha256_all(datas: list[bytes]) -> list[str]:
     return [hashlib.sha256(d).hexdigest() for d in datas]
 
 
-def _decode_one(encoder: VisionEncoder, data: bytes, max_pixels: int) -> tuple[Image.Image, int]:
-    image = decode_image(data, max_pixels)
+def _decode_one(encoder: VisionEncoder, data: bytes, max_pixels: int) -> tuple[Image.Image | torch.Tensor, int]:
+    image = encoder.decode(data, max_pixels)
     return image, encoder.num_patches(image)
 
 
@@ -464,7 +464,7 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
         loop = asyncio.get_running_loop()
         model_path = await loop.run_in_executor(tower, resolve_model_path, config.model_path)
         encoder = await loop.run_in_executor(tower, VisionEncoder, model_path, device, dtype, config.cuda_graphs,
-                                             config.compile)
+                                             config.compile, config.gpu_jpeg_decode)
         await loop.run_in_executor(tower, encoder.warm_up)
         servicer.encoder = encoder
         for name in ("", SERVICE_NAME):

@@ -148,7 +148,8 @@ class VisionEncoder:
     """
 
     def __init__(self, model_path: str | Path, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | str = "auto", cuda_graphs: int = 0, compile: bool = False) -> None:
+                 dtype: torch.dtype | str = "auto", cuda_graphs: int = 0, compile: bool = False,
+                 gpu_jpeg_decode: bool = False) -> None:
         """Load the image processor and the vision tower.
 
         Args:
@@ -164,6 +165,8 @@ class VisionEncoder:
                 kernels): 2.4x less GPU time per batch on an H100 (docs/performance.md). The first calls
                 compile (seconds); call :meth:`warm_up` before serving. Ignored on the CPU, which keeps exact
                 parity with transformers.
+            gpu_jpeg_decode: on CUDA, :meth:`decode` decodes JPEGs on the GPU (nvJPEG, see there). Ignored on the
+                CPU.
 
         Raises:
             ValueError: unsupported model type, missing or unexpected vision tensors, processor/tower mismatch,
@@ -178,6 +181,7 @@ class VisionEncoder:
         self.tower = None
         self.compiled = False
         self._prep_stream = None  # CUDA: the stream the image processor runs on (made on first use)
+        self._decode_stream = None  # CUDA: the stream of nvJPEG decodes (made on first use)
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self.device)
         config = AutoConfig.from_pretrained(self.model_path)
@@ -212,6 +216,7 @@ class VisionEncoder:
             raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
         self.model = model.eval().requires_grad_(False)
+        self.gpu_jpeg_decode = gpu_jpeg_decode and self.device.type == "cuda"
         if compile and fast_path:
             from torch.utils._triton import has_triton
 
@@ -232,6 +237,10 @@ class VisionEncoder:
         Raises:
             RuntimeError: compiling failed (the message names the way out: ``--no-compile``).
         """
+        if self.gpu_jpeg_decode:  # nvJPEG's first call sets up its decoder state (~100 ms)
+            buf = BytesIO()
+            Image.new("RGB", (64, 48), (200, 90, 40)).save(buf, format="JPEG")
+            self.decode(buf.getvalue(), 64 * 48)
         if not self.compiled:
             return
         try:
@@ -246,8 +255,9 @@ class VisionEncoder:
         t, h, w = grid_thw
         return t * h * w // self.merge_size**2
 
-    def num_patches(self, image: Image.Image) -> int:
-        """Patches (before the spatial merge) the image processor makes of ``image``: ``t*h*w`` of its grid.
+    def num_patches(self, image: Image.Image | torch.Tensor) -> int:
+        """Patches (before the spatial merge) the image processor makes of ``image`` (a PIL image or a ``[3, H,
+        W]`` uint8 tensor from :meth:`decode`): ``t*h*w`` of its grid.
 
         Thread-safe (pure arithmetic on the processor's settings), so it can run beside :meth:`encode`.
 
@@ -255,14 +265,58 @@ class VisionEncoder:
             ImageDecodeError: the processor rejects the image's shape (aspect ratio over 200), so that such an
                 image fails its own request up front instead of the whole batch it would join.
         """
+        height, width = image.shape[-2:] if isinstance(image, torch.Tensor) else (image.height, image.width)
         try:
-            return self.image_processor.get_number_of_image_patches(image.height, image.width, {})
+            return self.image_processor.get_number_of_image_patches(height, width, {})
         except ValueError as e:
-            raise ImageDecodeError(f"unsupported image shape {image.width}x{image.height}: {e}") from e
+            raise ImageDecodeError(f"unsupported image shape {width}x{height}: {e}") from e
+
+    def decode(self, data: bytes, max_pixels: int) -> Image.Image | torch.Tensor:
+        """Decode image file bytes for :meth:`preprocess`: :func:`decode_image` (PIL), or with ``gpu_jpeg_decode``
+        a baseline or progressive RGB/grayscale JPEG on the GPU with nvJPEG (``torchvision.io.decode_jpeg``),
+        returned as a ``[3, H, W]`` uint8 tensor on the encoder's device. Thread-safe; blocks until the pixels
+        are on the device.
+
+        Why: PIL takes 17 ms of host time for a 1280x720 JPEG of noise on the H100 host, a quarter of a lone
+        request's encoder time, and holds a CPU core per image under load (docs/performance.md, ninth session).
+        Its pixels are not libjpeg-turbo's. On photos they differ by under a level on average (0-0.8; embedding
+        cosine 0.9994-0.99999 on the 3B tower, the size of torch.compile's own deviation). nvJPEG does not
+        interpolate chroma as libjpeg's default ("fancy") upsampling does, so where colour changes every pixel
+        (noise) RGB differs by ~13 levels and the cosine drops to ~0.9; luma agrees to 0.35 levels. A file
+        nvJPEG rejects (CMYK, arithmetic coding, corrupt data) or that has no end-of-image marker (truncated: PIL
+        rejects it, nvJPEG would pad it) goes to PIL, which gives the answer and the error message.
+
+        Raises:
+            ImageDecodeError: see :func:`decode_image`.
+        """
+        if self.gpu_jpeg_decode and data[:3] == b"\xff\xd8\xff" and b"\xff\xd9" in data[-64:]:
+            try:
+                header = Image.open(BytesIO(data))  # reads the header only
+                width, height = header.size
+                if header.format == "JPEG" and header.mode in ("RGB", "L") and width * height <= max_pixels:
+                    return self._decode_jpeg_on_gpu(data)
+            except Exception:  # nvJPEG's errors are RuntimeErrors without a reason we could report better
+                pass
+        return decode_image(data, max_pixels)
+
+    def _decode_jpeg_on_gpu(self, data: bytes) -> torch.Tensor:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        if self._decode_stream is None:
+            self._decode_stream = torch.cuda.Stream(self.device)
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        # Its own stream: on the default one the decode would wait for the tower calls queued there.
+        with torch.cuda.stream(self._decode_stream):
+            pixels = decode_jpeg(raw, mode=ImageReadMode.RGB, device=self.device)
+            done = torch.cuda.Event()
+            done.record()
+        done.synchronize()
+        return pixels
 
     @torch.inference_mode()
-    def preprocess(self, images: list[Image.Image]) -> PreparedImages:
-        """Run the image processor on ``images`` as one batch: the first half of :meth:`encode`.
+    def preprocess(self, images: list[Image.Image | torch.Tensor]) -> PreparedImages:
+        """Run the image processor on ``images`` (PIL images, or :meth:`decode`'s device tensors) as one batch:
+        the first half of :meth:`encode`.
 
         On CUDA the processor runs on the GPU (its torchvision backend's ``device`` argument) on this encoder's
         own preprocessing stream, so that its blocking host-to-device copies never wait for a tower call queued
@@ -273,6 +327,9 @@ class VisionEncoder:
             ValueError: from the image processor (e.g. an empty list).
         """
         with self._prep_stream_context():
+            for image in images:
+                if isinstance(image, torch.Tensor) and image.is_cuda:
+                    image.record_stream(torch.cuda.current_stream(self.device))  # made on the decode stream
             on_gpu = {"device": self.device} if self.device.type == "cuda" else {}  # CPU: the reference call
             inputs = self.image_processor(images=images, return_tensors="pt", **on_gpu)
             # Same cast as transformers' get_image_features, so the outputs match it exactly.

@@ -28,7 +28,7 @@ from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.cache import EmbeddingCache
 from epdserve.encoder.server import (EmbeddingPusher, EncoderServicer, serve, tensor_from_proto,
                                      tensor_to_proto)
-from epdserve.encoder.vision import VisionEncoder
+from epdserve.encoder.vision import VisionEncoder, decode_image
 from epdserve.messages import ImageEmbeddings, decode
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
 
@@ -357,6 +357,9 @@ class _CountingEncoder:
 
     def num_patches(self, image):
         return 16
+
+    def decode(self, data, max_pixels):
+        return decode_image(data, max_pixels)
 
     def preprocess(self, images):
         return images

@@ -419,3 +419,55 @@ def test_the_window_waits_only_for_announced_images():
     assert alone_s < 5
     assert waited == [1]  # only the lone image's call while the second was announced
     assert widths == [[1], [2, 3], [4]]
+
+
+def _jpeg(seed: int, width: int, height: int, noise: bool) -> bytes:
+    """A JPEG (quality 90, 4:2:0 chroma) of smooth color fields with edges, or of noise."""
+    rng = np.random.default_rng(seed)
+    if noise:
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    else:
+        y, x = np.mgrid[0:height, 0:width] / max(width, height)
+        pixels = np.stack([np.sin(7 * x + c) * 90 + 128 + 60 * ((x - 0.4) ** 2 + (y - 0.3) ** 2 < 0.05)
+                           for c in rng.uniform(0, 6, 3)], -1).clip(0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_jpeg_decode_is_close_to_pil_and_falls_back_for_the_rest(tiny_model_path):
+    # nvJPEG's pixels are not libjpeg-turbo's. On smooth content they differ by under a level on average and the
+    # embeddings agree far closer than bf16 agrees with float32 (the test above: cosine > 0.99). Its chroma
+    # upsampling is not libjpeg's "fancy" (interpolating) one, so on noise, whose colour changes every pixel, RGB
+    # differs by ~13 levels (H100), while luma, stored at full resolution, still agrees: the decode is right.
+    from epdserve.encoder.vision import ImageDecodeError, decode_image
+
+    enc = VisionEncoder(tiny_model_path, "cuda", "bfloat16", gpu_jpeg_decode=True)
+    assert not VisionEncoder(tiny_model_path, "cpu", "float32", gpu_jpeg_decode=True).gpu_jpeg_decode
+    luma = torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)  # BT.601, as JPEG's YCbCr
+    for i, (w, h, noise) in enumerate([(448, 448, False), (1280, 720, False), (448, 448, True), (301, 97, False)]):
+        data = _jpeg(i, w, h, noise)
+        gpu = enc.decode(data, 1 << 30)
+        assert isinstance(gpu, torch.Tensor) and gpu.is_cuda and gpu.dtype == torch.uint8
+        pil = decode_image(data, 1 << 30)
+        assert tuple(gpu.shape) == (3, h, w) and enc.num_patches(gpu) == enc.num_patches(pil)
+        got, want = gpu.cpu().float(), torch.from_numpy(np.asarray(pil)).permute(2, 0, 1).float()
+        luma_diff = ((got - want) * luma).sum(0).abs().mean()
+        assert luma_diff < 1.0, f"{w}x{h} noise={noise}: nvJPEG's luma differs from PIL's by {luma_diff:.2f} levels"
+        if noise:
+            continue
+        diff = (got - want).abs().mean()
+        assert diff < 1.5, f"{w}x{h}: nvJPEG differs from PIL by {diff:.2f} levels"
+        [(emb, grid)], [(ref, grid_pil)] = enc.encode([gpu]), enc.encode([pil])
+        cos = torch.nn.functional.cosine_similarity(emb.float().flatten(), ref.float().flatten(), dim=0)
+        assert grid == grid_pil and cos > 0.999, f"{w}x{h}: cosine {cos:.5f}"
+    # What nvJPEG does not take goes to PIL: a PNG decodes there; a truncated JPEG gets PIL's error (nvJPEG
+    # would pad it); an image over the pixel limit is refused before any decoding.
+    assert isinstance(enc.decode(_png(5, 64, 48), 1 << 30), Image.Image)
+    data = _jpeg(9, 448, 448, False)
+    with pytest.raises(ImageDecodeError):
+        enc.decode(data[: len(data) // 2], 1 << 30)
+    with pytest.raises(ImageDecodeError, match="larger than the limit"):
+        enc.decode(data, 448 * 447)

@@ -28,12 +28,24 @@ from epdserve.kvcache.kv_pool import KVPool
 _WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
+def decode_kernel_kwargs(num_qo_heads: int, num_kv_heads: int) -> dict:
+    """``BatchDecodeWithPagedKVCacheWrapper`` arguments choosing its kernel for a head layout: the tensor-core
+    kernel on flashinfer's FA2 backend from 4 query heads per KV head up (SGLang's threshold), else the
+    CUDA-core decode kernel."""
+    if num_qo_heads // num_kv_heads >= 4:
+        return {"use_tensor_cores": True, "backend": "fa2"}
+    return {}
+
+
 class FlashInferBackend(AttentionBackend):
     """flashinfer paged prefill (extend batches, causal) and decode (decode batches) over the NHD KV pool.
 
-    Decode uses flashinfer's CUDA-core decode kernel, not its tensor-core variant: with 8 query heads per KV head
-    at 512 tokens of context on an H100, the tensor-core one took 24 vs 27 us per layer at 1 request but 43 vs 27
-    at 32 and 174 vs 57 at 128 (docs/performance.md).
+    Decode runs flashinfer's tensor-core decode (its prefill kernel with one query row per request) on the FA2
+    backend when at least 4 query heads share a KV head, as SGLang's flashinfer backend does
+    (``should_use_tensor_core``), and the CUDA-core decode kernel otherwise. H100, 16 query / 2 KV heads, 128
+    requests at 400 tokens of context: 26.5 us per layer against 52.7 (CUDA-core) and 145 (the tensor-core
+    kernel's "auto" backend, FA3 on Hopper, which is built for long query tiles); 7.9 vs 12.1 us at 1 request
+    (docs/performance.md, ninth session).
     """
 
     uses_flashinfer = True
@@ -50,7 +62,9 @@ class FlashInferBackend(AttentionBackend):
         # Prefill and decode never run at the same time, so they can share one float workspace.
         self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        self._decode_kwargs = decode_kernel_kwargs(num_qo_heads, kv_pool.num_kv_heads)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
+                                                                     **self._decode_kwargs)
         self._graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self._graph_prefill: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
         self._wrapper = None
@@ -67,7 +81,7 @@ class FlashInferBackend(AttentionBackend):
         for bs in batch_sizes:
             self._graph_decode[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, kv_layout="NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr[:bs + 1],
-                paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last[:bs])
+                paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last[:bs], **self._decode_kwargs)
 
     def enable_prefill_cuda_graphs(self, token_counts: list[int]) -> None:
         """Create a CUDA-graph-mode prefill wrapper for one request of each of ``token_counts`` new tokens (at
