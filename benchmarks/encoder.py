@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     p.add_argument("--batch-wait-ms", type=float, default=2.0, help="the encoder's --batch-wait-ms")
-    p.add_argument("--max-batch-patches", type=int, default=16384, help="the encoder's --max-batch-patches")
+    p.add_argument("--max-batch-patches", type=int, default=65536, help="the encoder's --max-batch-patches")
     p.add_argument("--seed", type=int, default=0, help="seed of the random images")
     p.add_argument("--cuda-graphs", nargs="+", type=int, default=[0],
                    help="the encoder's --cuda-graphs; several values run side by side (e.g. 0 32)")

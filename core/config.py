@@ -31,8 +31,8 @@ class EncoderConfig:
     batch_wait_ms: float = _f(2.0, "how long an image may wait, while the tower is idle, for images of other "
                                    "requests already being decoded to share its tower call, in ms; 0 = run as "
                                    "soon as the tower is free")
-    max_batch_patches: int = _f(16384, "most patches (before the 2x2 merge) in one tower call; a larger image "
-                                       "runs alone")
+    max_batch_patches: int = _f(65536, "most patches (before the 2x2 merge) in one tower call (64 images of "
+                                       "448x448); a larger image runs alone")
     metrics_port: int = _f(50151, "HTTP port of /metrics (Prometheus text format) next to the gRPC port; 0 = a "
                                   "free port")
     cuda_graphs: int = _f(32, "vision-tower CUDA graphs to keep, one per image grid, for tower calls of one image "

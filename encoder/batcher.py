@@ -54,7 +54,7 @@ class EncodeBatcher:
         calls: tower calls made so far (one per batch).
     """
 
-    def __init__(self, tower: Executor, batch_wait_ms: float = 2.0, max_batch_patches: int = 16384,
+    def __init__(self, tower: Executor, batch_wait_ms: float = 2.0, max_batch_patches: int = 65536,
                  metrics: EncoderMetrics | None = None) -> None:
         """Args:
             tower: the executor ``encode`` runs on (single-threaded: VisionEncoder is not thread-safe).
