@@ -350,6 +350,28 @@ def test_launch_starts_num_encoders_and_gives_the_gateway_all_addresses():
         launch(LaunchConfig(num_encoders=0))
 
 
+def test_launch_passes_the_encoder_flags_its_config_mirrors():
+    # Each encoder switch of `epdserve launch` reaches every encoder's own config through its command line.
+    import argparse
+
+    from epdserve.config import EncoderConfig, LaunchConfig, add_config_args, config_from_args
+    from epdserve.launch import _commands
+
+    def encoder_config(launch_flags: list[str]) -> EncoderConfig:
+        parser = argparse.ArgumentParser()
+        add_config_args(parser, LaunchConfig)
+        commands, _, _ = _commands(config_from_args(LaunchConfig, parser.parse_args(launch_flags)), "/models/m")
+        cmd = commands["encoder0"]
+        enc_parser = argparse.ArgumentParser()
+        add_config_args(enc_parser, EncoderConfig)
+        return config_from_args(EncoderConfig, enc_parser.parse_args(cmd[cmd.index("encoder") + 1:]))
+
+    default = encoder_config([])
+    assert default.gpu_jpeg_decode and default.compile and default.cuda_graphs == LaunchConfig().encoder_cuda_graphs
+    off = encoder_config(["--no-encoder-gpu-jpeg-decode", "--no-encoder-compile", "--encoder-cuda-graphs", "0"])
+    assert not off.gpu_jpeg_decode and not off.compile and off.cuda_graphs == 0
+
+
 def test_an_encoder_still_starting_is_not_reported_as_down(caplog):
     # At launch the gateway may meet an encoder that is still loading (compiling its tower takes seconds): an
     # INFO line, not a warning. Once it has served, losing it is a warning.
