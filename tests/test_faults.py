@@ -100,7 +100,9 @@ def test_disconnects_and_timeouts_leave_stages_at_baseline(stage_procs, gateway,
         return False
 
     def client_timeout(i: int) -> str:
-        req = body(model, f"Question {i}?", image=noise_png(1000 + i) if i % 2 else None, max_tokens=300)
+        # 1,000 tokens: long enough that a client's deadline (up to 1.5 s) nearly always comes first, even on a
+        # machine with nothing else running (300 let ~a quarter finish there).
+        req = body(model, f"Question {i}?", image=noise_png(1000 + i) if i % 2 else None, max_tokens=1000)
         try:
             _post(base, req, timeout_s=random.Random(i).uniform(0.05, 1.5))
         except httpx.TimeoutException:
