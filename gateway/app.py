@@ -340,14 +340,17 @@ def first_error_param(e: ValidationError) -> str | None:
     return str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
 
 
-def server_config(app: FastAPI, config: GatewayConfig) -> uvicorn.Config:
-    """The uvicorn settings ``main`` serves ``app`` with, on ``config.host``/``config.port``."""
+def server_config(app: FastAPI | None, host: str, port: int,
+                  graceful_shutdown_s: float | None = None) -> uvicorn.Config:
+    """The uvicorn settings every epdserve HTTP server (the gateway, the prefill/decode fronts) serves ``app``
+    with on ``host``:``port``; ``graceful_shutdown_s``: how long open requests may finish on shutdown (None: no
+    limit)."""
     import uvicorn
 
     # loop="asyncio" even where uvloop is installed: the encoder client is grpc.aio, and under uvloop a CI run saw
     # image requests outlive a killed encoder (its health probe never timed out). The HTTP parser is httptools.
-    return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                          loop="asyncio", timeout_keep_alive=KEEP_ALIVE_S)
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, loop="asyncio",
+                          timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=graceful_shutdown_s)
 
 
 def main(config: GatewayConfig) -> None:
@@ -360,7 +363,7 @@ def main(config: GatewayConfig) -> None:
     import uvicorn
 
     app = create_app(config)
-    server = uvicorn.Server(server_config(app, config))
+    server = uvicorn.Server(server_config(app, config.host, config.port))
     if not asyncio.run(_serve(server, app.state.gateway)):
         sys.exit(1)
 

@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.gateway.app import (
-    KEEP_ALIVE_S, ClientGone, describe_validation_error, first_error_param, parse_request, until_disconnect,
+    ClientGone, describe_validation_error, first_error_param, parse_request, server_config, until_disconnect,
 )
 from epdserve.gateway.chat import APIError, ChatService, PreparedChat
 from epdserve.gateway.generate import completion_events, completion_json, generate_events, generate_json
@@ -504,11 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                   extra_info=stages.server_info_fields())
     import uvicorn
 
-    # loop="asyncio" even where uvloop is installed: the encoder client is grpc.aio, and under uvloop a CI run saw
-    # image requests outlive a killed encoder (its health probe never timed out). The HTTP parser is httptools.
-    server = uvicorn.Server(uvicorn.Config(create_front_app(front), host=config.host, port=config.port,
-                                           log_level="warning", access_log=False, timeout_graceful_shutdown=2,
-                                           loop="asyncio", timeout_keep_alive=KEEP_ALIVE_S))
+    server = uvicorn.Server(server_config(create_front_app(front), config.host, config.port, graceful_shutdown_s=2))
     logger.info("%s front listening on http://%s:%d", args.role, config.host, config.port)
     server.run()
     return 0

@@ -8,7 +8,6 @@ without a restart of its own.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import io
 import json
 import os
@@ -134,9 +133,7 @@ def serve_gateway(config: GatewayConfig, timeout_s: float = 60.0):
     from epdserve.gateway.app import create_app, server_config
 
     app = create_app(config, startup_timeout_s=timeout_s)
-    uv_config = server_config(app, dataclasses.replace(config, host="127.0.0.1", port=free_port()))
-    uv_config.timeout_graceful_shutdown = 1
-    server = uvicorn.Server(uv_config)
+    server = uvicorn.Server(server_config(app, "127.0.0.1", free_port(), graceful_shutdown_s=1))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{server.config.port}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
-import dataclasses
 import hashlib
 import io
 import json
@@ -228,7 +227,7 @@ def running_gateway(config: GatewayConfig, stages: StageClient):
 
     app = create_app(config, stages, startup_timeout_s=30)
     # The settings `epdserve gateway` serves with, on a free local port.
-    server = uvicorn.Server(server_config(app, dataclasses.replace(config, host="127.0.0.1", port=_free_port())))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", _free_port()))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{server.config.port}"
@@ -537,7 +536,7 @@ CLIENT_POOL_IDLE_S = {"httpx": httpx.Limits().keepalive_expiry, "aiohttp": 15.0}
 def test_keep_alive_outlasts_client_pools():
     """The gateway closes an idle connection well after any common client pool stops reusing it: a pool starts its
     clock later than the server (once it has closed the response), so equal timeouts race."""
-    keep_alive = server_config(None, GatewayConfig()).timeout_keep_alive
+    keep_alive = server_config(None, "127.0.0.1", 0).timeout_keep_alive
     for client, idle_s in CLIENT_POOL_IDLE_S.items():
         assert keep_alive >= 2 * idle_s, f"{client} pools reuse connections idle for up to {idle_s} s"
 
