@@ -2,19 +2,24 @@
 
 Internal servers bind 127.0.0.1 on free ports (their ``/metrics`` ports too); only the gateway takes
 ``--host``/``--port`` (it gets every encoder's address) and serves its ``/metrics`` there. Children log in the
-launcher's ``--log-level`` and ``--log-format``. The launcher waits until the gateway's ``/health`` answers 200
-(the gateway knows prefill and decode by then) and every encoder's gRPC health says SERVING, logs one ready line
-and one line of every process's ``/metrics`` URL, and on SIGINT/SIGTERM (or any child dying) stops all.
+launcher's ``--log-level`` and ``--log-format``, through the launcher's stderr. The launcher waits until the
+gateway's ``/health`` answers 200 and lists every encoder up (the gateway has then seen prefill and decode, with
+all their TP ranks, answer, and every encoder's gRPC health say SERVING), logs one ready line and one line of
+every process's ``/metrics`` URL, and on SIGINT/SIGTERM (or any child dying) stops all; a child that dies before
+the ready line is named with its last log lines.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import json
 import logging
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -88,24 +93,37 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _encoder_serving(addr: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(addr) as ch:
-        try:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-        except grpc.RpcError:
-            return False
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def _gateway_healthy(url: str) -> bool:
+def _gateway_ready(url: str, num_encoders: int) -> bool:
+    """True when the gateway's ``/health?details=1`` answers 200 (prefill, decode and an encoder serve, as the
+    gateway sees them) and lists ``num_encoders`` encoders, every one up."""
     try:
-        with urllib.request.urlopen(url, timeout=1) as r:
-            return r.status == 200
-    except OSError:
+        with urllib.request.urlopen(f"{url}?details=1", timeout=1) as r:
+            body = json.loads(r.read())
+    except (OSError, ValueError):  # 503 (HTTPError is an OSError), refused, or a body that is not JSON
         return False
+    encoders = body.get("stages", {}).get("encoders", [])
+    return len(encoders) == num_encoders and all(e.get("up") for e in encoders)
+
+
+class _LogTail:
+    """Passes a child's stderr through to the launcher's and keeps its last ``lines`` lines, so that a stage
+    that dies before the ready line can be named with what it said last."""
+
+    def __init__(self, stream, lines: int = 20):
+        self.lines: collections.deque[str] = collections.deque(maxlen=lines)
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            sys.stderr.buffer.write(raw)
+            sys.stderr.buffer.flush()
+            self.lines.append(raw.decode(errors="replace").rstrip())
+        stream.close()
+
+    def text(self) -> str:
+        self._thread.join(timeout=1.0)  # the pipe closes when the process is gone: its last words are in
+        return "\n".join(f"    {line}" for line in self.lines)
 
 
 def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
@@ -120,21 +138,26 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
     model_path = resolve_model_path(cfg.model_path)  # build the default model once, before the children race
     commands, encoder_addrs, metrics_urls = _commands(cfg, model_path)
     procs: dict[str, subprocess.Popen] = {}
+    tails: dict[str, _LogTail] = {}
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
     try:
         for name, cmd in commands.items():
             # A new session keeps the terminal's Ctrl-C away from the children: the launcher stops them in order.
-            procs[name] = subprocess.Popen(cmd, start_new_session=True)
+            procs[name] = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE)
+            tails[name] = _LogTail(procs[name].stderr)
         health = f"http://{_LOCAL if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}/health"
         deadline, ready = time.monotonic() + ready_timeout_s, False
         while not stopping:
             dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
             if dead:
-                log.error("stopping: %s exited", ", ".join(f"{n} (code {c})" for n, c in dead.items()))
+                log.error("stopping: %s exited%s", ", ".join(f"{n} (code {c})" for n, c in dead.items()),
+                          "" if ready else " before every stage served")
+                for name in dead:
+                    log.error("last lines of %s:\n%s", name, tails[name].text())
                 return 1
-            if not ready and _gateway_healthy(health) and all(map(_encoder_serving, encoder_addrs)):
+            if not ready and _gateway_ready(health, len(encoder_addrs)):
                 ready = True
                 log.info("epdserve ready on http://%s:%d (model=%s)", cfg.host, cfg.port,
                          cfg.served_model_name or model_path)

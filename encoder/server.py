@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import signal
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,9 @@ log = logging.getLogger("epdserve.encoder")  # not __name__: that is "__main__" 
 
 SERVICE_NAME: str = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name  # "epdserve.v1.Encoder"
 MIB = 1 << 20
+# Seconds the encoder waits, model loaded, before it serves: a test hook that makes its start as slow as a real
+# model's (tests of the launcher's ready line and of the gateway's /health).
+LOAD_DELAY_ENV = "EPDSERVE_TEST_ENCODER_LOAD_DELAY_S"
 # A target that accepts no message for this long is taken as down: the request fails with UNAVAILABLE rather
 # than queueing embeddings for a prefill rank that may never read them.
 PUSH_TIMEOUT_S = 10.0
@@ -466,6 +470,8 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
         encoder = await loop.run_in_executor(tower, VisionEncoder, model_path, device, dtype, config.cuda_graphs,
                                              config.compile, config.gpu_jpeg_decode)
         await loop.run_in_executor(tower, encoder.warm_up)
+        # Test hook: a slow model load (tests check that nothing calls the server ready before this one serves).
+        await asyncio.sleep(float(os.environ.get(LOAD_DELAY_ENV, "0")))
         servicer.encoder = encoder
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

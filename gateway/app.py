@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP front end: routes, auth, errors, client-disconnect handling, and ``main``.
 
-Endpoints: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (200 once the processor is loaded
-and prefill and decode have answered and are up, else 503; ``?details=1`` adds a JSON body with every stage's
-liveness and load, ``&fresh=1`` asks prefill and decode for their load now), and ``GET /metrics``,
+Endpoints: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (readiness: 200 once the processor
+is loaded, prefill and decode have answered and are up, and at least one encoder serves, else 503 with the reason;
+``?details=1`` adds a JSON body with every stage's liveness and load, ``&fresh=1`` asks prefill and decode for their
+load now), ``GET /health/live`` (liveness: 200 while the process answers at all), and ``GET /metrics``,
 ``/get_model_info``, ``/get_server_info`` (:mod:`epdserve.gateway.observability`). Every error is OpenAI error
 JSON; schema errors and malformed JSON are 400 (not FastAPI's 422). Overload and stage failures answer 429/503
 with ``Retry-After`` (see :mod:`epdserve.gateway.admission`), the request deadline 504.
@@ -161,9 +162,13 @@ def create_app(config: GatewayConfig, stages: StageClient | None = None, *,
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
 
+    @app.get("/health/live")
+    async def live() -> Response:
+        return Response(status_code=200)
+
     @app.get("/health")
     async def health(details: bool = False, fresh: bool = False) -> Response:
-        why = gw.stages.unavailable() if gw.chat is not None else None
+        why = gw.stages.not_ready() if gw.chat is not None else None
         if gw.ready and why is None and not details:
             return Response(status_code=200)
         if not gw.ready:

@@ -30,6 +30,9 @@ from epdserve.gateway.stages import StageError
 logger = logging.getLogger("epdserve.gateway")
 
 PROBE_INTERVAL_S = 2.0
+# An encoder that has never served is most likely loading its model: probe it often, so the gateway (and its
+# readiness) follows within a moment of the encoder's health turning SERVING.
+STARTUP_PROBE_INTERVAL_S = 0.2
 
 
 class PooledEncoder(Protocol):
@@ -73,6 +76,10 @@ def rendezvous_order(digest: bytes, names: Sequence[str]) -> list[int]:
     return sorted(range(len(names)), key=score, reverse=True)
 
 
+async def _false() -> bool:
+    return False
+
+
 def _sha256_all(images: list[bytes]) -> list[bytes]:
     return [hashlib.sha256(b).digest() for b in images]
 
@@ -107,18 +114,32 @@ class EncoderPool:
         self._last_ok = [time.monotonic()] * len(self.clients)  # last SERVING answer (or start)
         self._ever_up = [False] * len(self.clients)  # whether it ever answered SERVING (else: still starting)
         self._heartbeat: asyncio.Task | None = None
+        self._checked = False  # wait_ready has found out which encoders serve
+        self._starting: asyncio.Task | None = None
 
     @property
     def up(self) -> list[str]:
         """Addresses of the encoders taken as up now."""
         return [n for i, n in enumerate(self.names) if i not in self._probes]
 
+    def start(self, timeout_s: float) -> None:
+        """Run :meth:`wait_ready` in the background, so that requests needing no encoder are served meanwhile
+        (:meth:`not_serving` says why images cannot be); a timeout is logged, and the encoders are probed."""
+        self._starting = asyncio.get_running_loop().create_task(self._start(timeout_s))
+
+    async def _start(self, timeout_s: float) -> None:
+        try:
+            await self.wait_ready(timeout_s)
+        except TimeoutError as e:
+            logger.warning("%s", e)
+
     async def wait_ready(self, timeout_s: float) -> None:
         """Wait until one encoder's channel connects, then up to ``probe_interval_s`` more for the others; those
-        still unconnected are marked down (and probed).
+        still unconnected, and those connected whose health check does not say SERVING yet (their model is still
+        loading), are marked down and probed until they serve.
 
         Raises:
-            TimeoutError: no encoder connected within ``timeout_s`` seconds.
+            TimeoutError: no encoder connected within ``timeout_s`` seconds (all are probed from then on).
         """
         waits = [asyncio.ensure_future(c.wait_ready(timeout_s)) for c in self.clients]
 
@@ -129,20 +150,27 @@ class EncoderPool:
             pending = set(waits)
             while pending and not any(map(connected, waits)):
                 _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if not any(map(connected, waits)):
-                raise TimeoutError(f"no encoder of {', '.join(self.names)} is reachable")
             if pending:  # encoders started together connect within moments of each other
                 await asyncio.wait(pending, timeout=self.probe_interval_s)
         finally:
             for t in waits:
                 t.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
+        serving = await asyncio.gather(*(self._serving(i) if connected(t) else _false()
+                                         for i, t in enumerate(waits)))
         for i, t in enumerate(waits):
             if not connected(t):
                 self._mark_down(i, "not reachable at startup")
+            elif not serving[i]:
+                self._mark_down(i, "its health check does not say SERVING yet (the vision model is loading)")
+            else:
+                self._ever_up[i] = True
+        self._checked = True
         if self.heartbeat_interval_s > 0 and self._heartbeat is None:
             self._last_ok = [time.monotonic()] * len(self.clients)
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+        if not any(map(connected, waits)):  # all are marked down and probed: one may still come
+            raise TimeoutError(f"no encoder of {', '.join(self.names)} is reachable")
 
     async def encode(self, rid: str, images: list[bytes], targets: list[str]) -> list[EncodedImage]:
         """See :class:`~epdserve.gateway.stages.EncoderClient`.
@@ -213,7 +241,7 @@ class EncoderPool:
         # that is not an incident worth a warning.
         level = logging.WARNING if self._ever_up[i] else logging.INFO
         logger.log(level, "encoder %s is %s (%s); probing it every %g s", self.names[i],
-                   "down" if self._ever_up[i] else "not serving yet", why, self.probe_interval_s)
+                   "down" if self._ever_up[i] else "not serving yet", why, self._probe_interval(i))
         self._reasons[i] = why
         # A fresh context: the probe outlives the request that found the encoder down, and its log lines are
         # not about that request.
@@ -253,25 +281,41 @@ class EncoderPool:
 
         return list(await asyncio.gather(*(one(i) for i in range(len(self.clients)))))
 
+    def _probe_interval(self, i: int) -> float:
+        return self.probe_interval_s if self._ever_up[i] else min(self.probe_interval_s, STARTUP_PROBE_INTERVAL_S)
+
+    async def _serving(self, i: int) -> bool:
+        try:
+            return await self.clients[i].serving()
+        except Exception:  # a probe must never die: the encoder would stay out forever
+            logger.exception("health probe of encoder %s failed", self.names[i])
+            return False
+
     async def _probe(self, i: int) -> None:
         while True:
-            await asyncio.sleep(self.probe_interval_s)
-            try:
-                serving = await self.clients[i].serving()
-            except Exception:  # a probe must never die: the encoder would stay out forever
-                logger.exception("health probe of encoder %s failed", self.names[i])
-                serving = False
-            if serving:
+            await asyncio.sleep(self._probe_interval(i))
+            if await self._serving(i):
                 del self._probes[i]
                 self._last_ok[i] = time.monotonic()
                 logger.info("encoder %s is serving%s", self.names[i], " again" if self._ever_up[i] else "")
                 self._ever_up[i] = True
                 return
 
+    def not_serving(self) -> str | None:
+        """Why no encoder can take an image now (each one's reason), or None while at least one is up."""
+        if not self._checked:
+            return "waiting for the encoders to answer"
+        if self.up:
+            return None
+        return "no encoder is serving: " + "; ".join(f"{n}: {self._reasons.get(i, '')}"
+                                                     for i, n in enumerate(self.names))
+
     async def close(self) -> None:
         """Stop the probes and close every client."""
         probes = list(self._probes.values())
         self._probes.clear()
+        if self._starting is not None:
+            probes.append(self._starting)
         if self._heartbeat is not None:
             probes.append(self._heartbeat)
             self._heartbeat = None

@@ -20,7 +20,9 @@ connections at once and the router moves on.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``POST /generate`` (SGLang's native API);
 the last two take text or token ids without a chat template (``epdserve.gateway.generate``). ``GET /health``
-(200 once the processor is loaded and the scheduler answered), ``/v1/models``, ``/model_info``, ``/server_info``,
+(readiness: 200 once the processor is loaded, the scheduler answered and, on a prefill front with
+``--encoder-urls``, an encoder serves; else 503 with the reason), ``GET /health/live`` (200 while the process
+answers), ``/v1/models``, ``/model_info``, ``/server_info``,
 ``/loads`` (and SGLang's older names ``/get_model_info``, ``/get_server_info``, and ``/v1/loads``).
 """
 
@@ -274,6 +276,14 @@ class Front:
     def ready(self) -> bool:
         return self.chat is not None and self.stages.ready
 
+    def not_ready(self) -> str | None:
+        """Why this front cannot serve every kind of request it accepts now (``GET /health``'s 503), or None:
+        still loading, or (a prefill front with ``--encoder-urls``) no encoder serving."""
+        if not self.ready:
+            return f"not ready: {self.startup_error}" if self.startup_error else "not ready: loading"
+        not_serving = getattr(getattr(self.stages, "encoder", None), "not_serving", None)
+        return not_serving() if not_serving is not None else None
+
     async def start(self) -> None:
         try:
             builder = await asyncio.to_thread(PromptBuilder.from_pretrained, self.model_path)
@@ -317,11 +327,14 @@ def create_front_app(front: Front) -> FastAPI:
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         return await _api_error(request, APIError(400, str(e.errors())))
 
+    @app.get("/health/live")
+    async def live() -> Response:
+        return Response(status_code=200)
+
     @app.get("/health")
     async def health() -> Response:
-        if front.ready:
+        if (why := front.not_ready()) is None:
             return Response(status_code=200)
-        why = f"not ready: {front.startup_error}" if front.startup_error else "not ready: loading"
         return JSONResponse(APIError(503, why).body().model_dump(), status_code=503)
 
     @app.get("/v1/models")

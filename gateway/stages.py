@@ -234,12 +234,22 @@ class StageClient:
                 return f"the {role} server is unavailable ({lv.reason}); retry later"
         return None
 
+    def not_ready(self) -> str | None:
+        """Why this gateway cannot serve every kind of request it accepts now (``GET /health`` answers 503 with
+        it), or None: a reason of :meth:`unavailable`, or no encoder serving. Text requests are still served
+        while only the encoders are missing."""
+        why = self.unavailable()
+        if why is None and (not_serving := getattr(self.encoder, "not_serving", None)) is not None:
+            why = not_serving()
+        return why
+
     async def start(self, timeout_s: float = 300.0) -> None:
         """Connect and handshake with prefill and decode (and the encoder), retrying until ``timeout_s``; then
         start the liveness checks.
 
         Raises:
-            TimeoutError: a server (or every encoder) did not answer in time.
+            TimeoutError: prefill or decode did not answer in time (the encoders are waited for in the
+                background: see ``not_ready``).
             StageError: a server answered with the wrong role.
             ValueError: no address in ``config.encoder_addr``.
         """
@@ -279,7 +289,7 @@ class StageClient:
             pool = EncoderPool([GrpcEncoderClient(a) for a in parse_encoder_addrs(cfg.encoder_addr)],
                                heartbeat_interval_s=cfg.heartbeat_interval_s, stage_timeout_s=cfg.stage_timeout_s)
             self.encoder = pool
-            await pool.wait_ready(max(deadline - time.monotonic(), 1.0))
+            pool.start(max(deadline - time.monotonic(), 1.0))  # text requests need no encoder: serve them meanwhile
         # Set last: `ready` must not turn true before everything above is usable.
         self.prefill_info, self.decode_info = prefill_info, decode_info
 

@@ -5,8 +5,6 @@ reply (first token or error) ends the leg."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,8 +13,6 @@ from epdserve.gateway.pd_front import FrontStages, SchedulerClient
 from epdserve.gateway.prompt import EncodedImage, PromptBuilder
 from epdserve.gateway.stages import EncoderClient, StageError
 from epdserve.messages import DecodeRequest, PrefillRequest, ServerInfo, TokenOutput
-
-logger = logging.getLogger("epdserve.front")
 
 
 class PrefillFrontStages(FrontStages):
@@ -34,7 +30,6 @@ class PrefillFrontStages(FrontStages):
         self.config = config
         self.scheduler = scheduler
         self.encoder = encoder
-        self._connect: asyncio.Task | None = None
 
     @property
     def ready(self) -> bool:
@@ -62,14 +57,7 @@ class PrefillFrontStages(FrontStages):
 
             pool = EncoderPool([GrpcEncoderClient(a) for a in parse_encoder_addrs(self.config.encoder_urls)])
             self.encoder = pool
-            self._connect = asyncio.get_running_loop().create_task(self._wait_encoders(pool))
-
-    @staticmethod
-    async def _wait_encoders(pool) -> None:
-        try:
-            await pool.wait_ready(600.0)
-        except TimeoutError as e:
-            logger.warning("%s", e)  # the pool has marked them down and probes them
+            pool.start(600.0)
 
     async def encode(self, rid: str, images: list[bytes], deadline: float | None = None) -> list[EncodedImage]:
         """Encode ``images``; the embeddings go to every TP rank of this server.
@@ -90,9 +78,6 @@ class PrefillFrontStages(FrontStages):
         self.scheduler.abort(rid)
 
     async def close(self) -> None:
-        if self._connect is not None:
-            self._connect.cancel()
-            await asyncio.gather(self._connect, return_exceptions=True)
         if self.encoder is not None:
             await self.encoder.close()
         await self.scheduler.close()

@@ -126,8 +126,9 @@ class StageProcs:
 
 
 @contextmanager
-def serve_gateway(config: GatewayConfig, timeout_s: float = 60.0):
-    """Serve a gateway for ``config`` with uvicorn on a free port in a thread; yield ``(base_url, app)``."""
+def serve_gateway(config: GatewayConfig, timeout_s: float = 60.0, *, wait_healthy: bool = True):
+    """Serve a gateway for ``config`` with uvicorn on a free port in a thread; yield ``(base_url, app)`` once its
+    ``/health`` answers 200 (``wait_healthy``), else as soon as it answers ``/health/live``."""
     import uvicorn
 
     from epdserve.gateway.app import create_app, server_config
@@ -138,7 +139,7 @@ def serve_gateway(config: GatewayConfig, timeout_s: float = 60.0):
     thread.start()
     base = f"http://127.0.0.1:{server.config.port}"
     try:
-        if not wait_for(lambda: health(base) == 200, timeout_s):
+        if not wait_for(lambda: health(base, "/health" if wait_healthy else "/health/live") == 200, timeout_s):
             raise RuntimeError(f"gateway at {base} did not become healthy")
         yield base, app
     finally:
@@ -155,9 +156,9 @@ def wait_for(pred, timeout_s: float, every_s: float = 0.05) -> bool:
     return False
 
 
-def health(base: str) -> int | None:
+def health(base: str, route: str = "/health") -> int | None:
     try:
-        return httpx.get(f"{base}/health", timeout=2).status_code
+        return httpx.get(f"{base}{route}", timeout=2).status_code
     except httpx.HTTPError:
         return None
 

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import io
 import threading
+import time
 
 import pytest
 import zmq
@@ -208,6 +209,37 @@ def test_wait_ready_needs_one_encoder():
         await pool.close()
 
     asyncio.run(run())
+
+
+def test_encoder_still_loading_is_not_up_until_it_serves():
+    """Connected is not serving: an encoder whose health check does not say SERVING yet (its model loads) is down,
+    ``not_serving`` says why while none serves, and the encoder joins within moments of serving."""
+    async def run():
+        a, b = FakeEncoder("a:1"), FakeEncoder("b:2")
+        a.down = b.down = True  # reachable, health NOT_SERVING
+        pool = EncoderPool([a, b], probe_interval_s=60)  # the default: a never-served encoder is probed often
+        assert pool.not_serving() == "waiting for the encoders to answer"
+        await pool.wait_ready(5)
+        assert pool.up == [] and "SERVING" in pool.not_serving() and "a:1" in pool.not_serving()
+        with pytest.raises(StageError) as e:
+            await pool.encode("r1", [b"x"], TARGETS)
+        assert e.value.status == 503 and a.calls == b.calls == []
+        b.down = False
+        assert await _eventually(lambda: pool.up == ["b:2"], 2.0)
+        assert pool.not_serving() is None
+        assert (await pool.encode("r2", [b"x"], TARGETS))[0].image_hash == _sha(b"x")
+        await pool.close()
+
+    asyncio.run(run())
+
+
+async def _eventually(pred, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        await asyncio.sleep(0.02)
+    return pred()
 
 
 # ---------------------------------------------------------------------------------------------------- off the loop
