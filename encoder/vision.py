@@ -235,17 +235,7 @@ class VisionEncoder:
             model = vision_cls._from_config(config.vision_config, dtype=self.dtype)
         fast_path = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
         if fast_path:
-            from epdserve.encoder.varlen_attention import register
-
-            # One packed kernel per layer, not one per window. Set after construction: at construction
-            # transformers would look for a "flash" implementation on its kernel hub.
-            model.config._attn_implementation = register()
-            if cuda_graphs > 0 and self.model_type == "qwen3_vl":
-                log.info("vision-tower CUDA graphs do not cover Qwen3-VL yet: its tower runs without them")
-            elif cuda_graphs > 0:
-                from epdserve.encoder.vision_graph import TowerGraphs
-
-                self.tower = TowerGraphs(model, self.device, cuda_graphs)
+            self._use_packed_attention(model, cuda_graphs)
         missing, unexpected = model.load_state_dict(load_vision_state_dict(self.model_path), strict=False)
         if missing or unexpected:
             raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "
@@ -263,6 +253,21 @@ class VisionEncoder:
                 self.compiled = True
             else:  # Inductor's GPU kernels are Triton: without it the first call would fail
                 log.warning("triton is not installed: the vision tower runs without torch.compile")
+
+    def _use_packed_attention(self, model: torch.nn.Module, cuda_graphs: int) -> None:
+        """CUDA fp16/bf16: packed varlen attention in ``model``'s layers and, with ``cuda_graphs > 0`` (not for
+        Qwen3-VL yet), the tower CUDA graphs (:attr:`tower`)."""
+        from epdserve.encoder.varlen_attention import register
+
+        # One packed kernel per layer, not one per window. Set after construction: at construction
+        # transformers would look for a "flash" implementation on its kernel hub.
+        model.config._attn_implementation = register()
+        if cuda_graphs > 0 and self.model_type == "qwen3_vl":
+            log.info("vision-tower CUDA graphs do not cover Qwen3-VL yet: its tower runs without them")
+        elif cuda_graphs > 0:
+            from epdserve.encoder.vision_graph import TowerGraphs
+
+            self.tower = TowerGraphs(model, self.device, cuda_graphs)
 
     def warm_up(self) -> None:
         """Run the tower on a few synthetic images of two sizes and batch sizes, so that ``torch.compile``'s

@@ -186,6 +186,28 @@ def _write_shards(out: Path, plan: list, *, seed: int, device, std: float, head:
     return total_bytes // 2
 
 
+def _zero_rows(tokenizer, vocab: int, tied: bool):
+    """int64 ids of the LM-head rows :func:`make_preset_model` zeroes.
+
+    Readable output: random weights would make greedy decoding emit special tokens, ids past the tokenizer
+    and lone UTF-8 bytes. So the LM-head row of every id whose ``tokenizer.decode([id],
+    skip_special_tokens=True)`` is not visible text (empty, as for special tokens; all whitespace; containing
+    U+FFFD or a non-printable character), and of every id >= ``len(tokenizer)``, is set to 0: its logit is
+    exactly 0 while visible ids' logits are random with std ~0.9 (sqrt(hidden) * 0.02), so greedy decoding
+    streams visible text (and never EOS: run with a length limit). Untied models zero rows of ``lm_head.weight``.
+    In a tied model (``qwen2-vl-2b``, ``qwen3-vl-2b``, ``qwen3-vl-4b``) the head IS the input embedding, so the
+    zeroed rows also zero those ids' input embeddings, which is harmless for ids that never appear in prompts; the
+    special tokens prompts use (``<|im_start|>``, ``<|image_pad|>``, ... all of ``SPECIAL_TOKENS``) keep their
+    embedding rows there.
+    """
+    import torch
+
+    from epdserve.models.tiny import SPECIAL_TOKENS, _invisible_ids
+
+    keep = {tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS} if tied else set()
+    return torch.tensor(_invisible_ids(tokenizer, vocab, keep), dtype=torch.long)
+
+
 def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device: str = "cpu",
                       overrides: dict | None = None) -> Path:
     """Write a random-weight checkpoint with the shapes of a released Qwen-VL model and return its path.
@@ -204,17 +226,9 @@ def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device
     of at most 2 GB with ``model.safetensors.index.json``. The same ``seed``, ``device`` and ``overrides`` give
     byte-identical files; the CPU and CUDA generators differ, so cpu and cuda give different weights.
 
-    Readable output: random weights would make greedy decoding emit special tokens, ids past the tokenizer
-    and lone UTF-8 bytes. So the LM-head row of every id whose ``tokenizer.decode([id],
-    skip_special_tokens=True)`` is not visible text (empty, as for special tokens; all whitespace; containing
-    U+FFFD or a non-printable character), and of every id >= ``len(tokenizer)``, is set to 0: its logit is
-    exactly 0 while visible ids' logits are random with std ~0.9 (sqrt(hidden) * 0.02), so greedy decoding
-    streams visible text (and never EOS: run with a length limit). Untied models zero rows of ``lm_head.weight``.
-    In a tied model (``qwen2-vl-2b``, ``qwen3-vl-2b``, ``qwen3-vl-4b``) the head IS the input embedding, so the
-    zeroed rows also zero those ids' input embeddings, which is harmless for ids that never appear in prompts; the
-    special tokens prompts use (``<|im_start|>``, ``<|image_pad|>``, ... all of ``SPECIAL_TOKENS``) keep their
-    embedding rows there. The count of zeroed rows is written to ``epdserve_preset.json`` (preset, seed, device,
-    overrides, parameters).
+    Readable output: the LM-head rows of ids that do not decode to visible text are 0 (see :func:`_zero_rows`),
+    so greedy decoding streams visible text (and never EOS: run with a length limit); the count of zeroed rows
+    is written to ``epdserve_preset.json`` (preset, seed, device, overrides, parameters).
 
     Args:
         out_dir: target directory (created; existing files are overwritten).
@@ -231,7 +245,7 @@ def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device
     """
     import torch
 
-    from epdserve.models.tiny import SPECIAL_TOKENS, _invisible_ids, build_tokenizer
+    from epdserve.models.tiny import build_tokenizer
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
@@ -251,10 +265,7 @@ def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device
         raise ValueError(f"no LM head tensor {head!r} in {model_cls.__name__}")
     del meta_model
 
-    vocab = config.text_config.vocab_size
-    # In a tied model the head is the input embedding: prompts' special tokens must keep their rows.
-    keep = {tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS} if spec["tie_word_embeddings"] else set()
-    zero_rows = torch.tensor(_invisible_ids(tokenizer, vocab, keep), dtype=torch.long)
+    zero_rows = _zero_rows(tokenizer, config.text_config.vocab_size, spec["tie_word_embeddings"])
     dev = torch.device(device)
     # Older transformers 5 releases keep initializer_range only in the sub-configs.
     std = getattr(config, "initializer_range", None) or config.text_config.initializer_range
