@@ -10,7 +10,8 @@ import sys
 from epdserve.config import (DecodeConfig, EncoderConfig, GatewayConfig, LaunchConfig, PrefillConfig,
                              add_config_args, config_from_args)
 from epdserve.logging_setup import FORMATS, configure_logging
-from epdserve.models.tiny import PRESETS, SIZES
+from epdserve.models.presets import PRESETS
+from epdserve.models.tiny import ARCH_ALIASES, ARCHS, SIZES
 
 _SERVERS = {
     "encoder": (EncoderConfig, "the encoder (gRPC): images -> embeddings, pushed to prefill TP ranks"),
@@ -63,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint to DIR (a test model, or a "
                                                   "released model's shapes with --preset)")
     tiny.add_argument("dir")
-    tiny.add_argument("--arch", choices=["qwen2_5_vl", "qwen2_vl"], help="for --size (default qwen2_5_vl)")
+    tiny.add_argument("--arch", choices=[*ARCH_ALIASES, *ARCHS],
+                      help="for --size: qwen2.5-vl (default), qwen2-vl or qwen3-vl (or the model types qwen2_5_vl, "
+                           "qwen2_vl, qwen3_vl)")
     tiny.add_argument("--seed", type=int, default=0)
     shape = tiny.add_mutually_exclusive_group()
     shape.add_argument("--size", choices=sorted(SIZES), help="tiny for CPU tests, small for GPUs (default tiny)")
@@ -74,12 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     if args.command == "make-tiny-model":
+        from epdserve.models import presets
         from epdserve.models import tiny as tiny_models
 
         if args.preset:
             if args.arch:
                 tiny.error("--arch applies to --size only (a preset fixes the architecture)")
-            print(tiny_models.make_preset_model(args.dir, args.preset, seed=args.seed, device=args.device or "cpu"))
+            print(presets.make_preset_model(args.dir, args.preset, seed=args.seed, device=args.device or "cpu"))
             return 0
         if args.device:
             tiny.error("--device applies to --preset only")

@@ -28,6 +28,11 @@ class ForwardBatch:
             copy); None when not known.
         last_rows: ``[B]`` int64 row of each request's last new token, on the model's device; None: from
             ``q_lens``. A prefill CUDA graph passes its own buffer, since ``q_lens`` would be frozen into the graph.
+        deepstack_embeds: Qwen3-VL's DeepStack features of the same image rows (any float dtype): ``[L, N,
+            hidden]`` packed like ``mm_embeds`` (``N == mm_mask.sum()``) or ``[L, T, hidden]`` aligned with the
+            tokens, ``L`` = the vision tower's ``deepstack_visual_indexes`` count; level ``i`` is added to the image
+            rows' hidden states after decoder layer ``i``. Required with ``mm_embeds`` by a Qwen3-VL model, ignored
+            (and None) for Qwen2-VL / Qwen2.5-VL.
     """
 
     is_decode: bool
@@ -41,6 +46,7 @@ class ForwardBatch:
     mm_mask: torch.Tensor | None = None
     mm_sources: list[tuple[str, str, int, int]] | None = None
     last_rows: torch.Tensor | None = None
+    deepstack_embeds: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

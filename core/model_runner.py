@@ -12,19 +12,22 @@ from epdserve.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
 from epdserve.kvcache.kv_share import export_pool, new_shm_path
 from epdserve.messages import KVPoolHandle
+from epdserve.models import language_model_class
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import head_shard
-from epdserve.models.qwen2_vl_lm import Qwen2VLLanguageModel
 from epdserve.models.weights import iter_lm_weights
 
 _CPU_DEFAULT_PAGES = 4096
 
 
 class ModelRunner:
-    """Loads a Qwen2-VL / Qwen2.5-VL language model and runs :class:`ForwardBatch` es over its paged KV cache.
+    """Loads a Qwen2-VL / Qwen2.5-VL / Qwen3-VL language model and runs :class:`ForwardBatch` es over its paged KV
+    cache.
 
     Attributes: ``config`` (:class:`ModelConfig`), ``num_pages``, ``page_size``, ``device``, ``dtype``,
-    ``kv_pool`` (:class:`KVPool`), ``model`` (:class:`Qwen2VLLanguageModel`), ``backend``, ``tp``
+    ``kv_pool`` (:class:`KVPool`), ``model`` (the LM of :func:`~epdserve.models.language_model_class`:
+    :class:`~epdserve.models.qwen2_vl_lm.Qwen2VLLanguageModel` or
+    :class:`~epdserve.models.qwen3_vl_lm.Qwen3VLLanguageModel`), ``backend``, ``tp``
     (:class:`TPGroup`), ``heads`` (this rank's :class:`~epdserve.models.parallel.HeadShard`), ``failed`` (always
     None here; a TP server's rank-0 runner sets it when a rank is lost).
 
@@ -66,7 +69,7 @@ class ModelRunner:
         self.heads = head_shard(cfg.num_heads, cfg.num_kv_heads, self.tp)
         # Built on the meta device so no memory is spent on random init; the weights fill it in place.
         with torch.device("meta"):
-            model = Qwen2VLLanguageModel(cfg, tp=self.tp)
+            model = language_model_class(cfg)(cfg, tp=self.tp)
         model.materialize(self.device, dtype)
         weights = iter_lm_weights(model_path, tie_word_embeddings=cfg.tie_word_embeddings, device=self.device)
         model.load_weights((name, t.to(dtype)) for name, t in weights)
@@ -89,7 +92,8 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self.model, self.backend, vocab_size=cfg.vocab_size,
                                           max_bs=cuda_graph_max_bs, scratch_page=num_pages, page_size=page_size)
         self.prefill_graphs = None
-        if prefill_graph_max_tokens > 0 and self.backend.uses_flashinfer:
+        # Qwen3-VL: the graphs' static buffers have no DeepStack rows yet, so its prefills run eagerly.
+        if prefill_graph_max_tokens > 0 and self.backend.uses_flashinfer and self.model.supports_prefill_graphs:
             from epdserve.prefill_graph import PrefillGraphRunner
 
             self.prefill_graphs = PrefillGraphRunner(

@@ -1,9 +1,16 @@
-"""The vision half of a Qwen2-VL / Qwen2.5-VL checkpoint: image decoding, the image processor, the vision tower.
+"""The vision half of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint: image decoding, the image processor, the
+vision tower.
 
 Only the vision tower is built and only its tensors are read from the safetensors files, so the encoder never
 holds the language model. The tower is transformers' own class, and it is fed the image processor's own
 ``pixel_values`` / ``image_grid_thw``: its output is the same as the full model's ``get_image_features`` (pixel
 preprocessing differences move logits far more than kernel noise does; see ../shared/notes/qwen-vl-facts.md).
+
+Qwen3-VL's tower (``Qwen3VLVisionModel``) also returns DeepStack features: the outputs of the blocks listed in
+``deepstack_visual_indexes``, each through its own patch merger, one ``[num_tokens, hidden]`` level per entry
+(transformers' ``Qwen3VLModel.get_image_features``). For it :meth:`VisionEncoder.encode` yields
+:class:`Qwen3ImageFeatures` (embedding, grid, and the levels stacked); Qwen2-VL / Qwen2.5-VL keep their
+``(embedding, grid)`` pairs.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from PIL import Image
@@ -40,6 +48,23 @@ class PreparedImages:
     pixels: torch.Tensor
     rows: list[list[int]]
     ready: torch.cuda.Event | None
+
+
+class Qwen3ImageFeatures(NamedTuple):
+    """One Qwen3-VL image's tower outputs, as :meth:`VisionEncoder.encode` returns them (a 3-tuple, so code that
+    unpacks Qwen2's ``(embedding, grid_thw)`` pairs fails loudly instead of dropping the DeepStack levels).
+
+    Attributes:
+        embedding: ``[num_tokens, hidden]``: the merger's output, transformers' ``pooler_output`` of this image.
+        grid_thw: the processor's ``[t, h, w]`` patch grid.
+        deepstack: ``[num_levels, num_tokens, hidden]``: level ``i`` is transformers' ``deepstack_features[i]`` of
+            this image (vision block ``deepstack_visual_indexes[i]`` through ``deepstack_merger_list[i]``), added to
+            the LM's image rows after decoder layer ``i``. Same dtype and device as ``embedding``.
+    """
+
+    embedding: torch.Tensor
+    grid_thw: list[int]
+    deepstack: torch.Tensor
 
 
 class ImageDecodeError(ValueError):
@@ -82,7 +107,11 @@ def _vision_class(model_type: str) -> type:
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
         return Qwen2VisionTransformerPretrainedModel
-    raise ValueError(f"unsupported model_type {model_type!r}; expected 'qwen2_5_vl' or 'qwen2_vl'")
+    if model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        return Qwen3VLVisionModel
+    raise ValueError(f"unsupported model_type {model_type!r}; expected 'qwen2_5_vl', 'qwen2_vl' or 'qwen3_vl'")
 
 
 def _safetensors_files(model_path: Path) -> list[Path]:
@@ -128,11 +157,12 @@ def load_vision_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
 
 
 class VisionEncoder:
-    """Image processor + vision tower of one local Qwen2-VL / Qwen2.5-VL checkpoint.
+    """Image processor + vision tower of one local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint.
 
     Attributes:
         model_path: the checkpoint directory.
-        model_type: ``"qwen2_5_vl"`` or ``"qwen2_vl"``.
+        model_type: ``"qwen2_5_vl"``, ``"qwen2_vl"`` or ``"qwen3_vl"``.
+        num_deepstack: DeepStack levels per image (Qwen3-VL: ``len(deepstack_visual_indexes)``; otherwise 0).
         device, dtype: where the tower runs and its parameter dtype.
         merge_size: spatial merge size; an image of grid ``(t, h, w)`` gives ``t*h*w // merge_size**2`` tokens.
         hidden_size: width of the embeddings (the language model's hidden size).
@@ -141,7 +171,8 @@ class VisionEncoder:
         compiled: whether the tower's blocks and merger run through ``torch.compile`` (see ``compile``).
         tower: on CUDA with packed attention and ``cuda_graphs > 0``, the
             :class:`~epdserve.encoder.vision_graph.TowerGraphs` that runs :attr:`model` from CUDA graphs; otherwise
-            None (transformers' plain call).
+            None (transformers' plain call). Qwen3-VL's tower runs without them (eager, or compiled): the graphs
+            replay Qwen2/2.5-VL towers and return no DeepStack levels.
 
     Not thread-safe as a whole: :meth:`preprocess` and :meth:`run_tower` may run at the same time on two
     threads, but each one call at a time (and :meth:`encode`, which is both, excludes both).
@@ -158,6 +189,7 @@ class VisionEncoder:
             dtype: a ``torch.dtype`` or a name understood by :func:`epdserve.device.resolve_dtype`.
             cuda_graphs: on CUDA in fp16/bf16, how many vision-tower CUDA graphs (one per image grid, for tower
                 calls of one image) to keep, see :mod:`epdserve.encoder.vision_graph`; 0 runs the tower eagerly.
+                Ignored for Qwen3-VL (see :attr:`tower`).
             compile: on CUDA in fp16/bf16, run each vision block and the merger through ``torch.compile``
                 (``dynamic=True``: one compiled block serves every block and every patch count). Inductor fuses
                 the tower's float32 RMSNorm and rotary arithmetic and pads the MLP's GEMMs (Qwen2.5-VL's
@@ -195,6 +227,7 @@ class VisionEncoder:
             raise ValueError(f"image processor merge_size {self.image_processor.merge_size} != vision tower "
                              f"spatial_merge_size {self.merge_size}")
         self.hidden_size: int = config.text_config.hidden_size
+        self.num_deepstack: int = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
 
         # Every weight is overwritten from the checkpoint, so random initialization would be wasted time
         # (seconds for a real tower); the device context builds the tower in place, without a host copy.
@@ -202,15 +235,7 @@ class VisionEncoder:
             model = vision_cls._from_config(config.vision_config, dtype=self.dtype)
         fast_path = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
         if fast_path:
-            from epdserve.encoder.varlen_attention import register
-
-            # One packed kernel per layer, not one per window. Set after construction: at construction
-            # transformers would look for a "flash" implementation on its kernel hub.
-            model.config._attn_implementation = register()
-            if cuda_graphs > 0:
-                from epdserve.encoder.vision_graph import TowerGraphs
-
-                self.tower = TowerGraphs(model, self.device, cuda_graphs)
+            self._use_packed_attention(model, cuda_graphs)
         missing, unexpected = model.load_state_dict(load_vision_state_dict(self.model_path), strict=False)
         if missing or unexpected:
             raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "
@@ -223,11 +248,26 @@ class VisionEncoder:
             if has_triton():
                 # Per module, not the whole forward: transformers' forward also does host-side grid arithmetic
                 # that would only break the graph; every block shares one code object, so one compile serves all.
-                for module in (*model.blocks, model.merger):
+                for module in (*model.blocks, model.merger, *getattr(model, "deepstack_merger_list", ())):
                     module.compile(dynamic=True)
                 self.compiled = True
             else:  # Inductor's GPU kernels are Triton: without it the first call would fail
                 log.warning("triton is not installed: the vision tower runs without torch.compile")
+
+    def _use_packed_attention(self, model: torch.nn.Module, cuda_graphs: int) -> None:
+        """CUDA fp16/bf16: packed varlen attention in ``model``'s layers and, with ``cuda_graphs > 0`` (not for
+        Qwen3-VL yet), the tower CUDA graphs (:attr:`tower`)."""
+        from epdserve.encoder.varlen_attention import register
+
+        # One packed kernel per layer, not one per window. Set after construction: at construction
+        # transformers would look for a "flash" implementation on its kernel hub.
+        model.config._attn_implementation = register()
+        if cuda_graphs > 0 and self.model_type == "qwen3_vl":
+            log.info("vision-tower CUDA graphs do not cover Qwen3-VL yet: its tower runs without them")
+        elif cuda_graphs > 0:
+            from epdserve.encoder.vision_graph import TowerGraphs
+
+            self.tower = TowerGraphs(model, self.device, cuda_graphs)
 
     def warm_up(self) -> None:
         """Run the tower on a few synthetic images of two sizes and batch sizes, so that ``torch.compile``'s
@@ -342,7 +382,7 @@ class VisionEncoder:
         return PreparedImages(pixels, rows, ready)
 
     @torch.inference_mode()
-    def run_tower(self, prepared: PreparedImages) -> list[tuple[torch.Tensor, list[int]]]:
+    def run_tower(self, prepared: PreparedImages) -> list[tuple[torch.Tensor, list[int]]] | list[Qwen3ImageFeatures]:
         """Run the vision tower on a :meth:`preprocess` output: the second half of :meth:`encode`. Waits for the
         preprocessing on the device (not on the host), then for its own result only. One call at a time.
 
@@ -357,7 +397,10 @@ class VisionEncoder:
         if self.tower is not None:
             out = self.tower.run(pixels, [tuple(r) for r in rows])
         else:
-            out = self.model(pixels, grid_thw=torch.tensor(rows, dtype=torch.int64, device=self.device)).pooler_output
+            result = self.model(pixels, grid_thw=torch.tensor(rows, dtype=torch.int64, device=self.device))
+            out = result.pooler_output
+            if self.num_deepstack:  # [1 + levels, patches / merge**2, hidden]: one copy to the host below
+                out = torch.stack([out, *result.deepstack_features])
         sizes = [self.num_tokens(row) for row in rows]
         # One device-to-host copy for the batch (the cache and the wire need host memory). On CUDA it goes to
         # pinned memory and waits on an event: a plain .to("cpu") would also wait for whatever the
@@ -370,9 +413,12 @@ class VisionEncoder:
             done.synchronize()
             out = host
         # clone: each cached embedding owns its memory instead of pinning the whole batch.
+        if self.num_deepstack:
+            per_image = (part.clone() for part in torch.split(out, sizes, dim=1))
+            return [Qwen3ImageFeatures(part[0], row, part[1:]) for part, row in zip(per_image, rows)]
         return [(emb.clone(), row) for emb, row in zip(torch.split(out, sizes), rows)]
 
-    def encode(self, images: list[Image.Image]) -> list[tuple[torch.Tensor, list[int]]]:
+    def encode(self, images: list[Image.Image]) -> list[tuple[torch.Tensor, list[int]]] | list[Qwen3ImageFeatures]:
         """Run the image processor and the vision tower on ``images`` in one batch.
 
         The tower takes the concatenated ``pixel_values`` with one ``image_grid_thw`` row per image and attends
@@ -384,7 +430,9 @@ class VisionEncoder:
         Returns:
             One ``(embedding, grid_thw)`` per image, in order: ``embedding`` is a contiguous CPU tensor
             ``[num_tokens_i, hidden_size]`` in the tower's dtype, ``grid_thw`` the processor's ``[t, h, w]`` row.
-            An empty list gives an empty list.
+            Qwen3-VL: one :class:`Qwen3ImageFeatures` ``(embedding, grid_thw, deepstack)`` per image instead,
+            ``deepstack`` ``[num_deepstack, num_tokens_i, hidden_size]`` (CPU, tower dtype). An empty list gives an
+            empty list.
         """
         if not images:
             return []

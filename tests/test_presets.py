@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from epdserve.models.tiny import PRESETS, SPECIAL_TOKENS, make_preset_model
+from epdserve.models.presets import PRESETS, make_preset_model
+from epdserve.models.tiny import SPECIAL_TOKENS
 
 SHRINK = {"text": {"num_hidden_layers": 1}, "vision": {"depth": 1}}
 
@@ -178,11 +179,11 @@ def test_preset_deterministic(tmp_path):
 
 
 def test_cli_preset(tmp_path, monkeypatch, capsys):
-    import epdserve.models.tiny as tiny
+    import epdserve.models.presets as presets
     from epdserve.cli import main
 
     calls = []
-    monkeypatch.setattr(tiny, "make_preset_model", lambda d, p, **kw: calls.append((d, p, kw)) or Path(d))
+    monkeypatch.setattr(presets, "make_preset_model", lambda d, p, **kw: calls.append((d, p, kw)) or Path(d))
     assert main(["make-tiny-model", str(tmp_path), "--preset", "qwen2.5-vl-3b", "--device", "cuda",
                  "--seed", "7"]) == 0
     assert calls == [(str(tmp_path), "qwen2.5-vl-3b", {"seed": 7, "device": "cuda"})]

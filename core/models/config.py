@@ -1,4 +1,4 @@
-"""The language-model facts epdserve needs from a Qwen2-VL / Qwen2.5-VL checkpoint's ``config.json``."""
+"""The language-model facts epdserve needs from a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint's ``config.json``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+
+# What transformers' config classes assume when a key is absent. Qwen3-VL (``Qwen3VLTextConfig``) has an explicit
+# ``head_dim`` defaulting to 128 and ``mrope_section`` [24, 20, 20] (``Qwen3VLTextRotaryEmbedding``); Qwen2-VL and
+# Qwen2.5-VL derive head_dim from hidden / heads and default to [16, 24, 24].
+_DEFAULT_MROPE_SECTION = {"qwen3_vl": (24, 20, 20)}
+_DEFAULT_HEAD_DIM = {"qwen3_vl": 128}
+_DEFAULT_ROPE_THETA = {"qwen3_vl": 500000.0}
+_DEFAULT_DEEPSTACK = {"qwen3_vl": (8, 16, 24)}  # Qwen3VLVisionConfig.deepstack_visual_indexes
+# transformers' Qwen3VLTextRotaryEmbedding always interleaves (the checkpoints' ``mrope_interleaved: true`` is
+# informative only); Qwen2/2.5-VL never do.
+_INTERLEAVED_MROPE = ("qwen3_vl",)
 
 # Defaults of the released checkpoints (and of transformers' config classes) for keys old configs may omit.
 _DEFAULT_TOKEN_IDS = {"image_token_id": 151655, "video_token_id": 151656,
@@ -22,11 +33,16 @@ def _ids(value: Any) -> list[int]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Text-decoder shape, M-RoPE and special tokens of a Qwen2-VL / Qwen2.5-VL checkpoint.
+    """Text-decoder shape, M-RoPE and special tokens of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint.
 
-    ``head_dim`` is ``hidden_size // num_heads``, as transformers' ``Qwen2_5_VLAttention`` computes it (it ignores
-    a ``head_dim`` key). ``mrope_section`` splits the ``head_dim / 2`` rotary frequencies over (t, h, w).
-    ``eos_token_ids`` is the sorted union of ``config.json`` and ``generation_config.json`` eos ids.
+    ``head_dim``: Qwen2-VL / Qwen2.5-VL: ``hidden_size // num_heads``, as transformers' ``Qwen2_5_VLAttention``
+    computes it (it ignores a ``head_dim`` key); Qwen3-VL: the config's ``head_dim`` (default 128), which may differ
+    from hidden / heads (Qwen3-VL-4B: 2560 / 32 heads, head_dim 128). ``mrope_section`` splits the ``head_dim / 2``
+    rotary frequencies over (t, h, w): in chunks (Qwen2/2.5-VL) or, with ``mrope_interleaved``, interleaved
+    t,h,w,t,h,w,... (Qwen3-VL, ``rope_scaling.mrope_interleaved``). ``deepstack_visual_indexes`` (Qwen3-VL,
+    ``vision_config``): the vision blocks whose features are added to the hidden states of the image tokens after
+    decoder layers ``0 .. len - 1`` (DeepStack); empty for Qwen2/2.5-VL. ``eos_token_ids`` is the sorted union of
+    ``config.json`` and ``generation_config.json`` eos ids.
     """
 
     model_path: str
@@ -49,15 +65,24 @@ class ModelConfig:
     vision_end_token_id: int
     spatial_merge_size: int
     eos_token_ids: tuple[int, ...]
+    mrope_interleaved: bool = False
+    deepstack_visual_indexes: tuple[int, ...] = ()
+
+    @property
+    def num_deepstack_layers(self) -> int:
+        """How many decoder layers (the first ones) take DeepStack features: 0 for Qwen2/2.5-VL."""
+        return len(self.deepstack_visual_indexes)
 
     @classmethod
     def load(cls, model_path: str | Path) -> ModelConfig:
         """Read ``config.json`` (and ``generation_config.json`` when present) of a local checkpoint.
 
         Reads both layouts: transformers 5 (text keys in ``text_config``, ``rope_theta``/``mrope_section`` in
-        ``text_config.rope_parameters``) and the hub layout of released checkpoints (text keys at top level,
-        ``rope_scaling = {"type": "mrope", "mrope_section": [...]}``, top-level ``rope_theta``). Text keys are
-        looked up in ``text_config`` first, then at top level.
+        ``text_config.rope_parameters``) and the hub layout of released checkpoints (Qwen2/2.5-VL: text keys at
+        top level, ``rope_scaling = {"type": "mrope", "mrope_section": [...]}``, top-level ``rope_theta``;
+        Qwen3-VL: text keys in ``text_config`` with ``rope_theta`` and ``rope_scaling = {"mrope_interleaved": true,
+        "mrope_section": [24, 20, 20], "rope_type": "default"}`` there). Text keys are looked up in
+        ``text_config`` first, then at top level.
 
         Raises:
             FileNotFoundError: no ``config.json`` in ``model_path``.
@@ -89,10 +114,13 @@ class ModelConfig:
 
         rope = dict(get("rope_scaling") or {})
         rope.update(get("rope_parameters") or {})
-        mrope_section = tuple(int(s) for s in rope.get("mrope_section", (16, 24, 24)))
-        rope_theta = float(rope.get("rope_theta", get("rope_theta", 1000000.0)))
+        mrope_section = tuple(int(s) for s in rope.get("mrope_section",
+                                                        _DEFAULT_MROPE_SECTION.get(model_type, (16, 24, 24))))
+        rope_theta = float(rope.get("rope_theta", get("rope_theta", _DEFAULT_ROPE_THETA.get(model_type, 1e6))))
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         head_dim = hidden // heads
+        if model_type in _DEFAULT_HEAD_DIM:
+            head_dim = int(get("head_dim") or _DEFAULT_HEAD_DIM[model_type])
         if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
             raise ValueError(f"mrope_section {list(mrope_section)} must have 3 parts summing to head_dim/2 = "
                              f"{head_dim // 2}")
@@ -120,4 +148,7 @@ class ModelConfig:
             **{k: int(cfg.get(k, text.get(k, d))) for k, d in _DEFAULT_TOKEN_IDS.items()},
             spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
             eos_token_ids=tuple(sorted(eos)),
+            mrope_interleaved=model_type in _INTERLEAVED_MROPE,
+            deepstack_visual_indexes=tuple(int(i) for i in vision.get(
+                "deepstack_visual_indexes", _DEFAULT_DEEPSTACK.get(model_type, ())) or ()),
         )

@@ -2,6 +2,19 @@
 
 Source: Qwen2-VL paper (arXiv:2409.12191, "Multimodal Rotary Position Embedding") and transformers 5
 ``Qwen2_5_VLModel.get_rope_index`` / ``get_vision_position_ids``, which this reproduces for images.
+
+Qwen3-VL (transformers' ``Qwen3VLModel.get_rope_index``) gives images the same positions: an image's cell
+``(t, h, w)`` is ``(s + t, s + h, s + w)`` and the running start advances by ``max(grid_h, grid_w) // m`` (images
+have ``grid_t == 1``). What changes in Qwen3-VL is how the positions are turned into rotary angles (interleaved,
+see :func:`epdserve.models.qwen2_vl_lm.mrope_cos_sin`), not the positions.
+
+Video differs (not handled here yet). Qwen2.5-VL: one block per video, temporal index ``t * second_per_grid_t *
+tokens_per_second``. Qwen3-VL: the processor writes each frame (``grid_t`` frames, each of temporal patch 2) as
+its own block ``<{time:.1f} seconds><|vision_start|><|video_pad|> * (h * w / m**2)<|vision_end|>``, and
+``get_rope_index`` splits ``video_grid_thw`` into ``grid_t`` grids ``[1, h, w]``: every frame is positioned like
+a one-frame image (temporal index 0 plus the running start) at its own offset, and the timestamp tokens between
+frames are ordinary text. So Qwen3-VL video positions are :func:`mrope_positions` with one ``(offset, [1, h,
+w])`` entry per frame.
 """
 
 from __future__ import annotations

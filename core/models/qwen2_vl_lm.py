@@ -73,25 +73,40 @@ class RMSNorm(nn.Module):
 
 
 def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, section: tuple[int, int, int],
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[T, 1, head_dim]`` for positions ``[3, T]``: frequency band ``i`` of the ``mrope_section`` split
-    takes its angle from axis ``i % 3`` (t, h, w), then the half is duplicated for rotate-half."""
-    freqs = _mrope_angles(positions, inv_freq, section)
+                  dtype: torch.dtype, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[T, 1, head_dim]`` (``dtype``) for int64 positions ``[3, T]`` and float32 ``inv_freq``
+    ``[head_dim / 2]``: each rotary frequency takes its angle from one axis (t, h, w) as :func:`_mrope_angles`
+    assigns it, then the half is duplicated for rotate-half."""
+    freqs = _mrope_angles(positions, inv_freq, section, interleaved)
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _mrope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, section: tuple[int, int, int]) -> torch.Tensor:
-    """float32 ``[T, head_dim / 2]`` rotary angles: frequency band ``i`` of ``section`` from axis ``i % 3``."""
+def _mrope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, section: tuple[int, int, int],
+                  interleaved: bool = False) -> torch.Tensor:
+    """float32 ``[T, head_dim / 2]`` rotary angles of positions ``[3, T]``.
+
+    Chunked (Qwen2-VL / Qwen2.5-VL, transformers' ``apply_multimodal_rotary_pos_emb``): frequency band ``i`` of the
+    ``section`` split takes axis ``i % 3``. Interleaved (Qwen3-VL, transformers'
+    ``Qwen3VLTextRotaryEmbedding.recomposition_frequencies``): frequency ``j`` takes h when ``j % 3 == 1`` and
+    ``j < 3 * section[1]``, w when ``j % 3 == 2`` and ``j < 3 * section[2]``, t otherwise, so every axis spans
+    the whole frequency range.
+    """
     freqs = positions[..., None].float() * inv_freq.float()  # [3, T, D/2]
+    if interleaved:
+        out = freqs[0].clone()
+        for axis in (1, 2):
+            band = slice(axis, 3 * section[axis], 3)
+            out[..., band] = freqs[axis, ..., band]
+        return out
     return torch.cat([chunk[i % 3] for i, chunk in enumerate(freqs.split(list(section), dim=-1))], dim=-1)
 
 
 def mrope_cos_sin_table(positions: torch.Tensor, inv_freq: torch.Tensor,
-                        section: tuple[int, int, int]) -> torch.Tensor:
+                        section: tuple[int, int, int], interleaved: bool = False) -> torch.Tensor:
     """The same angles as :func:`mrope_cos_sin` as one float32 ``[T, head_dim]`` table, ``cos`` of the
     ``head_dim / 2`` frequencies then their ``sin``: the ``cos_sin_cache`` layout of flashinfer's RoPE kernel."""
-    freqs = _mrope_angles(positions, inv_freq, section)
+    freqs = _mrope_angles(positions, inv_freq, section, interleaved)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
@@ -114,16 +129,17 @@ class _Rope:
 
 class Attention(nn.Module):
     """GQA self-attention over this TP rank's heads (``hq`` query, ``hkv`` KV heads; see
-    :func:`~epdserve.models.parallel.head_shard`); q/k/v are one fused projection (with bias), o_proj has none."""
+    :func:`~epdserve.models.parallel.head_shard`); q/k/v are one fused projection (with bias unless ``qkv_bias``
+    is False), o_proj has none."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, qkv_bias: bool = True):
         super().__init__()
         heads = head_shard(cfg.num_heads, cfg.num_kv_heads, tp)
         self.layer_id, self.hq, self.hkv, self.d = layer_id, heads.num_heads, heads.num_kv_heads, cfg.head_dim
         d = self.d
         kv_part = (cfg.num_kv_heads * d, heads.kv_start * d, self.hkv * d)
         self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size, [(cfg.num_heads * d, heads.q_start * d, self.hq * d), kv_part, kv_part], bias=True)
+            cfg.hidden_size, [(cfg.num_heads * d, heads.q_start * d, self.hq * d), kv_part, kv_part], bias=qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, rope: _Rope, attn: AttentionBackend) -> torch.Tensor:
@@ -161,12 +177,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``; ``attention_cls`` builds ``self_attn``
+    (:class:`Attention`, or a subclass such as Qwen3's with q/k norms)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, attention_cls: type[Attention] = Attention):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id, tp)
+        self.self_attn = attention_cls(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
@@ -201,6 +218,9 @@ class Qwen2VLLanguageModel(nn.Module):
         ValueError: heads, KV heads or the intermediate size cannot be split over ``tp.size`` ranks.
     """
 
+    _attention_cls: type[Attention] = Attention  # a subclass's decoder layers may use another attention
+    supports_prefill_graphs = True  # the prefill CUDA graphs (epdserve.prefill_graph) replay this forward
+
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend | None = None, tp: TPGroup | None = None):
         super().__init__()
         tp = tp or TPGroup.single()
@@ -208,7 +228,7 @@ class Qwen2VLLanguageModel(nn.Module):
         self.attn = attn
         self.fused_ops = False
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, self._attention_cls) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
@@ -297,27 +317,42 @@ class Qwen2VLLanguageModel(nn.Module):
             RuntimeError: no attention backend set, or ``mm_embeds`` row count != ``mm_mask.sum()``.
         """
         if self.attn is None:
-            raise RuntimeError("Qwen2VLLanguageModel.attn is not set")
+            raise RuntimeError(f"{type(self).__name__}.attn is not set")
+        x = self._embed(batch)
+        rope = self._rope(batch, x)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rope, self.attn)
+        return self._logits(batch, x, residual, out)
+
+    def _embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """``[T, hidden]`` token embeddings, ``batch.mm_embeds`` spliced in where ``batch.mm_mask`` is True."""
         x = self.embed_tokens(batch.input_ids)
         if batch.mm_mask is not None and batch.mm_embeds is not None:
             if batch.mm_embeds.shape[0] == x.shape[0]:  # aligned rows: no data-dependent shape, graph-safe
                 x = torch.where(batch.mm_mask[:, None], batch.mm_embeds.to(x.dtype), x)
             else:
                 x[batch.mm_mask] = batch.mm_embeds.to(x.dtype)
-        section = self.config.mrope_section
+        return x
+
+    def _rope(self, batch: ForwardBatch, x: torch.Tensor) -> _Rope:
+        """This forward's rotary angles for ``batch.positions``, in the form the attention implementation takes."""
+        section, interleaved = self.config.mrope_section, self.config.mrope_interleaved
         if self.fused_ops:
-            table = mrope_cos_sin_table(batch.positions, self.inv_freq, section)
-            rope = _Rope(table=table, pos_ids=torch.arange(table.shape[0], device=x.device))
-        else:
-            rope = _Rope(*mrope_cos_sin(batch.positions, self.inv_freq, section, x.dtype))
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, self.attn)
+            table = mrope_cos_sin_table(batch.positions, self.inv_freq, section, interleaved)
+            return _Rope(table=table, pos_ids=torch.arange(table.shape[0], device=x.device))
+        return _Rope(*mrope_cos_sin(batch.positions, self.inv_freq, section, x.dtype, interleaved))
+
+    def _logits(self, batch: ForwardBatch, x: torch.Tensor, residual: torch.Tensor | None,
+                out: torch.Tensor | None) -> torch.Tensor:
+        """Final norm and LM head on each request's last row of the last block's ``(x, residual)`` (``residual``
+        None: ``x`` is the whole hidden state); see :meth:`forward` for ``out``."""
         if not batch.is_decode:  # decode has one new token per request: every row is a last row
             last = batch.last_rows
             if last is None:
                 last = torch.tensor(batch.q_lens, device=x.device).cumsum(0) - 1
-            x, residual = x[last], residual[last]
-        x, _ = self.norm(x, residual)
+            x = x[last]
+            residual = None if residual is None else residual[last]
+        x = self.norm(x) if residual is None else self.norm(x, residual)[0]
         logits = self.lm_head(x)
         return logits.float() if out is None else out.copy_(logits)

@@ -1,4 +1,11 @@
-"""Read the language-model tensors of a Qwen2-VL / Qwen2.5-VL safetensors checkpoint under epdserve's names."""
+"""Read the language-model tensors of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL safetensors checkpoint under epdserve's
+names.
+
+Layouts: transformers 5 (and the released Qwen3-VL checkpoints) ``model.language_model.*``, ``model.visual.*``,
+``lm_head.weight``; the released Qwen2-VL / Qwen2.5-VL checkpoints (and transformers 5's saves of them)
+``model.*``, ``visual.*``, ``lm_head.weight``; older ``language_model.model.*``. Qwen3-VL's decoder adds
+``layers.N.self_attn.q_norm.weight`` / ``k_norm.weight`` and has no q/k/v biases; the names map the same way.
+"""
 
 from __future__ import annotations
 
@@ -33,8 +40,9 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
 
 
 def lm_name(key: str) -> str | None:
-    """Map a checkpoint key to the LM module name (``layers.0.self_attn.q_proj.weight``, ``embed_tokens.weight``,
-    ``norm.weight``, ``lm_head.weight``); None for vision and other non-LM tensors."""
+    """Map a checkpoint key to the LM module name (``layers.0.self_attn.q_proj.weight``, Qwen3's
+    ``layers.0.self_attn.q_norm.weight``, ``embed_tokens.weight``, ``norm.weight``, ``lm_head.weight``); None for
+    vision (including Qwen3-VL's ``model.visual.deepstack_merger_list.*``) and other non-LM tensors."""
     if key.startswith(_VISION_PREFIXES):
         return None
     if key in _LM_HEAD_KEYS:

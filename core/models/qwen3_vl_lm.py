@@ -1,0 +1,128 @@
+"""epdserve's own Qwen3 decoder LM with interleaved M-RoPE and DeepStack: the text half of Qwen3-VL (dense).
+
+Reference: transformers 5 ``models/qwen3_vl/modeling_qwen3_vl.py`` (``Qwen3VLTextModel``,
+``Qwen3VLTextAttention``, ``Qwen3VLTextRotaryEmbedding``); DeepStack from Meng et al., arXiv:2406.04334.
+
+What differs from the Qwen2 decoder of :mod:`epdserve.models.qwen2_vl_lm`, whose layers, norms, TP sharding,
+paged attention and fused-op switch this module reuses:
+
+- Attention: no q/k/v bias, and a per-head RMSNorm over ``head_dim`` on q and on k before RoPE
+  (``q_norm``/``k_norm``, one ``[head_dim]`` weight shared by all heads, so TP shards need no slicing of them).
+  ``head_dim`` is the config's, which may differ from hidden / heads (Qwen3-VL-4B: 2560 / 32 heads, 128).
+- M-RoPE is interleaved (t, h, w, t, h, w, ... over the frequencies; see
+  :func:`~epdserve.models.qwen2_vl_lm.mrope_cos_sin`), the ``mrope_interleaved`` of :class:`ModelConfig`.
+- DeepStack: after decoder layer ``i < L`` the i-th level of ``batch.deepstack_embeds`` (features of intermediate
+  vision blocks, one ``[N, hidden]`` per level) is added to the hidden states of the image-token rows, as
+  ``Qwen3VLTextModel._deepstack_process`` does.
+
+CUDA: the fused flashinfer ops apply as for Qwen2 (q/k norms run as flashinfer ``rmsnorm`` over ``[T * heads,
+head_dim]``). Decode batches carry no image rows, so decode CUDA graphs apply unchanged; the prefill CUDA graphs
+(:mod:`epdserve.prefill_graph`) do not carry DeepStack rows yet, so ``supports_prefill_graphs``
+is False and Qwen3-VL prefills run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epdserve.distributed import TPGroup
+from epdserve.forward_batch import ForwardBatch
+from epdserve.models.config import ModelConfig
+from epdserve.models.qwen2_vl_lm import Attention, Qwen2VLLanguageModel, RMSNorm, _flashinfer, _Rope, _rotate
+
+
+class Qwen3Attention(Attention):
+    """GQA self-attention of Qwen3: :class:`~epdserve.models.qwen2_vl_lm.Attention` without q/k/v bias, with
+    per-head RMSNorm of q and k (weights ``[head_dim]``) between the projection and RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
+        super().__init__(cfg, layer_id, tp, qkv_bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: _Rope, attn) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``."""
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        # One row per head: the norm is over head_dim (what flashinfer's 2-D rmsnorm takes, too).
+        q = self.q_norm(q.reshape(-1, self.d)).view(-1, self.hq * self.d)
+        k = self.k_norm(k.reshape(-1, self.d)).view(-1, self.hkv * self.d)
+        if rope.table is not None:  # q and k are fresh contiguous tensors here: rotate them in place
+            _flashinfer().rope.apply_rope_with_cos_sin_cache_inplace(rope.pos_ids, q, k, self.d, rope.table, True)
+            q, k = q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d)
+        else:
+            q = _rotate(q.view(-1, self.hq, self.d), rope.cos, rope.sin)
+            k = _rotate(k.view(-1, self.hkv, self.d), rope.cos, rope.sin)
+        out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d))
+        return self.o_proj(out.reshape(-1, self.hq * self.d))
+
+
+def add_deepstack(hidden: torch.Tensor, mask: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """``hidden`` ``[T, hidden]`` with ``features`` added to the rows where ``mask`` (``[T]`` bool) is True.
+
+    ``features`` is ``[N, hidden]`` with ``N == mask.sum()`` (packed, rows in order) or ``[T, hidden]`` (aligned;
+    rows outside the mask ignored, no data-dependent shape), any float dtype (cast to ``hidden``'s). The sum per
+    row is the one of transformers' ``Qwen3VLTextModel._deepstack_process`` (``hidden[mask] + features``), so the
+    result is bit-identical. Returns a new tensor for aligned features; packed ones are written into ``hidden``.
+    """
+    features = features.to(hidden.dtype)
+    if features.shape[0] == hidden.shape[0]:
+        return torch.where(mask[:, None], hidden + features, hidden)
+    hidden[mask] = hidden[mask] + features
+    return hidden
+
+
+class Qwen3VLLanguageModel(Qwen2VLLanguageModel):
+    """The Qwen3-VL (dense) text decoder over a paged KV cache: the interface of
+    :class:`~epdserve.models.qwen2_vl_lm.Qwen2VLLanguageModel` (constructor ``(cfg, attn=None, tp=None)``,
+    :meth:`materialize`, :meth:`use_fused_ops`, :meth:`load_weights`, :meth:`forward`) with Qwen3 attention,
+    interleaved M-RoPE and DeepStack (see the module docstring).
+
+    ``load_weights`` takes the names of :func:`epdserve.models.weights.iter_lm_weights` (``layers.N.self_attn.
+    q_norm.weight`` and ``k_norm.weight`` besides Qwen2's, no q/k/v biases).
+
+    Raises:
+        ValueError: heads, KV heads or the intermediate size cannot be split over ``tp.size`` ranks.
+    """
+
+    _attention_cls = Qwen3Attention
+    supports_prefill_graphs = False  # the prefill CUDA graphs do not carry deepstack_embeds yet
+
+    def forward(self, batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``batch`` and return float32 logits ``[B, vocab]`` at each request's last new token, as
+        :meth:`Qwen2VLLanguageModel.forward` does; after decoder layer ``i`` for ``i < L``, level ``i`` of
+        ``batch.deepstack_embeds`` (``[L, N or T, hidden]``, see :class:`ForwardBatch`) is added to the rows under
+        ``batch.mm_mask``. Levels past the model's layer count are ignored, as in transformers.
+
+        Raises:
+            RuntimeError: no attention backend set.
+            ValueError: ``mm_embeds`` rows given without ``deepstack_embeds`` (the model would silently differ
+                from Qwen3-VL), or ``deepstack_embeds`` rows not matching ``mm_embeds``'.
+        """
+        if self.attn is None:
+            raise RuntimeError(f"{type(self).__name__}.attn is not set")
+        deepstack = self._deepstack(batch)
+        x = self._embed(batch)
+        rope = self._rope(batch, x)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, rope, self.attn)
+            if i < len(deepstack):
+                # The layer's output is x + residual; fold it into one tensor so the features add to the sum,
+                # then let the next layer start as the first one does (residual None).
+                x, residual = add_deepstack(x + residual, batch.mm_mask, deepstack[i]), None
+        return self._logits(batch, x, residual, out)
+
+    @staticmethod
+    def _deepstack(batch: ForwardBatch) -> torch.Tensor | tuple[()]:
+        """The batch's DeepStack levels ``[L, rows, hidden]``, or ``()`` when it has no image rows."""
+        mm = batch.mm_embeds
+        if batch.mm_mask is None or mm is None or mm.shape[0] == 0:
+            return ()
+        ds = batch.deepstack_embeds
+        if ds is None:
+            raise ValueError("a Qwen3-VL batch with mm_embeds needs deepstack_embeds (the vision tower's DeepStack "
+                             "features of the same rows)")
+        if ds.dim() != 3 or ds.shape[1] != mm.shape[0]:
+            raise ValueError(f"deepstack_embeds {tuple(ds.shape)} must be [levels, {mm.shape[0]}, hidden] like "
+                             f"mm_embeds {tuple(mm.shape)}")
+        return ds
