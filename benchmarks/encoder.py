@@ -30,7 +30,7 @@ from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.cache import EmbeddingCache
 from epdserve.encoder.server import EmbeddingPusher, EncoderServicer
 from epdserve.encoder.vision import VisionEncoder
-from epdserve.models.tiny import resolve_model_path
+from epdserve.models.paths import resolve_model_path
 from epdserve.proto import encoder_pb2
 
 from .report import print_rows, text_table

@@ -29,11 +29,11 @@ import time
 import httpx
 import zmq
 
-from epdserve.messages import (
+from epdserve.wire.messages import (
     AbortRequest, DecodeRequest, Load, LoadRequest, ServerInfo, ServerInfoRequest, TokenOutput, TokenOutputBatch,
     decode, encode,
 )
-from epdserve.launch import free_port
+from epdserve.wire.transport import free_port
 
 from .report import print_rows, text_table
 
@@ -111,7 +111,7 @@ def _cpu_seconds(pid: int) -> float:
 def run(args: argparse.Namespace) -> list[dict]:
     """One row per ``--concurrency`` level (see the module docstring)."""
     from epdserve.bench.cli import main as bench_main
-    from epdserve.models.tiny import resolve_model_path
+    from epdserve.models.paths import resolve_model_path
 
     model = resolve_model_path(args.model_path)
     from transformers import AutoTokenizer
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     stages.start()
     ready.wait(60)
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "epdserve.cli", "--log-level", "WARNING", "gateway", "--model-path", model,
+        [sys.executable, "-m", "epdserve", "--log-level", "WARNING", "gateway", "--model-path", model,
          "--port", str(http_port), "--prefill-addr", f"tcp://127.0.0.1:{prefill_port}",
          "--decode-addr", f"tcp://127.0.0.1:{decode_port}", "--encoder-addr", f"127.0.0.1:{encoder_port}"])
     base = f"http://127.0.0.1:{http_port}"

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from epdserve.forward_batch import ForwardBatch
-from epdserve.model_runner import ModelRunner
+from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.mrope import decode_positions
 
 

@@ -14,7 +14,7 @@ from epdserve.gateway.image_slots import image_slots
 from epdserve.gateway.media import run_cpu_bound
 from epdserve.gateway.pd_front import FrontStages, SchedulerClient
 from epdserve.gateway.prompt import EncodedImage, PromptBuilder
-from epdserve.messages import DecodeRequest, PrefillRequest, ServerInfo, TokenOutput
+from epdserve.wire.messages import DecodeRequest, PrefillRequest, ServerInfo, TokenOutput
 
 # ChatService reads the bootstrap address from prefill_info; the router's fields replace it (pd_front.bind_room).
 _NO_PREFILL = ServerInfo(role="prefill", model_path="", context_length=0, page_size=0, num_pages=0)

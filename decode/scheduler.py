@@ -24,14 +24,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from epdserve.device import to_device
-from epdserve.forward_batch import ForwardBatch
+from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool, page_slots
 from epdserve.kvcache.kv_share import PeerPools, host_id
-from epdserve.messages import DecodeRequest, KVAck, KVRegister, KVTransfer, Load, TokenLogprob, TokenOutput
+from epdserve.wire.messages import DecodeRequest, KVAck, KVRegister, KVTransfer, Load, TokenLogprob, TokenOutput
 from epdserve.metrics import DecodeMetrics
-from epdserve.model_runner import ModelRunner
+from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.mrope import decode_positions
-from epdserve.sampling import (apply_logit_bias, apply_penalties, has_penalties, sample, sampled_logprobs,
+from epdserve.engine.sampling import (apply_logit_bias, apply_penalties, has_penalties, sample, sampled_logprobs,
                                token_logprobs)
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class _Seq:
 class _Step:
     """A launched decode step: its requests (row order) and sampled ids ``[B]`` int64 on the device, with their
     copy to pinned host memory already queued behind them; and, when a request asked, the rows' log-probabilities
-    (:func:`epdserve.sampling.sampled_logprobs`, on the device)."""
+    (:func:`epdserve.engine.sampling.sampled_logprobs`, on the device)."""
 
     def __init__(self, seqs: list[_Seq], tokens: torch.Tensor,
                  logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):

@@ -7,7 +7,7 @@ Sockets (bound on ``config.host``):
 - ``zmq_port`` (ROUTER): ``DecodeRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from gateways;
   token outputs go back to the same peer as ``TokenOutputBatch`` (one message per gateway per step).
 - ``kv_port`` (PULL): ``KVTransfer`` from prefill servers, all KV heads; with TP, rank 0 receives it and the
-  ranks each keep their heads (:meth:`epdserve.tp_runner.TPRunner.write_kv`), so any prefill TP size feeds any
+  ranks each keep their heads (:meth:`epdserve.engine.tp_runner.TPRunner.write_kv`), so any prefill TP size feeds any
   decode TP size.
 Out: one PUSH socket per prefill bootstrap address, carrying ``KVRegister`` and ``KVAck``.
 """
@@ -20,15 +20,15 @@ from collections import defaultdict
 
 import zmq
 
-from epdserve import transport
+from epdserve.wire import transport
 from epdserve.config import DecodeConfig
 from epdserve.decode.scheduler import DecodeScheduler
 from epdserve.gateway.front_process import spawn_front
 from epdserve.kvcache.kv_share import shares_kv
-from epdserve.messages import (AbortRequest, DecodeRequest, KVTransfer, LoadRequest, ServerInfo, ServerInfoRequest,
+from epdserve.wire.messages import (AbortRequest, DecodeRequest, KVTransfer, LoadRequest, ServerInfo, ServerInfoRequest,
                                TokenOutputBatch)
 from epdserve.metrics import DecodeMetrics, start_metrics_server
-from epdserve.model_runner import runner_from_config
+from epdserve.engine.model_runner import runner_from_config
 
 log = logging.getLogger("epdserve.decode")
 

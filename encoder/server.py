@@ -35,9 +35,9 @@ from epdserve.encoder.cache import EmbeddingCache
 from epdserve.encoder.info import model_info, server_info
 from epdserve.encoder.vision import ImageDecodeError, VisionEncoder
 from epdserve.logging_setup import request_context
-from epdserve.messages import ImageEmbeddings, encode, tensor_bytes, tensor_from_bytes
+from epdserve.wire.messages import ImageEmbeddings, encode, tensor_bytes, tensor_from_bytes
 from epdserve.metrics import EncoderMetrics, start_metrics_server
-from epdserve.models.tiny import resolve_model_path
+from epdserve.models.paths import resolve_model_path
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
 
 log = logging.getLogger("epdserve.encoder")  # not __name__: that is "__main__" under python -m

@@ -40,7 +40,7 @@ from epdserve.gateway.protocol import (
 from epdserve.gateway.stages import StageClient, StageError
 from epdserve.logging_setup import set_request_context
 from epdserve.metrics import GatewayMetrics
-from epdserve.models.tiny import resolve_model_path
+from epdserve.models.paths import resolve_model_path
 
 if TYPE_CHECKING:
     import uvicorn

@@ -30,7 +30,7 @@ from epdserve.gateway.protocol import (
     ChunkChoice, Delta, ErrorInfo, ErrorResponse, GenerateRequest, Usage,
 )
 from epdserve.gateway.stages import StageClient, StageError
-from epdserve.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenLogprob, TokenOutput
+from epdserve.wire.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenLogprob, TokenOutput
 from epdserve.metrics import GatewayMetrics, RequestTrace
 
 logger = logging.getLogger("epdserve.gateway")

@@ -42,7 +42,7 @@ def spawn_front(role: str, config) -> FrontProcess | None:
     """
     if not config.port:
         return None
-    from epdserve.models.tiny import resolve_model_path
+    from epdserve.models.paths import resolve_model_path
 
     config = dataclasses.replace(config, model_path=resolve_model_path(config.model_path))
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())

@@ -23,7 +23,7 @@ from typing import Any
 
 from epdserve.gateway.chat import ChatService, PreparedChat
 from epdserve.gateway.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from epdserve.messages import TokenOutput
+from epdserve.wire.messages import TokenOutput
 
 
 def _meta_info(service: ChatService, chat: PreparedChat, out: TokenOutput, n_out: int, t0: float) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from epdserve.messages import Load, LoadRequest, ServerInfo, ServerInfoRequest, encode
+from epdserve.wire.messages import Load, LoadRequest, ServerInfo, ServerInfoRequest, encode
 
 logger = logging.getLogger("epdserve.gateway")
 

@@ -1,10 +1,10 @@
 """OpenAI ``logprobs`` of a chat completion: each sampled token's text, exact bytes and log-probability, and the
-most likely tokens at its step, from the stages' :class:`~epdserve.messages.TokenLogprob` entries."""
+most likely tokens at its step, from the stages' :class:`~epdserve.wire.messages.TokenLogprob` entries."""
 
 from __future__ import annotations
 
 from epdserve.gateway.protocol import TokenLogprobInfo, TopLogprob
-from epdserve.messages import TokenLogprob
+from epdserve.wire.messages import TokenLogprob
 
 
 class TokenBytes:

@@ -63,7 +63,7 @@ from epdserve.gateway.protocol import (
     ModelList,
 )
 from epdserve.gateway.stages import OutputRoute, StageError
-from epdserve.messages import (
+from epdserve.wire.messages import (
     AbortRequest, Load, LoadRequest, ServerInfo, ServerInfoRequest, TokenOutput, TokenOutputBatch, WireError,
     decode, encode, input_ids_digest,
 )
@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=0)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    from epdserve.cli import setup_logging
+    from epdserve.entry.cli import setup_logging
     from epdserve.config import DecodeConfig, PrefillConfig
 
     setup_logging(args.log_level)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epdserve.gateway.protocol import ChatMessage, ImagePart, TextPart
-from epdserve.messages import ImageSpan
+from epdserve.wire.messages import ImageSpan
 
 
 class PromptError(ValueError):

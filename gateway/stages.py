@@ -1,7 +1,7 @@
 """The gateway's side of the stage protocol: the encoder over gRPC, prefill and decode over ZeroMQ.
 
 One ``zmq.asyncio`` DEALER connects to each of the prefill and decode ROUTER sockets. Requests and replies are
-``epdserve.messages`` frames. After the startup handshake (``ServerInfoRequest`` -> ``ServerInfo``) a reader task
+``epdserve.wire.messages`` frames. After the startup handshake (``ServerInfoRequest`` -> ``ServerInfo``) a reader task
 per socket routes every ``TokenOutput`` (alone or in a ``TokenOutputBatch``) to the queue of its request id, and
 :mod:`epdserve.gateway.liveness` watches each stage: a stage that dies or falls silent ends the requests that
 depend on it with a 503 within ``--stage-timeout-s`` (at once when its connection drops).
@@ -23,11 +23,11 @@ import zmq.asyncio
 from epdserve.config import GatewayConfig
 from epdserve.gateway.prompt import EncodedImage
 from epdserve.gateway.liveness import StageLiveness, try_send
-from epdserve.messages import (
+from epdserve.wire.messages import (
     AbortRequest, DecodeRequest, Load, PrefillRequest, ServerInfo, ServerInfoRequest, TokenOutput, TokenOutputBatch,
     WireError, decode,
 )
-from epdserve.validate import check_message
+from epdserve.wire.validate import check_message
 
 logger = logging.getLogger("epdserve.gateway")
 

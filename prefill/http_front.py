@@ -12,7 +12,7 @@ from epdserve.config import PrefillConfig
 from epdserve.gateway.pd_front import FrontStages, SchedulerClient
 from epdserve.gateway.prompt import EncodedImage, PromptBuilder
 from epdserve.gateway.stages import EncoderClient, StageError
-from epdserve.messages import DecodeRequest, PrefillRequest, ServerInfo, TokenOutput
+from epdserve.wire.messages import DecodeRequest, PrefillRequest, ServerInfo, TokenOutput
 
 
 class PrefillFrontStages(FrontStages):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from epdserve.messages import KVTransfer, PrefillRequest, TokenOutput
+from epdserve.wire.messages import KVTransfer, PrefillRequest, TokenOutput
 
 
 class PrefillReplies:

@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epdserve.forward_batch import ForwardBatch
+from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.radix_cache import RadixCache
 from epdserve.kvcache.kv_share import host_id
-from epdserve.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest, TokenLogprob
+from epdserve.wire.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest, TokenLogprob
 from epdserve.metrics import PrefillMetrics
-from epdserve.model_runner import ModelRunner
+from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.mrope import mrope_positions
-from epdserve.sampling import apply_logit_bias, sample, sampled_logprobs, token_logprobs
+from epdserve.engine.sampling import apply_logit_bias, sample, sampled_logprobs, token_logprobs
 
 log = logging.getLogger(__name__)
 

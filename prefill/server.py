@@ -7,8 +7,8 @@ Sockets (all bound on ``config.host``):
 - ``zmq_port`` (ROUTER): ``PrefillRequest``, ``AbortRequest``, ``ServerInfoRequest``, ``LoadRequest`` from
   gateways.
 - ``embed_port`` (PULL): ``ImageEmbeddings`` from encoders for TP rank 0; ranks 1..tp-1 bind their own (in
-  their own processes, see :mod:`epdserve.tp_runner`). A request is scheduled once every rank holds its
-  embeddings (:class:`~epdserve.embed_gate.EmbeddingGate`).
+  their own processes, see :mod:`epdserve.engine.tp_runner`). A request is scheduled once every rank holds its
+  embeddings (:class:`~epdserve.prefill.embed_gate.EmbeddingGate`).
 - ``bootstrap_port`` (PULL): ``KVRegister`` and ``KVAck`` from decode servers (SGLang-style bootstrap rendezvous).
 Out: one PUSH socket per decode KV endpoint, carrying ``KVTransfer``.
 """
@@ -20,16 +20,16 @@ import signal
 
 import zmq
 
-from epdserve import transport
+from epdserve.wire import transport
 from epdserve.config import PrefillConfig
 from epdserve.device import resolve_device
 from epdserve.gateway.front_process import spawn_front
-from epdserve.embed_gate import EmbeddingGate
+from epdserve.prefill.embed_gate import EmbeddingGate
 from epdserve.kvcache.kv_share import shares_kv
-from epdserve.messages import (AbortRequest, ImageEmbeddings, KVAck, KVRegister, LoadRequest, PrefillRequest,
+from epdserve.wire.messages import (AbortRequest, ImageEmbeddings, KVAck, KVRegister, LoadRequest, PrefillRequest,
                                ServerInfo, ServerInfoRequest)
 from epdserve.metrics import PrefillMetrics, start_metrics_server
-from epdserve.model_runner import runner_from_config
+from epdserve.engine.model_runner import runner_from_config
 from epdserve.prefill.replies import PrefillReplies
 from epdserve.prefill.scheduler import PrefillScheduler
 

@@ -63,7 +63,7 @@ class EncoderServicer(object):
 
     def Encode(self, request, context):
         """Encode every image of one request. With `targets`, the embeddings go to every target over ZMQ
-        (one epdserve.messages.ImageEmbeddings message each) before the response, which then carries no tensors.
+        (one epdserve.wire.messages.ImageEmbeddings message each) before the response, which then carries no tensors.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

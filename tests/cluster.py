@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from epdserve.config import GatewayConfig
-from epdserve.launch import free_port
+from epdserve.wire.transport import free_port
 
 READY = {"encoder": "encoder ready on", "prefill": "prefill ready on", "decode": "decode ready on"}
 
@@ -71,7 +71,7 @@ class StageProcs:
                         "--embed-port", str(p["embed"]), "--bootstrap-port", str(p["bootstrap"])],
             "decode": ["decode", *lm, "--port", "0", "--zmq-port", str(p["decode"]), "--kv-port", str(p["kv"])],
         }[name]
-        return [sys.executable, "-m", "epdserve.cli", "--log-level", "INFO", *args]
+        return [sys.executable, "-m", "epdserve", "--log-level", "INFO", *args]
 
     def start(self, *names: str) -> None:
         """Start the named stages (all three when none is named) and wait until each logs its ready line."""

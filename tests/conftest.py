@@ -64,13 +64,13 @@ def server(tiny_model_path, tmp_path_factory):
     protocol the GPU's CUDA IPC path uses is checked against transformers too. At the end, Ctrl-C must stop all
     four servers cleanly.
     """
-    from epdserve.launch import free_port
+    from epdserve.wire.transport import free_port
 
     port = free_port()
     log_path = tmp_path_factory.mktemp("launch") / "launch.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "epdserve.cli", "--log-level", "DEBUG", "--log-format", "json", "launch",
+        [sys.executable, "-m", "epdserve", "--log-level", "DEBUG", "--log-format", "json", "launch",
          "--model-path", tiny_model_path, "--port", str(port), "--num-encoders", "2", "--kv-transfer", "shared"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"

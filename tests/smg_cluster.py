@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from epdserve.launch import free_port
+from epdserve.wire.transport import free_port
 
 
 def smg_executable() -> str | None:
@@ -100,7 +100,7 @@ def start_cluster(model_path: str, log_dir: Path, *, encoders: int = 1, prefills
     if exe is None:
         raise RuntimeError("smg is not installed")
     cluster = Cluster(Path(log_dir))
-    py = [sys.executable, "-m", "epdserve.cli", "--log-level", "INFO"]
+    py = [sys.executable, "-m", "epdserve", "--log-level", "INFO"]
     lm = ["--model-path", model_path, "--num-pages", str(num_pages), "--request-timeout-s", str(request_timeout_s)]
     try:
         enc = []
@@ -155,7 +155,7 @@ if __name__ == "__main__":
     ap.add_argument("--decodes", type=int, default=1)
     ap.add_argument("--policy", default="cache_aware")
     args = ap.parse_args()
-    from epdserve.models.tiny import resolve_model_path
+    from epdserve.models.paths import resolve_model_path
 
     logs = Path(tempfile.mkdtemp(prefix="smg-cluster-"))
     c = start_cluster(resolve_model_path(args.model_path), logs, encoders=args.encoders, prefills=args.prefills,

@@ -5,7 +5,7 @@ for pages.
   a waiter is cancelled.
 - The gateway on fake stages: past ``--max-inflight-requests`` + ``--max-queued-requests`` a request gets 429 with
   ``Retry-After``, a queued one 503 after ``--queue-timeout-s``; slots come back when clients hang up.
-- :func:`epdserve.validate.check_message` rejects what would crash a stage and passes what the gateway sends.
+- :func:`epdserve.wire.validate.check_message` rejects what would crash a stage and passes what the gateway sends.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from test_gateway import FakeEncoder, FakeStage, hang_script, running_gateway
 from epdserve.config import GatewayConfig
 from epdserve.gateway.admission import Admission, Overloaded
 from epdserve.gateway.stages import StageClient
-from epdserve.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, KVRegister, KVTransfer, PrefillRequest,
+from epdserve.wire.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, KVRegister, KVTransfer, PrefillRequest,
                                SamplingParams, WireError, decode, encode)
-from epdserve.validate import check_message
+from epdserve.wire.validate import check_message
 
 
 def test_admission_queue_and_limits():
@@ -152,8 +152,8 @@ def test_prefill_waits_for_lent_pages_instead_of_failing(tiny_model_path):
     """Shared KV path: while a decode server still copies a prefilled request's pages, a request that does not fit
     the rest of the prefill pool waits (nothing runs at prefill, yet the pages come back) and runs after the ack;
     only a prompt larger than the whole pool fails."""
-    from epdserve.messages import KVAck
-    from epdserve.model_runner import ModelRunner
+    from epdserve.wire.messages import KVAck
+    from epdserve.engine.model_runner import ModelRunner
     from epdserve.prefill.scheduler import PrefillScheduler
 
     runner = ModelRunner(tiny_model_path, device=torch.device("cpu"), dtype=torch.float32, num_pages=10,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epdserve.cuda_graph import graph_batch_sizes
-from epdserve.forward_batch import ForwardBatch
+from epdserve.engine.cuda_graph import graph_batch_sizes
+from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
-from epdserve.model_runner import ModelRunner
+from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.mrope import decode_positions
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -54,7 +54,7 @@ def overlapped(runner: ModelRunner, eager: ModelRunner, prompts: list[list[int]]
     """Greedy outputs through the decode server's scheduler (overlap on, ``runner``'s CUDA graphs), from prompt KV
     that ``eager`` prefilled and hands over as :class:`KVTransfer` s."""
     from epdserve.decode.scheduler import DecodeScheduler
-    from epdserve.messages import DecodeRequest, KVTransfer, SamplingParams
+    from epdserve.wire.messages import DecodeRequest, KVTransfer, SamplingParams
 
     ps = eager.page_size
     pool = PagePool(eager.num_pages, ps)

@@ -29,7 +29,7 @@ from epdserve.encoder.cache import EmbeddingCache
 from epdserve.encoder.server import (EmbeddingPusher, EncoderServicer, serve, tensor_from_proto,
                                      tensor_to_proto)
 from epdserve.encoder.vision import VisionEncoder, decode_image
-from epdserve.messages import ImageEmbeddings, decode
+from epdserve.wire.messages import ImageEmbeddings, decode
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]

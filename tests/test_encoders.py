@@ -20,7 +20,7 @@ from epdserve.gateway.encoders import EncoderPool, parse_encoder_addrs, rendezvo
 from epdserve.gateway.media import MediaPolicy, load_image, run_cpu_bound
 from epdserve.gateway.prompt import EncodedImage
 from epdserve.gateway.stages import GrpcEncoderClient, StageError
-from epdserve.messages import ImageEmbeddings, decode
+from epdserve.wire.messages import ImageEmbeddings, decode
 
 TARGETS = ["tcp://127.0.0.1:39101"]
 
@@ -363,7 +363,7 @@ def test_launch_starts_num_encoders_and_gives_the_gateway_all_addresses():
     import argparse
 
     from epdserve.config import LaunchConfig, add_config_args, config_from_args
-    from epdserve.launch import _commands, launch
+    from epdserve.entry.launch import _commands, launch
 
     parser = argparse.ArgumentParser()
     add_config_args(parser, LaunchConfig)
@@ -387,7 +387,7 @@ def test_launch_passes_the_encoder_flags_its_config_mirrors():
     import argparse
 
     from epdserve.config import EncoderConfig, LaunchConfig, add_config_args, config_from_args
-    from epdserve.launch import _commands
+    from epdserve.entry.launch import _commands
 
     def encoder_config(launch_flags: list[str]) -> EncoderConfig:
         parser = argparse.ArgumentParser()

@@ -27,7 +27,7 @@ from cluster import body, noise_png, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epdserve import messages
+from epdserve.wire import messages
 
 DOCUMENTED = {200, 400, 404, 413, 429, 503, 504}
 GOOD_TEXT = "Tell me about the sea."

@@ -28,7 +28,7 @@ from epdserve.gateway.media import MediaError, MediaPolicy, decode_data_url, loa
 from epdserve.gateway.prompt import EncodedImage, PromptBuilder, PromptError, to_hf_messages
 from epdserve.gateway.protocol import ChatMessage
 from epdserve.gateway.stages import StageClient, StageError
-from epdserve.messages import (
+from epdserve.wire.messages import (
     AbortRequest, DecodeRequest, Load, LoadRequest, PrefillRequest, ServerInfo, ServerInfoRequest, TokenOutput,
     TokenOutputBatch, decode, encode,
 )

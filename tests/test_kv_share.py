@@ -13,7 +13,7 @@ import torch
 
 from epdserve.kvcache.kv_pool import KVPool
 from epdserve.kvcache.kv_share import PeerPools, export_pool, new_shm_path, open_pool, shares_kv
-from epdserve.messages import decode, encode
+from epdserve.wire.messages import decode, encode
 
 SHAPE = dict(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=8)
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from epdserve.forward_batch import ForwardBatch
-from epdserve.messages import SamplingParams
-from epdserve.model_runner import ModelRunner
+from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.wire.messages import SamplingParams
+from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.config import ModelConfig
 from epdserve.models.mrope import decode_positions, mrope_positions
-from epdserve.sampling import sample
+from epdserve.engine.sampling import sample
 
 CPU = torch.device("cpu")
 
@@ -466,7 +466,7 @@ def test_flashinfer_replan_before_the_gpu_ran_the_previous_plan():
     # not change (without the wait in prepare() its queued copy would carry the second schedule).
     pytest.importorskip("flashinfer")
     from epdserve.attention.flashinfer import FlashInferBackend
-    from epdserve.forward_batch import ForwardBatch
+    from epdserve.engine.forward_batch import ForwardBatch
     from epdserve.kvcache.kv_pool import KVPool
 
     dev, ps, heads, kv_heads, dim = torch.device("cuda"), 16, 16, 2, 128

@@ -317,7 +317,7 @@ def test_multiprocess_mode_adds_up_processes(tmp_path):
 
 
 def test_log_format_flag_before_or_after_the_subcommand(monkeypatch):
-    import epdserve.cli as cli
+    import epdserve.entry.cli as cli
 
     seen = []
     monkeypatch.setattr(cli, "_run_server", lambda name, config: 0)

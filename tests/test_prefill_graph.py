@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epdserve.forward_batch import ForwardBatch
+from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
-from epdserve.model_runner import ModelRunner
-from epdserve.prefill_graph import prefill_graph_sizes
+from epdserve.engine.model_runner import ModelRunner
+from epdserve.engine.prefill_graph import prefill_graph_sizes
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -113,7 +113,7 @@ def test_preset_3b_epdserve_loaders(preset3b):
     from PIL import Image
 
     from epdserve.encoder.vision import VisionEncoder
-    from epdserve.model_runner import ModelRunner
+    from epdserve.engine.model_runner import ModelRunner
 
     runner = ModelRunner(str(preset3b), device=torch.device("cpu"), dtype=torch.bfloat16, num_pages=64, page_size=16)
     c = runner.config
@@ -140,7 +140,7 @@ def test_preset_processor_image_tokens(preset3b):
 def test_preset_tied_2b(preset2b):
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
-    from epdserve.model_runner import ModelRunner
+    from epdserve.engine.model_runner import ModelRunner
 
     tensors = _tensors(preset2b)
     assert "lm_head.weight" not in tensors  # tied: the embedding is the head
@@ -180,7 +180,7 @@ def test_preset_deterministic(tmp_path):
 
 def test_cli_preset(tmp_path, monkeypatch, capsys):
     import epdserve.models.presets as presets
-    from epdserve.cli import main
+    from epdserve.entry.cli import main
 
     calls = []
     monkeypatch.setattr(presets, "make_preset_model", lambda d, p, **kw: calls.append((d, p, kw)) or Path(d))
@@ -201,7 +201,7 @@ def test_default_model_answers_a_photo_in_readable_text(tmp_path, monkeypatch, p
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from epdserve.models.tiny import default_model_path
+    from epdserve.models.paths import default_model_path
 
     monkeypatch.setenv("EPDSERVE_CACHE", str(tmp_path))
     path = default_model_path()

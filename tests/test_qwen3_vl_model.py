@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_model_runtime import Pages, Seq, image_spans, make_batch
 
-from epdserve.model_runner import ModelRunner
+from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.config import ModelConfig
 from epdserve.models.mrope import mrope_positions
 
@@ -84,7 +84,7 @@ class HF3:
 @pytest.fixture(scope="module")
 def tiny_qwen3_vl_path(tmp_path_factory):
     """The tiny Qwen3-VL checkpoint, written through the command line (``--arch qwen3-vl``)."""
-    from epdserve.cli import main
+    from epdserve.entry.cli import main
 
     path = tmp_path_factory.mktemp("tiny-qwen3-vl")
     assert main(["make-tiny-model", str(path), "--arch", "qwen3-vl"]) == 0

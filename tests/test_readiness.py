@@ -22,7 +22,7 @@ import pytest
 from cluster import body, health, noise_png, serve_gateway, wait_for
 
 from epdserve.encoder.server import LOAD_DELAY_ENV
-from epdserve.launch import free_port
+from epdserve.wire.transport import free_port
 
 LOAD_DELAY_S = 8.0
 
@@ -47,7 +47,7 @@ def test_gateway_health_waits_for_a_loading_encoder(stage_procs, tiny_model_path
     port = free_port()
     addr = f"127.0.0.1:{port}"
     log = open(tmp_path / "encoder.log", "w")
-    enc = subprocess.Popen([sys.executable, "-m", "epdserve.cli", "encoder", "--model-path", tiny_model_path,
+    enc = subprocess.Popen([sys.executable, "-m", "epdserve", "encoder", "--model-path", tiny_model_path,
                             "--device", "cpu", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                            env={**os.environ, LOAD_DELAY_ENV: str(LOAD_DELAY_S), "OMP_NUM_THREADS": "1"})
     try:
@@ -80,7 +80,7 @@ def test_launch_is_ready_only_once_a_slow_encoder_serves(tiny_model_path, tmp_pa
     log_path = tmp_path / "launch.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "epdserve.cli", "--log-level", "INFO", "launch", "--model-path", tiny_model_path,
+            [sys.executable, "-m", "epdserve", "--log-level", "INFO", "launch", "--model-path", tiny_model_path,
              "--port", str(port), "--num-encoders", "2"], stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", LOAD_DELAY_ENV: str(LOAD_DELAY_S)})
     base = f"http://127.0.0.1:{port}"
@@ -108,7 +108,7 @@ def test_launch_names_a_stage_that_dies_before_ready(tiny_model_path, tmp_path):
     log_path = tmp_path / "launch.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "epdserve.cli", "--log-level", "INFO", "launch", "--model-path", tiny_model_path,
+            [sys.executable, "-m", "epdserve", "--log-level", "INFO", "launch", "--model-path", tiny_model_path,
              "--port", str(free_port()), "--dtype", "float7"], stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         code = proc.wait(timeout=120)

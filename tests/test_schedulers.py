@@ -11,9 +11,9 @@ from transformers import AutoProcessor
 
 from epdserve.decode.scheduler import DecodeScheduler
 from epdserve.encoder.vision import VisionEncoder
-from epdserve.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, KVRegister, Load, PrefillRequest,
+from epdserve.wire.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, KVRegister, Load, PrefillRequest,
                                SamplingParams, decode, encode)
-from epdserve.model_runner import ModelRunner
+from epdserve.engine.model_runner import ModelRunner
 from epdserve.prefill.scheduler import PrefillScheduler
 
 PAGE = 4
@@ -323,7 +323,7 @@ def test_decode_batches_frees_pages_and_reports_errors(runner, photo_request):
     # An error from prefill ends the request with finish_reason "error"; a transfer for an unknown room is dropped.
     dec.add_request(DecodeRequest(rid="e", prompt_len=3, sampling=SamplingParams(), bootstrap_host="h",
                                   bootstrap_port=1, bootstrap_room=99), peer=b"g")
-    from epdserve.messages import KVTransfer
+    from epdserve.wire.messages import KVTransfer
 
     dec.add_transfer(KVTransfer(rid="e", bootstrap_room=99, error="boom"))
     dec.add_transfer(KVTransfer(rid="?", bootstrap_room=12345, error="late"))

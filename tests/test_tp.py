@@ -27,10 +27,10 @@ import torch
 import zmq
 from test_e2e import _chat, _hf_reference, _openai_messages, _resolve, hf  # noqa: F401  (hf: a fixture)
 
-from epdserve.distributed import TPGroup
-from epdserve.embed_gate import EmbeddingGate
-from epdserve.launch import free_port
-from epdserve.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, PrefillRequest, SamplingParams,
+from epdserve.engine.distributed import TPGroup
+from epdserve.prefill.embed_gate import EmbeddingGate
+from epdserve.wire.transport import free_port
+from epdserve.wire.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, PrefillRequest, SamplingParams,
                                ServerInfo, ServerInfoRequest, TPEmbedReceipt, decode, encode)
 from epdserve.models.parallel import head_shard
 
@@ -78,7 +78,7 @@ def test_embedding_gate_waits_for_every_rank():
 
 def test_launch_places_stages_and_tp_ranks(tiny_model_path):
     from epdserve.config import LaunchConfig
-    from epdserve.launch import _commands
+    from epdserve.entry.launch import _commands
 
     cfg = LaunchConfig(model_path=tiny_model_path, device="cpu", prefill_tp=2, decode_tp=4, prefill_base_gpu=1,
                        decode_base_gpu=3)
@@ -106,7 +106,7 @@ def _wait_for(log_path: Path, pattern: str, proc: subprocess.Popen, timeout_s: f
 
 
 def _start(cmd: list[str], log_path: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "epdserve.cli", "--log-level", "DEBUG", *cmd],
+    return subprocess.Popen([sys.executable, "-m", "epdserve", "--log-level", "DEBUG", *cmd],
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 

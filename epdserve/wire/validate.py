@@ -1,10 +1,10 @@
 """Check a decoded wire message before any server acts on it: field types, then the ranges the stages rely on.
 
-:func:`epdserve.messages.decode` only guarantees that the frames name a known dataclass. Anything can send
+:func:`epdserve.wire.messages.decode` only guarantees that the frames name a known dataclass. Anything can send
 frames to a ZeroMQ port, and a message with a string where a token list belongs, a port above 65535, or
 overlapping image spans would otherwise raise deep inside a scheduler (or worse, inside a batched forward,
 failing every request of the batch). :func:`check_message` rejects such a message up front with a
-:class:`~epdserve.messages.WireError`, which the receive helpers in :mod:`epdserve.transport` log and drop.
+:class:`~epdserve.wire.messages.WireError`, which the receive helpers in :mod:`epdserve.wire.transport` log and drop.
 
 The checks are what the stages assume, not policy: the gateway's own request validation is stricter.
 """
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from epdserve import messages
-from epdserve.messages import WireError
+from epdserve.wire import messages
+from epdserve.wire.messages import WireError
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # A seed must fit torch.Generator.manual_seed, which takes a signed or unsigned 64-bit value.

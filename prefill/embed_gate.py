@@ -3,7 +3,7 @@
 The encoder pushes each request's embeddings to every rank's endpoint separately (``ServerInfo.embed_endpoints``),
 so they arrive at different times, or (a rank's socket being down) not at all. A forward that uses an image needs its
 rows on every rank, so rank 0 holds its own copy of an image's embedding here until each other rank has reported
-the same (request id, image hash) (:class:`~epdserve.messages.TPEmbedReceipt`); only then does the scheduler see
+the same (request id, image hash) (:class:`~epdserve.wire.messages.TPEmbedReceipt`); only then does the scheduler see
 it. A request whose embeddings never reach some rank therefore waits in the scheduler, which fails it cleanly at
 its deadline ("timed out waiting for image embeddings"), and no rank is ever asked for rows it lacks.
 
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
-from epdserve.messages import ImageEmbeddings, TPEmbedReceipt
+from epdserve.wire.messages import ImageEmbeddings, TPEmbedReceipt
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@
 How a TP server runs (as SGLang's and mini-sglang's schedulers with ``--tp``, but with one scheduler): rank 0 is
 the server process. It owns the sockets to the outside world, the scheduler (page ids, radix cache, batching)
 and sampling. Each forward it schedules, and each KV read or write, is sent first to the other ranks on a
-ZeroMQ ROUTER socket on 127.0.0.1 (one DEALER per rank; messages in :mod:`epdserve.messages`, never pickle), and
-then run by rank 0's own :class:`~epdserve.model_runner.ModelRunner`; the other ranks
-(:mod:`epdserve.tp_follower`) run the same call, so the collectives inside pair up. Token ids and KV tensors move
+ZeroMQ ROUTER socket on 127.0.0.1 (one DEALER per rank; messages in :mod:`epdserve.wire.messages`, never pickle), and
+then run by rank 0's own :class:`~epdserve.engine.model_runner.ModelRunner`; the other ranks
+(:mod:`epdserve.engine.tp_follower`) run the same call, so the collectives inside pair up. Token ids and KV tensors move
 between ranks by ``torch.distributed`` collectives on the device (NCCL / gloo), not over ZeroMQ.
 
 Sampling happens on rank 0 only: logits are all-gathered to every rank, rank 0 samples, and the next step's
@@ -30,12 +30,12 @@ import time
 import torch
 import zmq
 
-from epdserve import transport
-from epdserve.distributed import TPGroup, rank_device
-from epdserve.forward_batch import ForwardBatch
-from epdserve.messages import (TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings, TPShutdown,
+from epdserve.wire import transport
+from epdserve.engine.distributed import TPGroup, rank_device
+from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.wire.messages import (TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings, TPShutdown,
                                TPWriteKV, encode)
-from epdserve.model_runner import ModelRunner, build_runner
+from epdserve.engine.model_runner import ModelRunner, build_runner
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import head_shard, split_evenly
 
@@ -61,7 +61,7 @@ def config_argv(cfg) -> list[str]:
 
 
 class TPRunner:
-    """Rank 0's model runner of a TP server: the :class:`~epdserve.model_runner.ModelRunner` interface the
+    """Rank 0's model runner of a TP server: the :class:`~epdserve.engine.model_runner.ModelRunner` interface the
     schedulers use (``forward``, ``read_kv``, ``write_kv``, ``config``, ``num_pages``, ``page_size``, ``device``,
     ``dtype``), each call run on every rank.
 
@@ -191,7 +191,7 @@ def _identity(rank: int) -> bytes:
 def start_tp_runner(cfg, model_path: str, cuda_graph_max_bs: int = 0) -> TPRunner:
     """Become TP rank 0 of a ``cfg.tp``-rank prefill or decode server (``cfg`` a
     :class:`~epdserve.config.PrefillConfig` or :class:`~epdserve.config.DecodeConfig`): start ranks
-    1..tp-1 (``python -m epdserve.tp_follower``), join the process group, load and warm up this rank's model
+    1..tp-1 (``python -m epdserve.engine.tp_follower``), join the process group, load and warm up this rank's model
     alongside them, and wait until every rank said hello.
 
     Raises:
@@ -199,7 +199,7 @@ def start_tp_runner(cfg, model_path: str, cuda_graph_max_bs: int = 0) -> TPRunne
         RuntimeError: a rank exited or did not say hello within the start timeout.
     """
     from epdserve.config import PrefillConfig
-    from epdserve.launch import free_port
+    from epdserve.wire.transport import free_port
 
     role = "prefill" if isinstance(cfg, PrefillConfig) else "decode"
     device = rank_device(cfg.device, cfg.base_gpu_id, 0)
@@ -219,7 +219,7 @@ def start_tp_runner(cfg, model_path: str, cuda_graph_max_bs: int = 0) -> TPRunne
     procs: dict[int, subprocess.Popen] = {}
     try:
         for rank in range(1, cfg.tp):
-            cmd = [sys.executable, "-m", "epdserve.tp_follower", "--log-level", level, role, "--tp-rank", str(rank),
+            cmd = [sys.executable, "-m", "epdserve.engine.tp_follower", "--log-level", level, role, "--tp-rank", str(rank),
                    "--dist-port", str(dist_port), "--ctrl-endpoint", f"tcp://127.0.0.1:{ctrl_port}",
                    "--graph-bs", str(cuda_graph_max_bs), *config_argv(dataclasses.replace(cfg, model_path=model_path))]
             # Own session: a Ctrl-C at the terminal reaches rank 0 only, which then stops the ranks in order.

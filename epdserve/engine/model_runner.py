@@ -7,11 +7,11 @@ import dataclasses
 import torch
 
 from epdserve.attention.base import make_backend
-from epdserve.distributed import TPGroup
-from epdserve.forward_batch import ForwardBatch
+from epdserve.engine.distributed import TPGroup
+from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
 from epdserve.kvcache.kv_share import export_pool, new_shm_path
-from epdserve.messages import KVPoolHandle
+from epdserve.wire.messages import KVPoolHandle
 from epdserve.models import language_model_class
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import head_shard
@@ -33,7 +33,7 @@ class ModelRunner:
 
     With ``tp.size > 1`` this is one TP rank's runner: its weights, KV pool (its KV heads) and attention backend
     hold this rank's heads, and every rank must make the same calls in the same order (the rank-0 server's
-    :class:`~epdserve.tp_runner.TPRunner` tells the other ranks which). Inputs and outputs stay whole: token ids
+    :class:`~epdserve.engine.tp_runner.TPRunner` tells the other ranks which). Inputs and outputs stay whole: token ids
     come from rank 0, logits and the KV that :meth:`read_kv` returns cover every head and the full vocabulary.
     """
 
@@ -52,8 +52,8 @@ class ModelRunner:
 
         With the flashinfer backend the model uses flashinfer's fused norm/RoPE/activation kernels, and
         ``cuda_graph_max_bs > 0`` captures decode CUDA graphs up to that batch size (see
-        :mod:`epdserve.cuda_graph`), and ``prefill_graph_max_tokens > 0`` one-request prefill graphs up to that
-        many new tokens (:mod:`epdserve.prefill_graph`); the graphs need the flashinfer backend and are skipped
+        :mod:`epdserve.engine.cuda_graph`), and ``prefill_graph_max_tokens > 0`` one-request prefill graphs up to that
+        many new tokens (:mod:`epdserve.engine.prefill_graph`); the graphs need the flashinfer backend and are skipped
         otherwise.
 
         ``share_kv`` makes the KV pool mappable by other processes of this machine (:meth:`kv_handle`): on CUDA
@@ -87,14 +87,14 @@ class ModelRunner:
         self.model.use_fused_ops(self.backend.uses_flashinfer)
         self.graphs = None
         if cuda_graph_max_bs > 0 and self.backend.uses_flashinfer:
-            from epdserve.cuda_graph import CudaGraphRunner
+            from epdserve.engine.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self.model, self.backend, vocab_size=cfg.vocab_size,
                                           max_bs=cuda_graph_max_bs, scratch_page=num_pages, page_size=page_size)
         self.prefill_graphs = None
         # Qwen3-VL: the graphs' static buffers have no DeepStack rows yet, so its prefills run eagerly.
         if prefill_graph_max_tokens > 0 and self.backend.uses_flashinfer and self.model.supports_prefill_graphs:
-            from epdserve.prefill_graph import PrefillGraphRunner
+            from epdserve.engine.prefill_graph import PrefillGraphRunner
 
             self.prefill_graphs = PrefillGraphRunner(
                 self.model, self.backend, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
@@ -148,7 +148,7 @@ class ModelRunner:
 
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """KV at ``slots`` ``[n]`` as a contiguous CPU tensor ``[num_layers, 2, n, num_kv_heads, head_dim]`` in the
-        model dtype (the :class:`~epdserve.messages.KVTransfer` payload), all of the model's KV heads.
+        model dtype (the :class:`~epdserve.wire.messages.KVTransfer` payload), all of the model's KV heads.
 
         With TP every rank calls it: the ranks' head shards are all-gathered on the device (KV heads replicated
         over several ranks are taken once), so any rank returns the whole KV.
@@ -247,21 +247,21 @@ def runner_from_config(cfg, cuda_graph_max_bs: int = 0, share_kv: bool = False) 
     and their KV hand-off goes through host memory).
 
     With ``cfg.tp > 1`` this process becomes TP rank 0: it starts ranks 1..tp-1 and returns a
-    :class:`~epdserve.tp_runner.TPRunner` (the same interface) that runs every call on all ranks.
+    :class:`~epdserve.engine.tp_runner.TPRunner` (the same interface) that runs every call on all ranks.
 
     Raises:
         FileNotFoundError: ``cfg.model_path`` is not a local checkpoint.
         ValueError: unknown device, dtype or attention backend; a bad ``tp``/``base_gpu_id``.
         RuntimeError: a TP rank failed to start.
     """
-    from epdserve.distributed import rank_device
-    from epdserve.models.tiny import resolve_model_path
+    from epdserve.engine.distributed import rank_device
+    from epdserve.models.paths import resolve_model_path
 
     model_path = resolve_model_path(cfg.model_path)
     if cfg.tp < 1:
         raise ValueError(f"--tp must be at least 1, got {cfg.tp}")
     if cfg.tp > 1:
-        from epdserve.tp_runner import start_tp_runner
+        from epdserve.engine.tp_runner import start_tp_runner
 
         runner = start_tp_runner(cfg, model_path, cuda_graph_max_bs)
     else:

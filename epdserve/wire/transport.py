@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 from typing import Any
 
 import zmq
 
-from epdserve import messages
-from epdserve.validate import check_message
+from epdserve.wire import messages
+from epdserve.wire.validate import check_message
+
+LOCAL = "127.0.0.1"  # internal ports bind here unless told otherwise
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 right now. All are held until the last is chosen: ports picked
+    one at a time can repeat once released (a launch on an H100 failed with two servers given one port)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((LOCAL, 0))
+        return [s.getsockname()[1] for s in socks]
+
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +77,7 @@ def recv(sock: zmq.Socket) -> Any | None:
 
 
 def decode_checked(frames: list) -> Any | None:
-    """:func:`~epdserve.messages.decode` then :func:`~epdserve.validate.check_message`; None (logged at WARNING)
+    """:func:`~epdserve.wire.messages.decode` then :func:`~epdserve.wire.validate.check_message`; None (logged at WARNING)
     for frames that are not a well-formed message, whatever the decoder raised (msgpack nesting deep enough to
     hit the recursion limit raises RecursionError, not WireError)."""
     try:

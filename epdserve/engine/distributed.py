@@ -22,7 +22,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 # A collective that waits this long for a peer fails instead of hanging (a dead rank is normally noticed far
-# sooner: see epdserve.tp_runner's watchdog).
+# sooner: see epdserve.engine.tp_runner's watchdog).
 _COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from epdserve.attention.base import AttentionBackend
-from epdserve.distributed import TPGroup
-from epdserve.forward_batch import ForwardBatch
+from epdserve.engine.distributed import TPGroup
+from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                       VocabParallelEmbedding, head_shard, split_evenly)
@@ -219,7 +219,7 @@ class Qwen2VLLanguageModel(nn.Module):
     """
 
     _attention_cls: type[Attention] = Attention  # a subclass's decoder layers may use another attention
-    supports_prefill_graphs = True  # the prefill CUDA graphs (epdserve.prefill_graph) replay this forward
+    supports_prefill_graphs = True  # the prefill CUDA graphs (epdserve.engine.prefill_graph) replay this forward
 
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend | None = None, tp: TPGroup | None = None):
         super().__init__()
@@ -311,7 +311,7 @@ class Qwen2VLLanguageModel(nn.Module):
 
         Rows where ``batch.mm_mask`` is True take ``batch.mm_embeds`` (cast to the model dtype; packed or aligned,
         see :class:`ForwardBatch`) instead of the token embedding. A prefill batch with ``last_rows`` makes no
-        host-to-device copy either (the prefill CUDA graphs, :mod:`epdserve.prefill_graph`).
+        host-to-device copy either (the prefill CUDA graphs, :mod:`epdserve.engine.prefill_graph`).
 
         Raises:
             RuntimeError: no attention backend set, or ``mm_embeds`` row count != ``mm_mask.sum()``.

@@ -145,7 +145,7 @@ class LMStageMetrics(StageMetrics):
                                           ("reason",))
 
     def update_load(self, load: Callable[[], Any], now: float | None = None) -> None:
-        """Refresh the scheduler gauges from ``load()`` (an ``epdserve.messages.Load``), at most every
+        """Refresh the scheduler gauges from ``load()`` (an ``epdserve.wire.messages.Load``), at most every
         :data:`LOAD_REFRESH_S` seconds; called once per scheduler loop iteration."""
         now = time.monotonic() if now is None else now
         if now - self._load_at < LOAD_REFRESH_S:

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from epdserve.forward_batch import ForwardBatch
+from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)

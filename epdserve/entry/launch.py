@@ -12,11 +12,9 @@ the ready line is named with its last log lines.
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,25 +23,11 @@ import urllib.request
 
 from epdserve.config import LaunchConfig
 from epdserve.logging_setup import active_format
-from epdserve.models.tiny import resolve_model_path
+from epdserve.models.paths import resolve_model_path
+from epdserve.wire.transport import LOCAL as _LOCAL
+from epdserve.wire.transport import free_ports
 
-log = logging.getLogger("epdserve.launch")
-_LOCAL = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now. All are held until the last is chosen: ports picked
-    one at a time can repeat once released (a launch on an H100 failed with two servers given one port)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind((_LOCAL, 0))
-        return [s.getsockname()[1] for s in socks]
+log = logging.getLogger("epdserve.entry.launch")
 
 
 def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]], list[str], dict[str, str]]:
@@ -56,7 +40,7 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
     common = ["--model-path", model_path, "--device", cfg.device, "--dtype", cfg.dtype]
     kv_pool = ["--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages), "--kv-transfer", cfg.kv_transfer]
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())
-    exe = [sys.executable, "-m", "epdserve.cli", "--log-level", level, "--log-format", active_format()]
+    exe = [sys.executable, "-m", "epdserve", "--log-level", level, "--log-format", active_format()]
     # GPU placement: the encoders on one GPU, each LM server's TP ranks on consecutive GPUs from its base.
     encoder_device = cfg.device
     if cfg.device in ("cuda", "auto") and _has_cuda():

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from epdserve.forward_batch import ForwardBatch
+from epdserve.engine.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

@@ -217,7 +217,7 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
             ``max_pixels / 28**2`` (Qwen2/2.5-VL; None: ``512 * 28**2``).
         readable: zero the LM-head rows of ids that do not decode to visible text (as the presets do), so greedy
             answers are readable gibberish rather than lone bytes shown as U+FFFD; EOS is then never picked.
-            The default served model (:func:`default_model_path`) is made this way; the test checkpoints are not.
+            The default served model (:func:`epdserve.models.paths.default_model_path`) is made this way; the test checkpoints are not.
 
     Raises:
         ValueError: unknown ``arch`` or ``size``.
@@ -271,42 +271,3 @@ def _invisible_ids(tokenizer, vocab: int, keep: set[int] = frozenset()) -> list[
     visible = {i for i in range(min(len(tokenizer), vocab))
                if _is_visible_text(tokenizer.decode([i], skip_special_tokens=True))}
     return sorted(set(range(vocab)) - visible - set(keep))
-
-
-def default_model_path() -> Path:
-    """The tiny Qwen2.5-VL checkpoint used when no ``--model-path`` is given, created once, with readable
-    greedy answers (``make_tiny_model(readable=True)``).
-
-    It lives in ``$EPDSERVE_CACHE`` (default ``~/.cache/epdserve``). Concurrent first calls are safe: each
-    writes to a private temporary directory and the first rename wins.
-    """
-    import os
-    import shutil
-    import tempfile
-
-    root = Path(os.environ.get("EPDSERVE_CACHE", Path.home() / ".cache" / "epdserve"))
-    target = root / "tiny-qwen2.5-vl-readable"  # a new name: caches of the older, unreadable default stay unused
-    if (target / "config.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-"))
-    make_tiny_model(tmp, readable=True)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def resolve_model_path(model_path: str) -> str:
-    """``""`` -> the default tiny model; otherwise the given local directory.
-
-    Raises:
-        FileNotFoundError: ``model_path`` is not a directory with a ``config.json``.
-    """
-    if not model_path:
-        return str(default_model_path())
-    if not (Path(model_path) / "config.json").is_file():
-        raise FileNotFoundError(f"{model_path!r} is not a local Hugging Face checkpoint (no config.json); "
-                                "epdserve never downloads models")
-    return model_path

@@ -22,7 +22,7 @@ import torch
 
 from epdserve.attention.base import AttentionBackend
 from epdserve.device import to_device
-from epdserve.forward_batch import ForwardBatch
+from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from epdserve.attention.base import AttentionBackend
-from epdserve.forward_batch import ForwardBatch
+from epdserve.engine.forward_batch import ForwardBatch
 
 
 def request_kv_slots(page_ids: list[int], kv_len: int, page_size: int) -> torch.Tensor:

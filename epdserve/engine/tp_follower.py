@@ -1,11 +1,11 @@
 """TP ranks 1..N-1 of a prefill or decode server: run the calls rank 0 sends, on this rank's shard of the model.
 
-Started by rank 0 (:func:`epdserve.tp_runner.start_tp_runner`), never by hand::
+Started by rank 0 (:func:`epdserve.engine.tp_runner.start_tp_runner`), never by hand::
 
-    python -m epdserve.tp_follower [--log-level L] {prefill,decode} --tp-rank R --dist-port P \\
+    python -m epdserve.engine.tp_follower [--log-level L] {prefill,decode} --tp-rank R --dist-port P \\
         --ctrl-endpoint tcp://127.0.0.1:C [--graph-bs N] <the server's own flags>
 
-A rank joins the process group, builds and warms up its :class:`~epdserve.model_runner.ModelRunner` in step with
+A rank joins the process group, builds and warms up its :class:`~epdserve.engine.model_runner.ModelRunner` in step with
 rank 0, then serves two sockets:
 - a DEALER to rank 0's control ROUTER: ``TPForward`` / ``TPReadKV`` / ``TPWriteKV`` / ``TPReleaseEmbeddings`` /
   ``TPShutdown`` in, run in order; ``TPHello`` and ``TPEmbedReceipt`` out.
@@ -27,13 +27,13 @@ import threading
 import torch
 import zmq
 
-from epdserve import transport
+from epdserve.wire import transport
 from epdserve.config import DecodeConfig, PrefillConfig, add_config_args, config_from_args
-from epdserve.distributed import TPGroup, rank_device
-from epdserve.forward_batch import ForwardBatch
-from epdserve.messages import (ImageEmbeddings, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings,
+from epdserve.engine.distributed import TPGroup, rank_device
+from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.wire.messages import (ImageEmbeddings, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings,
                                TPShutdown, TPWriteKV)
-from epdserve.model_runner import ModelRunner, build_runner
+from epdserve.engine.model_runner import ModelRunner, build_runner
 
 log = logging.getLogger("epdserve.tp")
 
@@ -113,7 +113,7 @@ class Follower:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m epdserve.tp_follower", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m epdserve.engine.tp_follower", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="role", required=True)
     for role, cls in (("prefill", PrefillConfig), ("decode", DecodeConfig)):
@@ -128,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one TP rank until rank 0 says stop. Returns the exit code."""
-    from epdserve.cli import setup_logging
+    from epdserve.entry.cli import setup_logging
 
     args = _parser().parse_args(argv)
     setup_logging(args.log_level)

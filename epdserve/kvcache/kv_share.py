@@ -3,9 +3,9 @@ server's KV pool and copies a request's pages out of it, device to device.
 
 On CUDA the pool buffer is exported with a CUDA IPC memory handle (``cudaIpcGetMemHandle`` through torch's
 ``UntypedStorage._share_cuda_``, the call ``torch.multiprocessing`` makes, here without pickle: the handle's
-fields travel in a msgpack :class:`~epdserve.messages.KVPoolHandle`). On the CPU the pool is allocated in a file
+fields travel in a msgpack :class:`~epdserve.wire.messages.KVPoolHandle`). On the CPU the pool is allocated in a file
 under /dev/shm that both processes map. Either way only a handle crosses the socket, once per request, and the
-prefill server keeps the pages until the decode server's :class:`~epdserve.messages.KVAck` says it copied them.
+prefill server keeps the pages until the decode server's :class:`~epdserve.wire.messages.KVAck` says it copied them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import uuid
 
 import torch
 
-from epdserve.messages import KVPoolHandle
+from epdserve.wire.messages import KVPoolHandle
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Why: a prefill forward of a 36-layer model launches ~400 kernels from Python. Fo
 tokens the host needs longer to launch them than the GPU to run them (H100, 3B shapes: ~12 ms of launches for
 ~5.5 ms of GPU work, docs/performance.md), and that sits in every request's TTFT while the server is not busy.
 
-Method (SGLang's prefill/"piecewise" CUDA graphs, the decode graphs of :mod:`epdserve.cuda_graph`): capture the
+Method (SGLang's prefill/"piecewise" CUDA graphs, the decode graphs of :mod:`epdserve.engine.cuda_graph`): capture the
 whole prefill forward of one request for a fixed list of token counts, largest first, sharing one memory pool;
 inputs live in static device buffers. Per forward: copy the ids, M-RoPE positions and KV slots into those buffers
 (padding rows write their KV to a scratch page), scatter the image embeddings into an aligned embedding buffer
@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from epdserve.cuda_graph import capture_forward
+from epdserve.engine.cuda_graph import capture_forward
 from epdserve.device import to_device
-from epdserve.forward_batch import ForwardBatch
+from epdserve.engine.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ def _run_server(name: str, config) -> int:
     elif name == "gateway":
         from epdserve.gateway.app import main
     else:
-        from epdserve.launch import launch as main
+        from epdserve.entry.launch import launch as main
     return main(config) or 0
 
 

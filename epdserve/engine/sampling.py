@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from epdserve.device import to_device
-from epdserve.messages import SamplingParams, TokenLogprob
+from epdserve.wire.messages import SamplingParams, TokenLogprob
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-300 overflows to inf and the
 # softmax to NaN, which multinomial rejects, failing every request of the batch.

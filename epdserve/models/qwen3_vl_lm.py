@@ -17,7 +17,7 @@ paged attention and fused-op switch this module reuses:
 
 CUDA: the fused flashinfer ops apply as for Qwen2 (q/k norms run as flashinfer ``rmsnorm`` over ``[T * heads,
 head_dim]``). Decode batches carry no image rows, so decode CUDA graphs apply unchanged; the prefill CUDA graphs
-(:mod:`epdserve.prefill_graph`) do not carry DeepStack rows yet, so ``supports_prefill_graphs``
+(:mod:`epdserve.engine.prefill_graph`) do not carry DeepStack rows yet, so ``supports_prefill_graphs``
 is False and Qwen3-VL prefills run eagerly.
 """
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from epdserve.distributed import TPGroup
-from epdserve.forward_batch import ForwardBatch
+from epdserve.engine.distributed import TPGroup
+from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.models.config import ModelConfig
 from epdserve.models.qwen2_vl_lm import Attention, Qwen2VLLanguageModel, RMSNorm, _flashinfer, _Rope, _rotate
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdserve.distributed import TPGroup
+from epdserve.engine.distributed import TPGroup
 
 
 @dataclass(frozen=True)

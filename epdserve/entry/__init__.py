@@ -1,0 +1,1 @@
+"""Entry points: the ``epdserve`` command line and ``epdserve launch``."""
