@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from PIL import Image
 
+from epdserve.hashing import sha256_all
 from epdserve.config import EncoderConfig
 from epdserve.device import limit_cpu_threads, resolve_device, resolve_dtype
 from epdserve.encoder.batcher import EncodeBatcher
@@ -126,10 +126,6 @@ def add_servicer(servicer: EncoderServicer, server: grpc.aio.Server) -> None:
                 for name, (req, resp) in methods.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
-
-
-def _sha256_all(datas: list[bytes]) -> list[str]:
-    return [hashlib.sha256(d).hexdigest() for d in datas]
 
 
 def _decode_one(encoder: VisionEncoder, data: bytes, max_pixels: int) -> tuple[Image.Image | torch.Tensor, int]:
@@ -316,7 +312,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         # batch about to start waits for it (up to the batching window).
         self._batcher.announce()
         try:
-            hashes = await asyncio.to_thread(_sha256_all, datas)  # 100 MB takes ~0.2 s: keep it off the loop
+            hashes = [d.hex() for d in await asyncio.to_thread(sha256_all, datas)]  # 100 MB takes ~0.2 s: keep it off the loop
             out, pending = self._start_encodes(encoder, datas, hashes)
         finally:
             self._batcher.withdraw()

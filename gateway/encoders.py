@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from epdserve.hashing import sha256_all
 from epdserve.gateway.media import run_cpu_bound
 from epdserve.gateway.prompt import EncodedImage
 from epdserve.gateway.stages import StageError
@@ -78,10 +79,6 @@ def rendezvous_order(digest: bytes, names: Sequence[str]) -> list[int]:
 
 async def _false() -> bool:
     return False
-
-
-def _sha256_all(images: list[bytes]) -> list[bytes]:
-    return [hashlib.sha256(b).digest() for b in images]
 
 
 class EncoderPool:
@@ -182,7 +179,7 @@ class EncoderPool:
         if len(self.clients) == 1:
             orders = [[0]] * len(images)
         else:
-            digests = await run_cpu_bound(sum(map(len, images)), _sha256_all, images)
+            digests = await run_cpu_bound(sum(map(len, images)), sha256_all, images)
             orders = [rendezvous_order(d, self.names) for d in digests]
         results: list[EncodedImage | None] = [None] * len(images)
         todo = list(range(len(images)))
