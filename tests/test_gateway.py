@@ -32,7 +32,7 @@ from epdserve.wire.messages import (
     AbortRequest, DecodeRequest, Load, LoadRequest, PrefillRequest, ServerInfo, ServerInfoRequest, TokenOutput,
     TokenOutputBatch, decode, encode,
 )
-from epdserve.models.tiny import build_tokenizer
+from epdserve.models.checkpoint_parts import build_tokenizer
 
 CONTEXT = 4096
 EMBED_ENDPOINTS = ["tcp://127.0.0.1:39101", "tcp://127.0.0.1:39102"]

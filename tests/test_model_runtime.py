@@ -444,7 +444,7 @@ def test_flashinfer_matches_sdpa_cuda(tmp_path, heads, kv_heads):
 
 
 def test_backend_choice_on_cpu():
-    from epdserve.attention.base import make_backend
+    from epdserve.attention.select import make_backend
     from epdserve.attention.sdpa import SdpaBackend
     from epdserve.kvcache.kv_pool import KVPool
 

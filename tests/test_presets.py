@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from epdserve.models.presets import PRESETS, make_preset_model
-from epdserve.models.tiny import SPECIAL_TOKENS
+from epdserve.models.checkpoint_parts import SPECIAL_TOKENS
 
 SHRINK = {"text": {"num_hidden_layers": 1}, "vision": {"depth": 1}}
 

@@ -329,7 +329,7 @@ def test_preset_shapes_on_meta(preset):
     """Each preset's transformers model (built on the meta device) against the preset table and our LM's
     config reading; the 8B against the released checkpoint's parameter count."""
     from epdserve.models.presets import PRESETS, _preset_config, _tensor_plan
-    from epdserve.models.tiny import build_tokenizer
+    from epdserve.models.checkpoint_parts import build_tokenizer
 
     spec = PRESETS[preset]
     config, model_cls, _ = _preset_config(spec, build_tokenizer(), {})

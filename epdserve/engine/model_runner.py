@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from epdserve.attention.base import make_backend
+from epdserve.attention.select import make_backend
 from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool

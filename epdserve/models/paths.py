@@ -1,4 +1,5 @@
 """Where a checkpoint comes from: a local directory, or (no ``--model-path``) the default tiny model, built once."""
+
 from pathlib import Path
 
 
@@ -19,9 +20,7 @@ def default_model_path() -> Path:
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-"))
-    from epdserve.models.tiny import (
-        make_tiny_model,  # transformers and a tokenizer: only when building it
-    )
+    from epdserve.models.tiny import make_tiny_model  # transformers and a tokenizer: only when building it
 
     make_tiny_model(tmp, readable=True)
     try:

@@ -202,10 +202,10 @@ def _zero_rows(tokenizer, vocab: int, tied: bool):
     """
     import torch
 
-    from epdserve.models.tiny import SPECIAL_TOKENS, _invisible_ids
+    from epdserve.models.checkpoint_parts import SPECIAL_TOKENS, invisible_ids
 
     keep = {tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS} if tied else set()
-    return torch.tensor(_invisible_ids(tokenizer, vocab, keep), dtype=torch.long)
+    return torch.tensor(invisible_ids(tokenizer, vocab, keep), dtype=torch.long)
 
 
 def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device: str = "cpu",
@@ -245,7 +245,7 @@ def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device
     """
     import torch
 
-    from epdserve.models.tiny import build_tokenizer
+    from epdserve.models.checkpoint_parts import build_tokenizer
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")

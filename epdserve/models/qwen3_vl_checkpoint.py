@@ -2,7 +2,7 @@
 
 :func:`make_tiny_qwen3_vl` is what ``make_tiny_model(arch="qwen3_vl")`` runs; :mod:`epdserve.models.presets` uses
 :func:`qwen3_vl_config` and :func:`write_qwen3_vl_processor` for the real-shape Qwen3-VL presets. The tokenizer is
-the offline one of :func:`epdserve.models.tiny.build_tokenizer`, with Qwen3-VL's chat template.
+the offline one of :func:`epdserve.models.checkpoint_parts.build_tokenizer`, with Qwen3-VL's chat template.
 
 Sources: the released ``config.json``, ``preprocessor_config.json``/``video_preprocessor_config.json`` and
 ``chat_template.json`` of Qwen/Qwen3-VL-{2B,4B,8B}-Instruct (copies read through public repositories that quote
@@ -172,7 +172,7 @@ def qwen3_vl_config(tokenizer, *, text: dict, vision: dict, tie_word_embeddings:
     """
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from epdserve.models.tiny import special_token_ids
+    from epdserve.models.checkpoint_parts import special_token_ids
 
     special = special_token_ids(tokenizer)
     text = dict(text)
@@ -199,7 +199,7 @@ def write_qwen3_vl_processor(out: Path, tokenizer, *, image_pixels: tuple[int, i
     """
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    from epdserve.models.tiny import write_generation_config
+    from epdserve.models.checkpoint_parts import write_generation_config
 
     write_generation_config(out, tokenizer)
     tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
@@ -225,7 +225,7 @@ def make_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, max_pixels: int = 
     """
     import torch
 
-    from epdserve.models.tiny import _invisible_ids, build_tokenizer
+    from epdserve.models.checkpoint_parts import build_tokenizer, invisible_ids
 
     if size not in QWEN3_VL_SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(QWEN3_VL_SIZES)}")
@@ -239,7 +239,7 @@ def make_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, max_pixels: int = 
     model = model_cls(config).to(torch.float32).eval()
     if readable:
         with torch.no_grad():
-            model.lm_head.weight[_invisible_ids(tokenizer, config.text_config.vocab_size)] = 0
+            model.lm_head.weight[invisible_ids(tokenizer, config.text_config.vocab_size)] = 0
     model.save_pretrained(out, safe_serialization=True)
     write_qwen3_vl_processor(out, tokenizer, image_pixels=(64 * 64, max_pixels))
     return out
