@@ -1,0 +1,110 @@
+"""Video reading (epdserve/video.py): metadata and sampled frames equal what transformers' own pipeline gives, and
+every kind of bad file is a VideoError with a message."""
+
+import functools
+import io
+
+import numpy as np
+import pytest
+from transformers import AutoProcessor
+
+from epdserve.video import VideoError, VideoLimits, load_video, probe_video
+
+av = pytest.importorskip("av")
+
+
+def make_clip(frames: int = 20, fps: int = 10, size: tuple[int, int] = (96, 64), fmt: str = "mp4",
+              codec: str = "libx264", seed: int = 0) -> bytes:
+    """A clip of random-ish frames (a moving gradient plus noise, so neighbouring frames differ)."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for i in range(frames):
+            base = (np.add.outer(np.arange(h), np.arange(w)) * 2 + i * 12) % 256
+            rgb = np.stack([base, np.roll(base, i, axis=1), 255 - base], axis=-1)
+            rgb = np.clip(rgb + rng.integers(-8, 8, rgb.shape), 0, 255).astype(np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def all_frames(data: bytes) -> np.ndarray:
+    with av.open(io.BytesIO(data)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+@pytest.mark.parametrize("fmt,codec", [("mp4", "libx264"), ("webm", "libvpx-vp9")])
+def test_probe_reads_count_rate_and_size_also_where_the_header_has_no_count(fmt, codec):
+    meta = probe_video(make_clip(frames=20, fps=10, fmt=fmt, codec=codec))
+    assert (meta.total_num_frames, meta.fps, meta.width, meta.height) == (20, 10.0, 96, 64)
+    assert meta.duration == pytest.approx(2.0)
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def video_processor(request, tiny_model_path, tmp_path_factory):
+    if request.param == "qwen2_5_vl":
+        return AutoProcessor.from_pretrained(tiny_model_path).video_processor
+    from epdserve.models.tiny import make_tiny_model
+
+    return AutoProcessor.from_pretrained(make_tiny_model(tmp_path_factory.mktemp("q3v"), arch="qwen3_vl")).video_processor
+
+
+def test_sampled_frames_and_pixels_equal_transformers(video_processor):
+    """Our decode + the processor's sampling gives the frames, pixel values and grid that transformers gets from
+    the whole decoded clip with its own sampling (``do_sample_frames=True``)."""
+    data = make_clip(frames=37, fps=12)
+    sample = functools.partial(video_processor.sample_frames, fps=2)
+    frames, meta = load_video(data, sample)
+    everything = all_frames(data)
+    np.testing.assert_array_equal(frames, everything[meta.frames_indices])
+    ours = video_processor(videos=[frames], video_metadata=[meta], do_sample_frames=False, return_tensors="pt")
+    full_meta = probe_video(data)
+    theirs = video_processor(videos=[everything], video_metadata=[full_meta], do_sample_frames=True, fps=2,
+                             return_tensors="pt")
+    assert ours["video_grid_thw"].tolist() == theirs["video_grid_thw"].tolist()
+    assert ours["pixel_values_videos"].equal(theirs["pixel_values_videos"])
+    assert len(meta.frames_indices) >= 2 and meta.frames_indices == sorted(meta.frames_indices)
+
+
+@pytest.mark.parametrize("data,message", [
+    (b"", "cannot read the video"),
+    (b"\x00\x00\x00\x18ftypmp42" + bytes(200), "cannot read the video"),
+    (b"GIF89a not really", "no frame size"),
+])
+def test_unreadable_files_are_video_errors(data, message):
+    with pytest.raises(VideoError, match=message):
+        probe_video(data)
+
+
+def test_truncated_file_is_a_video_error():
+    data = make_clip(frames=30)
+    with pytest.raises(VideoError):
+        load_video(data[: len(data) // 3], lambda metadata: list(range(metadata.total_num_frames)))
+
+
+def test_audio_only_file_has_no_video_stream():
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for packet in stream.encode(frame):
+            container.mux(packet)
+    with pytest.raises(VideoError, match="no video stream"):
+        probe_video(buf.getvalue())
+
+
+def test_limits_on_duration_and_sampled_frames():
+    data = make_clip(frames=40, fps=10)  # 4 s
+    everything = lambda metadata: list(range(metadata.total_num_frames))  # noqa: E731
+    with pytest.raises(VideoError, match="over the limit of 3 s"):
+        load_video(data, everything, VideoLimits(max_duration_s=3))
+    with pytest.raises(VideoError, match="40 frames sampled from the video, over the limit of 16"):
+        load_video(data, everything, VideoLimits(max_frames=16))
+    frames, meta = load_video(data, everything, VideoLimits(max_frames=40, max_duration_s=4))
+    assert frames.shape == (40, 64, 96, 3) and meta.frames_indices == list(range(40))
