@@ -5,6 +5,7 @@ import functools
 import io
 
 import numpy as np
+import torch
 import pytest
 from transformers import AutoProcessor
 
@@ -108,3 +109,30 @@ def test_limits_on_duration_and_sampled_frames():
         load_video(data, everything, VideoLimits(max_frames=16))
     frames, meta = load_video(data, everything, VideoLimits(max_frames=40, max_duration_s=4))
     assert frames.shape == (40, 64, 96, 3) and meta.frames_indices == list(range(40))
+
+
+def test_video_mrope_positions_equal_transformers(tiny_model_path):
+    """A Qwen2.5-VL prompt with text, a video and text again: our positions (the video's temporal index scaled by
+    ``second_per_grid_t * tokens_per_second``) equal ``get_rope_index``'s."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from epdserve.models.mrope import mrope_positions
+
+    processor = AutoProcessor.from_pretrained(tiny_model_path)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_path)
+    frames, meta = load_video(make_clip(frames=30, fps=10, size=(112, 84)),
+                              functools.partial(processor.video_processor.sample_frames, fps=2))
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "Watch"}, {"type": "video"}, {"type": "text", "text": "what moves?"}]}],
+        add_generation_prompt=True)
+    inputs = processor(text=[text], videos=[frames], video_metadata=[meta], do_sample_frames=False,
+                       return_tensors="pt")
+    ids, grid = inputs["input_ids"], inputs["video_grid_thw"]
+    interval = float(inputs["second_per_grid_ts"][0]) * model.config.vision_config.tokens_per_second
+    offset = int((ids[0] == model.config.video_token_id).nonzero()[0])
+    assert grid[0, 0] > 1 and interval != 1  # several temporal patches, scaled: the case images never reach
+    pos, delta = mrope_positions(ids.shape[1], [(offset, grid[0].tolist(), interval)],
+                                 model.config.vision_config.spatial_merge_size)
+    ref, ref_delta = model.model.get_rope_index(ids, inputs["mm_token_type_ids"], None, grid,
+                                                inputs["second_per_grid_ts"])
+    assert torch.equal(pos, ref[:, 0]) and delta == int(ref_delta)

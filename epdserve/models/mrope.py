@@ -8,8 +8,9 @@ Qwen3-VL (transformers' ``Qwen3VLModel.get_rope_index``) gives images the same p
 have ``grid_t == 1``). What changes in Qwen3-VL is how the positions are turned into rotary angles (interleaved,
 see :func:`epdserve.models.qwen2_vl_lm.mrope_cos_sin`), not the positions.
 
-Video differs (not handled here yet). Qwen2.5-VL: one block per video, temporal index ``t * second_per_grid_t *
-tokens_per_second``. Qwen3-VL: the processor writes each frame (``grid_t`` frames, each of temporal patch 2) as
+Video. Qwen2-VL: one block per video, temporal index ``t``. Qwen2.5-VL: one block per video, temporal index
+``int(t * second_per_grid_t * tokens_per_second)`` (an entry's ``time_interval``); the running start still advances
+by ``max(grid_h, grid_w) // m`` only. Qwen3-VL: the processor writes each frame (``grid_t`` frames, each of temporal patch 2) as
 its own block ``<{time:.1f} seconds><|vision_start|><|video_pad|> * (h * w / m**2)<|vision_end|>``, and
 ``get_rope_index`` splits ``video_grid_thw`` into ``grid_t`` grids ``[1, h, w]``: every frame is positioned like
 a one-frame image (temporal index 0 plus the running start) at its own offset, and the timestamp tokens between
@@ -22,20 +23,23 @@ from __future__ import annotations
 import torch
 
 
-def mrope_positions(num_tokens: int, images: list[tuple[int, list[int]]],
+def mrope_positions(num_tokens: int, images: list[tuple[int, list[int]] | tuple[int, list[int], float]],
                     spatial_merge_size: int) -> tuple[torch.Tensor, int]:
     """3D positions of a prompt of ``num_tokens`` tokens whose images sit at the given offsets.
 
     Args:
         num_tokens: prompt length (> 0).
-        images: ``(offset of the image's first token, [grid_t, grid_h, grid_w])`` per image; the image occupies
-            ``grid_t * (grid_h // m) * (grid_w // m)`` tokens from ``offset`` (``m = spatial_merge_size``).
+        images: ``(offset of the image's first token, [grid_t, grid_h, grid_w])`` per image or video, optionally
+            with a third element ``time_interval`` (float, default 1: a Qwen2.5-VL video's ``second_per_grid_t *
+            tokens_per_second``); it occupies ``grid_t * (grid_h // m) * (grid_w // m)`` tokens from ``offset``
+            (``m = spatial_merge_size``).
         spatial_merge_size: the vision tower's spatial merge ``m``.
 
     Returns:
         ``(positions, delta)``: int64 ``[3, num_tokens]`` (temporal, height, width) and the int
         ``delta = max(positions) + 1 - num_tokens``. Text runs count up by one on all three axes from a running
-        start ``s``; an image's token at grid cell ``(t, h, w)`` gets ``(s + t, s + h, s + w)``, after which
+        start ``s``; an image's token at grid cell ``(t, h, w)`` gets ``(s + int(t * time_interval), s + h, s + w)``,
+        after which
         ``s += max(grid_h, grid_w) // m`` (as in transformers). Decode token at sequence index ``i`` has
         position ``i + delta`` on every axis.
 
@@ -46,7 +50,7 @@ def mrope_positions(num_tokens: int, images: list[tuple[int, list[int]]],
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     pos = torch.empty(3, num_tokens, dtype=torch.int64)
     start, idx = 0, 0
-    for offset, grid in images:
+    for offset, grid, *interval in images:
         gt, gh, gw = (int(g) for g in grid)
         mh, mw = gh // spatial_merge_size, gw // spatial_merge_size
         n = gt * mh * mw
@@ -55,7 +59,8 @@ def mrope_positions(num_tokens: int, images: list[tuple[int, list[int]]],
                              f"the prompt ({num_tokens} tokens); images must be sorted and disjoint")
         pos[:, idx:offset] = torch.arange(start, start + offset - idx)
         start += offset - idx
-        t, h, w = torch.meshgrid(torch.arange(gt), torch.arange(mh), torch.arange(mw), indexing="ij")
+        times = (torch.arange(gt) * interval[0]).long() if interval else torch.arange(gt)
+        t, h, w = torch.meshgrid(times, torch.arange(mh), torch.arange(mw), indexing="ij")
         pos[:, offset:offset + n] = torch.stack([t, h, w]).reshape(3, -1) + start
         start += max(gh, gw) // spatial_merge_size
         idx = offset + n
