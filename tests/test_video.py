@@ -136,3 +136,53 @@ def test_video_mrope_positions_equal_transformers(tiny_model_path):
     ref, ref_delta = model.model.get_rope_index(ids, inputs["mm_token_type_ids"], None, grid,
                                                 inputs["second_per_grid_ts"])
     assert torch.equal(pos, ref[:, 0]) and delta == int(ref_delta)
+
+
+def _runs(ids: list[int], token: int) -> list[int]:
+    return [i for i, t in enumerate(ids) if t == token and (i == 0 or ids[i - 1] != token)]
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_path(tmp_path_factory):
+    from epdserve.models.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("q3v-layout"), arch="qwen3_vl"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("frames,fps,size,want_fps", [(30, 10, (112, 84), 2), (9, 3, (300, 40), None),
+                                                      (50, 25, (64, 64), 4)])
+def test_layout_from_metadata_equals_the_processor(family, frames, fps, size, want_fps, tiny_model_path,
+                                                   qwen3_vl_path):
+    """Frames, grid, prompt ids and M-RoPE positions computed from the metadata alone equal what transformers'
+    processor gives from the decoded frames, and ``get_rope_index`` on them."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from epdserve.models.mrope import mrope_positions
+    from epdserve.models.video_layout import frame_sampler, plan_video, video_mrope_entries, video_placeholder
+
+    path = tiny_model_path if family == "qwen2_5_vl" else qwen3_vl_path
+    processor, config = AutoProcessor.from_pretrained(path), AutoConfig.from_pretrained(path)
+    data = make_clip(frames=frames, fps=fps, size=size)
+    layout = plan_video(processor.video_processor, probe_video(data), fps=want_fps)
+    frames_, meta = load_video(data, frame_sampler(processor.video_processor, fps=want_fps))
+    assert layout.frames_indices == meta.frames_indices
+
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "video"}, {"type": "text", "text": "and?"}]}], add_generation_prompt=True)
+    inputs = processor(text=[text], videos=[frames_], video_metadata=[meta], do_sample_frames=False,
+                       return_tensors="pt")
+    assert layout.grid_thw == inputs["video_grid_thw"][0].tolist()
+    ours = processor.tokenizer(text.replace("<|video_pad|>", video_placeholder(processor, layout)))["input_ids"]
+    ids = inputs["input_ids"][0].tolist()
+    assert ours == ids
+    if family == "qwen2_5_vl":
+        assert layout.second_per_grid_t == pytest.approx(float(inputs["second_per_grid_ts"][0]))
+    entries = video_mrope_entries(family, _runs(ids, config.video_token_id), layout,
+                                  getattr(config.vision_config, "tokens_per_second", 1))
+    pos, delta = mrope_positions(len(ids), entries, config.vision_config.spatial_merge_size)
+    model = AutoModelForImageTextToText.from_config(config)
+    extra = {"second_per_grid_ts": inputs["second_per_grid_ts"]} if family == "qwen2_5_vl" else {}
+    ref, ref_delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], None,
+                                                inputs["video_grid_thw"], **extra)
+    assert torch.equal(pos, ref[:, 0]) and delta == int(ref_delta)
