@@ -28,7 +28,8 @@ from PIL import Image
 from epdserve.device import resolve_device, resolve_dtype
 from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.cache import EmbeddingCache
-from epdserve.encoder.server import EmbeddingPusher, EncoderServicer
+from epdserve.encoder.pusher import EmbeddingPusher
+from epdserve.encoder.server import EncoderServicer
 from epdserve.encoder.vision import VisionEncoder
 from epdserve.models.paths import resolve_model_path
 from epdserve.proto import encoder_pb2

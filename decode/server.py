@@ -28,7 +28,7 @@ from epdserve.kvcache.kv_share import shares_kv
 from epdserve.wire.messages import (AbortRequest, DecodeRequest, KVTransfer, LoadRequest, ServerInfo, ServerInfoRequest,
                                TokenOutputBatch)
 from epdserve.metrics import DecodeMetrics, start_metrics_server
-from epdserve.engine.model_runner import runner_from_config
+from epdserve.engine.runner_setup import runner_from_config
 
 log = logging.getLogger("epdserve.decode")
 

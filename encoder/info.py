@@ -10,8 +10,11 @@ import epdserve
 from epdserve.proto import encoder_pb2
 
 if TYPE_CHECKING:
-    from epdserve.encoder.server import EncoderServicer
+    from epdserve.config import EncoderConfig
+    from epdserve.encoder.batcher import EncodeBatcher
+    from epdserve.encoder.cache import EmbeddingCache
     from epdserve.encoder.vision import VisionEncoder
+    from epdserve.metrics import EncoderMetrics
 
 
 def model_info(encoder: VisionEncoder) -> encoder_pb2.GetModelInfoResponse:
@@ -25,16 +28,13 @@ def model_info(encoder: VisionEncoder) -> encoder_pb2.GetModelInfoResponse:
         out_hidden_size=getattr(cfg, "out_hidden_size", None) or cfg.hidden_size)
 
 
-def server_info(servicer: EncoderServicer) -> encoder_pb2.GetServerInfoResponse:
+def server_info(config: EncoderConfig | None, ready: bool, metrics_port: int, cache: EmbeddingCache,
+                batcher: EncodeBatcher, metrics: EncoderMetrics) -> encoder_pb2.GetServerInfoResponse:
     """Flags (every ``EncoderConfig`` field as text), readiness, metrics port, cache and batcher state."""
-    flags = {}
-    if servicer.config is not None:
-        flags = {f.name: str(getattr(servicer.config, f.name)) for f in dataclasses.fields(servicer.config)}
-    stats = servicer.cache.stats()
-    metrics = servicer.metrics
+    flags = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(config)} if config is not None else {}
+    stats = cache.stats()
     return encoder_pb2.GetServerInfoResponse(
-        flags=flags, version=epdserve.__version__, ready=servicer.encoder is not None,
-        metrics_port=servicer.metrics_port, cache_entries=stats["entries"], cache_bytes=stats["size_bytes"],
+        flags=flags, version=epdserve.__version__, ready=ready, metrics_port=metrics_port, cache_entries=stats["entries"], cache_bytes=stats["size_bytes"],
         cache_capacity_bytes=stats["capacity_bytes"], cache_hits=stats["hits"], cache_misses=stats["misses"],
-        tower_calls=servicer.batcher.calls, queued_images=servicer.batcher.queued,
+        tower_calls=batcher.calls, queued_images=batcher.queued,
         running_requests=int(metrics.value("epdserve:num_running_reqs")))

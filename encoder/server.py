@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import signal
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -32,102 +31,22 @@ from epdserve.config import EncoderConfig
 from epdserve.device import limit_cpu_threads, resolve_device, resolve_dtype
 from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.cache import EmbeddingCache
+from epdserve.encoder.grpc_codec import SERVICE_NAME, MalformedRequest, RequestError, add_servicer, tensor_to_proto
 from epdserve.encoder.info import model_info, server_info
+from epdserve.encoder.pusher import EmbeddingPusher
 from epdserve.encoder.vision import ImageDecodeError, VisionEncoder
 from epdserve.logging_setup import request_context
-from epdserve.wire.messages import ImageEmbeddings, encode, tensor_bytes, tensor_from_bytes
+from epdserve.wire.messages import ImageEmbeddings, encode
 from epdserve.metrics import EncoderMetrics, start_metrics_server
 from epdserve.models.paths import resolve_model_path
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
 
 log = logging.getLogger("epdserve.encoder")  # not __name__: that is "__main__" under python -m
 
-SERVICE_NAME: str = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name  # "epdserve.v1.Encoder"
 MIB = 1 << 20
 # Seconds the encoder waits, model loaded, before it serves: a test hook that makes its start as slow as a real
 # model's (tests of the launcher's ready line and of the gateway's /health).
 LOAD_DELAY_ENV = "EPDSERVE_TEST_ENCODER_LOAD_DELAY_S"
-# A target that accepts no message for this long is taken as down: the request fails with UNAVAILABLE rather
-# than queueing embeddings for a prefill rank that may never read them.
-PUSH_TIMEOUT_S = 10.0
-# Messages queued per target before sends wait: embeddings are MBs each, so the default 1000 could hold GBs.
-_PUSH_HWM = 64
-# Give queued embeddings a moment to leave at shutdown, but never hang on a dead peer.
-_PUSH_LINGER_MS = 1000
-# Bound on cached PUSH sockets (one per prefill TP rank seen); the least recently used is closed beyond it.
-_MAX_PUSH_SOCKETS = 256
-
-# Embeddings are floating point; the wire codec itself carries more dtypes.
-_EMBEDDING_DTYPES = ("float32", "bfloat16", "float16")
-
-
-class RequestError(Exception):
-    """A request that fails with a specific gRPC status (``code``) and message, not as an internal error."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, log_level: int = logging.DEBUG) -> None:
-        super().__init__(message)
-        self.code = code
-        self.log_level = log_level  # client mistakes stay quiet; operational trouble (a dead target) is a warning
-
-
-def tensor_to_proto(t: torch.Tensor) -> encoder_pb2.Tensor:
-    """Serialize a CPU or device tensor to ``epdserve.v1.Tensor`` (raw little-endian row-major bytes).
-
-    Raises:
-        ValueError: dtype other than float32 / bfloat16 / float16.
-    """
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in _EMBEDDING_DTYPES:
-        raise ValueError(f"unsupported tensor dtype {t.dtype}")
-    return encoder_pb2.Tensor(dtype=name, shape=list(t.shape), data=tensor_bytes(t).tobytes())
-
-
-def tensor_from_proto(msg: encoder_pb2.Tensor) -> torch.Tensor:
-    """Rebuild the tensor of an ``epdserve.v1.Tensor`` (a writable CPU copy).
-
-    Raises:
-        ValueError: unknown dtype, or ``data`` does not hold exactly ``shape`` elements.
-    """
-    if msg.dtype not in _EMBEDDING_DTYPES:
-        raise ValueError(f"unknown tensor dtype {msg.dtype!r}")
-    return tensor_from_bytes(msg.data, msg.dtype, list(msg.shape)).clone()
-
-
-class MalformedRequest:
-    """What a request that is not valid protobuf deserializes to, so that Encode can answer INVALID_ARGUMENT
-    (grpc itself would answer UNKNOWN)."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-        self.request_id = ""
-
-
-def _lenient(parse):
-    """Wrap a protobuf ``FromString`` so that bytes it cannot parse become a :class:`MalformedRequest`."""
-    def deserialize(data: bytes):
-        try:
-            return parse(data)
-        except Exception as e:  # DecodeError, and whatever else a corrupt wire format raises
-            return MalformedRequest(f"malformed request: {e}")
-
-    return deserialize
-
-
-def add_servicer(servicer: EncoderServicer, server: grpc.aio.Server) -> None:
-    """Register ``servicer`` as ``epdserve.v1.Encoder`` on ``server`` (as the generated
-    ``add_EncoderServicer_to_server`` does, but with requests that do not parse answered INVALID_ARGUMENT)."""
-    pb2 = encoder_pb2
-    methods = {"Encode": (pb2.EncodeRequest, pb2.EncodeResponse), "GetLoad": (pb2.EncoderLoadRequest, pb2.EncoderLoad),
-               "GetModelInfo": (pb2.GetModelInfoRequest, pb2.GetModelInfoResponse),
-               "GetServerInfo": (pb2.GetServerInfoRequest, pb2.GetServerInfoResponse)}
-    handlers = {name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name),
-                                                          request_deserializer=_lenient(req.FromString),
-                                                          response_serializer=resp.SerializeToString)
-                for name, (req, resp) in methods.items()}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
-
-
 def _decode_one(encoder: VisionEncoder, data: bytes, max_pixels: int) -> tuple[Image.Image | torch.Tensor, int]:
     image = encoder.decode(data, max_pixels)
     return image, encoder.num_patches(image)
@@ -138,80 +57,6 @@ def _consume_exception(fut: asyncio.Future) -> None:
     # asyncio from logging "Future exception was never retrieved".
     if not fut.cancelled():
         fut.exception()
-
-
-class EmbeddingPusher:
-    """ZMQ PUSH sockets to prefill embedding endpoints, connected on first use and cached per endpoint.
-
-    Sockets use ``IMMEDIATE`` so a message is only queued to a live connection: an unreachable target makes
-    :meth:`push` fail after ``timeout_s`` instead of silently buffering.
-    """
-
-    def __init__(self, context: zmq.asyncio.Context, timeout_s: float = PUSH_TIMEOUT_S) -> None:
-        self._ctx = context
-        self._timeout_s = timeout_s
-        self._sockets: OrderedDict[str, zmq.asyncio.Socket] = OrderedDict()
-
-    def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
-        sock = self._sockets.get(endpoint)
-        if sock is not None:
-            self._sockets.move_to_end(endpoint)
-            return sock
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDHWM, _PUSH_HWM)
-        sock.setsockopt(zmq.LINGER, _PUSH_LINGER_MS)
-        try:
-            sock.connect(endpoint)
-        except zmq.ZMQError as e:
-            sock.close(linger=0)
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"bad target {endpoint!r}: {e}") from e
-        self._sockets[endpoint] = sock
-        if len(self._sockets) > _MAX_PUSH_SOCKETS:
-            _, oldest = self._sockets.popitem(last=False)
-            oldest.close()
-        return sock
-
-    def connect(self, endpoints: list[str]) -> list[zmq.asyncio.Socket]:
-        """The (cached or new) socket of each endpoint; connecting early lets TCP setup overlap the encode.
-
-        Raises:
-            RequestError: INVALID_ARGUMENT for a malformed endpoint.
-        """
-        return [self._socket(e) for e in endpoints]
-
-    async def push(self, endpoints: list[str], frames: list[bytes | memoryview]) -> None:
-        """Send the same multipart message to every endpoint, concurrently; return once all have taken it.
-
-        Raises:
-            RequestError: INVALID_ARGUMENT for a malformed endpoint, UNAVAILABLE for one that accepted nothing
-                within the timeout (the others may have received the message).
-        """
-        socks = list(zip(endpoints, self.connect(endpoints)))
-
-        async def one(endpoint: str, sock: zmq.asyncio.Socket) -> None:
-            try:
-                await asyncio.wait_for(sock.send_multipart(frames, copy=False), self._timeout_s)
-            except TimeoutError as e:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                   f"target {endpoint!r} accepted no embeddings within {self._timeout_s:g} s",
-                                   logging.WARNING) from e
-
-        results = await asyncio.gather(*(one(e, s) for e, s in socks), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-
-    @property
-    def num_sockets(self) -> int:
-        """PUSH sockets open now (at most ``_MAX_PUSH_SOCKETS``)."""
-        return len(self._sockets)
-
-    def close(self) -> None:
-        """Close every socket (each lingers up to 1 s for queued messages)."""
-        for sock in self._sockets.values():
-            sock.close()
-        self._sockets.clear()
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
@@ -284,7 +129,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         """Flags, readiness, metrics port, embedding cache and batcher state (answers while loading too)."""
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
-        return server_info(self)
+        return server_info(self.config, self.encoder is not None, self.metrics_port, self.cache, self.batcher,
+                           self.metrics)
 
     async def GetLoad(self, request: encoder_pb2.EncoderLoadRequest,
                       context: grpc.aio.ServicerContext) -> encoder_pb2.EncoderLoad:

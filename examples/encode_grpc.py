@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from epdserve.encoder.server import tensor_from_proto
+from epdserve.encoder.grpc_codec import tensor_from_proto
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
 
 DEFAULT_IMAGE = Path(__file__).resolve().parents[2] / "shared" / "images" / "chelsea.png"

@@ -29,7 +29,7 @@ from epdserve.kvcache.kv_share import shares_kv
 from epdserve.wire.messages import (AbortRequest, ImageEmbeddings, KVAck, KVRegister, LoadRequest, PrefillRequest,
                                ServerInfo, ServerInfoRequest)
 from epdserve.metrics import PrefillMetrics, start_metrics_server
-from epdserve.engine.model_runner import runner_from_config
+from epdserve.engine.runner_setup import runner_from_config
 from epdserve.prefill.replies import PrefillReplies
 from epdserve.prefill.scheduler import PrefillScheduler
 

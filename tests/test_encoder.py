@@ -26,8 +26,9 @@ from epdserve.config import EncoderConfig
 from epdserve.encoder import server as server_mod
 from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.cache import EmbeddingCache
-from epdserve.encoder.server import (EmbeddingPusher, EncoderServicer, serve, tensor_from_proto,
-                                     tensor_to_proto)
+from epdserve.encoder.grpc_codec import tensor_from_proto, tensor_to_proto
+from epdserve.encoder.pusher import EmbeddingPusher
+from epdserve.encoder.server import EncoderServicer, serve
 from epdserve.encoder.vision import VisionEncoder, decode_image
 from epdserve.wire.messages import ImageEmbeddings, decode
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc

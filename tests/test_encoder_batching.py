@@ -18,7 +18,9 @@ from PIL import Image
 
 from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.cache import EmbeddingCache
-from epdserve.encoder.server import EmbeddingPusher, EncoderServicer, tensor_from_proto
+from epdserve.encoder.grpc_codec import tensor_from_proto
+from epdserve.encoder.pusher import EmbeddingPusher
+from epdserve.encoder.server import EncoderServicer
 from epdserve.encoder.vision import VisionEncoder
 from epdserve.proto import encoder_pb2
 
