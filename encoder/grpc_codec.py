@@ -9,7 +9,7 @@ import grpc
 import torch
 
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
-from epdserve.wire.messages import tensor_bytes, tensor_from_bytes
+from epdserve.wire.codec import tensor_bytes, tensor_from_bytes
 
 SERVICE_NAME: str = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name  # "epdserve.v1.Encoder"
 

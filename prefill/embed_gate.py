@@ -18,7 +18,8 @@ from collections.abc import Iterable
 
 import torch
 
-from epdserve.wire.messages import ImageEmbeddings, TPEmbedReceipt
+from epdserve.wire.messages import ImageEmbeddings
+from epdserve.wire.tp_messages import TPEmbedReceipt
 
 log = logging.getLogger(__name__)
 

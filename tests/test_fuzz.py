@@ -225,8 +225,8 @@ def _garbage(draw):
     if kind == "deep":
         return [b"\x91" * draw(st.integers(100, 100_000)) + b"\xc0"]
     if kind == "fields":
-        name = draw(st.sampled_from(sorted(messages._KINDS)))
-        cls = messages._KINDS[name]
+        name = draw(st.sampled_from(sorted(messages.KINDS)))
+        cls = messages.KINDS[name]
         fields = {f.name: draw(_field) for f in dataclasses.fields(cls) if draw(st.integers(0, 4))}
         return [msgpack.packb({"kind": name, **fields})] + extra
     return messages.encode(draw(_hostile()))

@@ -31,8 +31,10 @@ from epdserve.wire import transport
 from epdserve.config import DecodeConfig, PrefillConfig, add_config_args, config_from_args
 from epdserve.engine.distributed import TPGroup, rank_device
 from epdserve.engine.forward_batch import ForwardBatch
-from epdserve.wire.messages import (ImageEmbeddings, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings,
-                               TPShutdown, TPWriteKV)
+from epdserve.wire.messages import ImageEmbeddings
+from epdserve.wire.tp_messages import (
+    TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings, TPShutdown, TPWriteKV,
+)
 from epdserve.engine.model_runner import ModelRunner, build_runner
 
 log = logging.getLogger("epdserve.tp")

@@ -33,8 +33,10 @@ import zmq
 from epdserve.wire import transport
 from epdserve.engine.distributed import TPGroup, rank_device
 from epdserve.engine.forward_batch import ForwardBatch
-from epdserve.wire.messages import (TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings, TPShutdown,
-                               TPWriteKV, encode)
+from epdserve.wire.messages import encode
+from epdserve.wire.tp_messages import (
+    TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings, TPShutdown, TPWriteKV,
+)
 from epdserve.engine.model_runner import ModelRunner, build_runner
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import head_shard, split_evenly

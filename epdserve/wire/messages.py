@@ -1,4 +1,4 @@
-"""Every message that crosses a ZeroMQ socket between stages, and the one codec for all of them.
+"""Every message that crosses a ZeroMQ socket between stages, and the codec built for all of them.
 
 Data flows one way, stage by stage::
 
@@ -6,36 +6,22 @@ Data flows one way, stage by stage::
     gateway --DecodeRequest---> decode --KVRegister--> prefill bootstrap
     prefill --KVTransfer------> decode --TokenOutput--> gateway
 
-Wire format (never pickle): a multipart ZeroMQ message whose first frame is a msgpack map
-``{"kind": <class name>, **fields}`` and whose further frames are raw tensor bytes. A ``torch.Tensor`` field is
-written in the map as ``{"__tensor__": i, "dtype": "float32", "shape": [...]}`` and its bytes travel in frame
-``i + 1``. Nested dataclasses are maps tagged with their ``kind``. Only classes registered here decode.
+The wire format is :mod:`epdserve.wire.codec`'s (msgpack header + raw tensor frames, never pickle); the messages
+inside one TP server are in :mod:`epdserve.wire.tp_messages`. Only the classes listed in ``_CODEC`` decode.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import struct
-import warnings
 from dataclasses import dataclass, field
-from typing import Any
 
-import msgpack
 import torch
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-}
-
-
-class WireError(ValueError):
-    """Raised when frames do not decode to a known message (unknown kind, bad tensor header, bad msgpack)."""
+from epdserve.wire.codec import Codec, WireError, tensor_bytes, tensor_from_bytes  # noqa: F401  (the wire's names)
+from epdserve.wire.tp_messages import (
+    TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings, TPShutdown, TPWriteKV,
+)
 
 
 @dataclass
@@ -277,188 +263,12 @@ def input_ids_digest(input_ids: list[int]) -> str:
     it, so a tokenization mismatch fails the request instead of decoding from a KV cache of another prompt.
     """
     return hashlib.blake2b(struct.pack(f"<{len(input_ids)}q", *input_ids), digest_size=8).hexdigest()
-# ---- inside one TP server: rank 0 (the server process) <-> ranks 1..N-1, over 127.0.0.1 ----
-
-
-@dataclass
-class TPHello:
-    """TP rank ``rank`` -> rank 0: loaded, warmed up, listening (for embeddings on a prefill server, at
-    ``embed_endpoint``, a port the rank bound itself so no two processes race for one chosen in advance)."""
-
-    rank: int
-    embed_endpoint: str = ""
-
-
-@dataclass
-class TPForward:
-    """TP rank 0 -> other ranks: run this forward now (a ``ForwardBatch``).
-
-    The token ids are not here: they follow as a ``torch.distributed`` broadcast inside the forward (rank 0 may
-    hold them only on its device). Image rows are named, not sent: ``mm_sources`` lists per block of
-    ``mm_embeds`` rows ``[rid, image_hash, start, end]`` of that rank's own copy of the embeddings; ``mm_mask``
-    is ``[num_tokens]`` uint8 (1 = an image row). ``positions`` ``[3, T]`` and ``out_slots`` ``[T]`` are int64.
-    """
-
-    is_decode: bool
-    num_tokens: int
-    positions: torch.Tensor
-    out_slots: torch.Tensor
-    q_lens: list[int]
-    kv_lens: list[int]
-    page_table: list[list[int]]
-    mm_mask: torch.Tensor | None = None
-    mm_sources: list[list] = field(default_factory=list)
-
-
-@dataclass
-class TPReadKV:
-    """TP rank 0 -> other ranks: take part in gathering the KV at ``slots`` (int64 ``[n]``) from every rank."""
-
-    slots: torch.Tensor
-
-
-@dataclass
-class TPWriteKV:
-    """TP rank 0 -> other ranks: receive a KV of ``shape`` (``[layers, 2, n, kv_heads, head_dim]``, all heads) by
-    broadcast and store this rank's heads at ``slots`` (int64 ``[n]``)."""
-
-    slots: torch.Tensor
-    shape: list[int]
-
-
-@dataclass
-class TPReleaseEmbeddings:
-    """TP rank 0 -> other ranks: drop your copies of these requests' image embeddings."""
-
-    rids: list[str]
-
-
-@dataclass
-class TPShutdown:
-    """TP rank 0 -> other ranks: the server stops; exit."""
-
-
-@dataclass
-class TPEmbedReceipt:
-    """TP rank ``rank`` -> rank 0: it holds the embeddings of ``image_hashes`` for ``rid``."""
-
-    rank: int
-    rid: str
-    image_hashes: list[str]
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian, row-major bytes of ``t`` (moved to CPU and made contiguous; no further copy)."""
-    t = t.detach().to("cpu").contiguous()
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
-
-
-def tensor_from_bytes(buf, dtype: str, shape: list[int]) -> torch.Tensor:
-    """A zero-copy CPU view of ``buf`` (any buffer) as a ``dtype`` tensor of ``shape``; read-only when ``buf`` is.
-
-    Raises:
-        WireError: unknown ``dtype``, or ``buf`` does not hold exactly ``shape`` elements.
-    """
-    if dtype not in _DTYPES:
-        raise WireError(f"unknown tensor dtype {dtype!r}")
-    view = memoryview(buf)
-    if view.nbytes:
-        with warnings.catch_warnings():  # read-only is fine: receivers copy or only read
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(view, dtype=torch.uint8)
-    else:
-        flat = torch.empty(0, dtype=torch.uint8)
-    try:
-        return flat.view(_DTYPES[dtype]).reshape(shape)
-    except RuntimeError as e:
-        raise WireError(f"tensor data does not match {dtype}{list(shape)}: {e}") from e
-
-
-_KINDS: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        SamplingParams, TokenLogprob, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest, ServerInfoRequest,
-        ServerInfo, LoadRequest, Load,
-        ImageEmbeddings, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput, TokenOutputBatch,
-        TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt,
-    )
-}
-
-
-_FIELD_NAMES: dict[str, frozenset[str]] = {
-    name: frozenset(f.name for f in dataclasses.fields(cls)) for name, cls in _KINDS.items()}
-
-
-def encode(msg: Any) -> list[bytes | memoryview]:
-    """Encode a registered dataclass to ZeroMQ frames (header + one raw frame per tensor).
-
-    Tensors are moved to CPU and made contiguous; their bytes are exported without a further copy.
-
-    Raises:
-        TypeError: ``msg`` (or a nested value) is not a registered dataclass or plain msgpack data.
-    """
-    frames: list[bytes | memoryview] = []
-
-    def pack(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            frames.append(tensor_bytes(value))
-            return {"__tensor__": len(frames) - 1, "dtype": str(value.dtype).removeprefix("torch."),
-                    "shape": list(value.shape)}
-        if dataclasses.is_dataclass(value):
-            if type(value).__name__ not in _KINDS:
-                raise TypeError(f"{type(value).__name__} is not a registered message kind")
-            out = {"kind": type(value).__name__}
-            for f in dataclasses.fields(value):
-                out[f.name] = pack(getattr(value, f.name))
-            return out
-        if isinstance(value, (list, tuple)):
-            return [pack(v) for v in value]
-        return value
-
-    header = msgpack.packb(pack(msg), use_bin_type=True)
-    return [header, *frames]
-
-
-def decode(frames: list) -> Any:
-    """Decode frames made by :func:`encode` (bytes, memoryviews or ``zmq.Frame``) back to the dataclass.
-
-    Tensors are zero-copy, read-only CPU views of their frames (a KV transfer is megabytes per request): clone
-    one before writing to it.
-
-    Raises:
-        WireError: malformed msgpack, unknown kind, unknown dtype, or a tensor frame of the wrong size.
-    """
-    if not frames:
-        raise WireError("empty message")
-    try:
-        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types
-        raise WireError(f"malformed header: {e}") from e
-
-    def unpack(value: Any) -> Any:
-        if isinstance(value, dict):
-            if "__tensor__" in value:
-                idx, dtype, shape = value["__tensor__"], value.get("dtype"), value.get("shape")
-                if not isinstance(idx, int) or not 0 <= idx < len(frames) - 1 or not isinstance(shape, list):
-                    raise WireError(f"bad tensor header {value!r}")
-                return tensor_from_bytes(frames[idx + 1], dtype, shape)
-            kind = value.get("kind")
-            cls = _KINDS.get(kind)
-            if cls is None:
-                raise WireError(f"unknown message kind {kind!r}")
-            names = _FIELD_NAMES[kind]
-            try:
-                return cls(**{k: unpack(v) for k, v in value.items() if k in names})
-            except TypeError as e:
-                raise WireError(f"bad fields for {kind}: {e}") from e
-        if isinstance(value, list):
-            # Token id lists are most of a decode step's message: leave lists of scalars as msgpack made them.
-            if any(isinstance(v, (dict, list)) for v in value):
-                return [unpack(v) for v in value]
-            return value
-        return value
-
-    msg = unpack(header)
-    if not dataclasses.is_dataclass(msg):
-        raise WireError("header is not a message")
-    return msg
+_CODEC = Codec((
+    SamplingParams, TokenLogprob, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest, ServerInfoRequest,
+    ServerInfo, LoadRequest, Load,
+    ImageEmbeddings, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput, TokenOutputBatch,
+    TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt,
+))
+KINDS = _CODEC.kinds  # every kind the stages exchange, by class name
+encode = _CODEC.encode  # see Codec.encode: a registered dataclass -> [header, *tensor frames]
+decode = _CODEC.decode  # see Codec.decode: frames -> the dataclass (WireError when they are not one)

@@ -1,0 +1,74 @@
+"""Messages inside one tensor-parallel server: rank 0 (the server process) <-> ranks 1..N-1, over 127.0.0.1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TPHello:
+    """TP rank ``rank`` -> rank 0: loaded, warmed up, listening (for embeddings on a prefill server, at
+    ``embed_endpoint``, a port the rank bound itself so no two processes race for one chosen in advance)."""
+
+    rank: int
+    embed_endpoint: str = ""
+
+
+@dataclass
+class TPForward:
+    """TP rank 0 -> other ranks: run this forward now (a ``ForwardBatch``).
+
+    The token ids are not here: they follow as a ``torch.distributed`` broadcast inside the forward (rank 0 may
+    hold them only on its device). Image rows are named, not sent: ``mm_sources`` lists per block of
+    ``mm_embeds`` rows ``[rid, image_hash, start, end]`` of that rank's own copy of the embeddings; ``mm_mask``
+    is ``[num_tokens]`` uint8 (1 = an image row). ``positions`` ``[3, T]`` and ``out_slots`` ``[T]`` are int64.
+    """
+
+    is_decode: bool
+    num_tokens: int
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    q_lens: list[int]
+    kv_lens: list[int]
+    page_table: list[list[int]]
+    mm_mask: torch.Tensor | None = None
+    mm_sources: list[list] = field(default_factory=list)
+
+
+@dataclass
+class TPReadKV:
+    """TP rank 0 -> other ranks: take part in gathering the KV at ``slots`` (int64 ``[n]``) from every rank."""
+
+    slots: torch.Tensor
+
+
+@dataclass
+class TPWriteKV:
+    """TP rank 0 -> other ranks: receive a KV of ``shape`` (``[layers, 2, n, kv_heads, head_dim]``, all heads) by
+    broadcast and store this rank's heads at ``slots`` (int64 ``[n]``)."""
+
+    slots: torch.Tensor
+    shape: list[int]
+
+
+@dataclass
+class TPReleaseEmbeddings:
+    """TP rank 0 -> other ranks: drop your copies of these requests' image embeddings."""
+
+    rids: list[str]
+
+
+@dataclass
+class TPShutdown:
+    """TP rank 0 -> other ranks: the server stops; exit."""
+
+
+@dataclass
+class TPEmbedReceipt:
+    """TP rank ``rank`` -> rank 0: it holds the embeddings of ``image_hashes`` for ``rid``."""
+
+    rank: int
+    rid: str
+    image_hashes: list[str]
