@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from PIL import Image
 
-from epdserve.metrics import EncoderMetrics
+from epdserve.encoder.metrics import EncoderMetrics
 
 
 class ImageEncoder(Protocol):

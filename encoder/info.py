@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from epdserve.encoder.batcher import EncodeBatcher
     from epdserve.encoder.cache import EmbeddingCache
     from epdserve.encoder.vision import VisionEncoder
-    from epdserve.metrics import EncoderMetrics
+    from epdserve.encoder.metrics import EncoderMetrics
 
 
 def model_info(encoder: VisionEncoder) -> encoder_pb2.GetModelInfoResponse:

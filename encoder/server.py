@@ -37,7 +37,8 @@ from epdserve.encoder.pusher import EmbeddingPusher
 from epdserve.encoder.vision import ImageDecodeError, VisionEncoder
 from epdserve.logging_setup import request_context
 from epdserve.wire.messages import ImageEmbeddings, encode
-from epdserve.metrics import EncoderMetrics, start_metrics_server
+from epdserve.encoder.metrics import EncoderMetrics
+from epdserve.metrics import start_metrics_server
 from epdserve.models.paths import resolve_model_path
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
 

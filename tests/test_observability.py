@@ -27,7 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epdserve.logging_setup import (JsonFormatter, RequestIdFilter, TextFormatter, request_context,
                                     sanitize_request_id)
-from epdserve.metrics import (DecodeMetrics, EncoderMetrics, GatewayMetrics, PrefillMetrics, StageMetrics)
+from epdserve.encoder.metrics import EncoderMetrics
+from epdserve.metrics import DecodeMetrics, GatewayMetrics, PrefillMetrics, StageMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "epdserve.json"
 NEW_TOKENS = 6
