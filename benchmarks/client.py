@@ -122,6 +122,78 @@ def _stream_error_text(obj: dict[str, Any]) -> str:
     return f"stream error: {msg}"[:_MAX_ERROR_CHARS]
 
 
+class _Stream:
+    """What one streamed chat response has shown so far (times are ``time.perf_counter()`` seconds)."""
+
+    def __init__(self, start: float, keep_text: bool) -> None:
+        self.start, self.keep_text = start, keep_text
+        self.last: float | None = None  # arrival of the latest chunk with text
+        self.first_choice: float | None = None  # arrival of the first chunk with a choice that is not the role
+        self.end: float | None = None  # arrival of data: [DONE]
+        self.usage: dict[str, Any] | None = None
+        self.text: list[str] = []
+
+    def feed(self, record: RequestRecord, raw: bytes, now: float) -> str | None:
+        """One line of the body (its newline included), arrived at ``now``. Returns ``"done"`` at ``data: [DONE]``,
+        ``"error"`` after an error event (``record.error`` set), else None.
+
+        Raises:
+            json.JSONDecodeError: a data line that is not JSON.
+        """
+        record.num_events += 1
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if not line.startswith("data:"):
+            return None  # blank separators, ": keep-alive" comments, "event:" fields
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            self.end = now
+            return "done"
+        obj = json.loads(payload)
+        if "error" in obj:
+            record.error = _stream_error_text(obj)
+            return "error"
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        choices = obj.get("choices")
+        if not choices:
+            return None
+        delta = choices[0].get("delta") or {}
+        if "role" not in delta:
+            self.first_choice = self.first_choice or now
+        piece = delta.get("content") or delta.get("reasoning_content")
+        if piece:
+            if self.last is None:
+                record.ttft_s = now - self.start
+            else:
+                record.itl_s.append(now - self.last)
+            self.last = now
+            record.num_chunks += 1
+            if self.keep_text:
+                self.text.append(piece)
+        return None
+
+    def finish(self, record: RequestRecord) -> RequestRecord:
+        """Fill the request-level figures of a stream that reached ``[DONE]`` (or set ``record.error``)."""
+        if self.end is None:
+            record.error = "stream closed before data: [DONE]"
+            return record
+        if record.ttft_s is None:
+            if self.first_choice is None:
+                record.error = "stream had no choices"
+                return record
+            # Every token decoded to empty text (e.g. only special tokens, which servers skip): the first chunk
+            # after the role announcement (often the finish chunk) is the earliest evidence of a generated token.
+            record.ttft_s = self.first_choice - self.start
+        record.e2e_s = self.end - self.start
+        _apply_usage(record, self.usage)
+        if record.completion_tokens and record.completion_tokens > 1:
+            record.tpot_s = (record.e2e_s - record.ttft_s) / (record.completion_tokens - 1)
+        if self.keep_text:
+            record.output_text = "".join(self.text)
+        record.success = True
+        return record
+
+
 async def stream_chat(
     client: aiohttp.ClientSession,
     url: str,
@@ -139,10 +211,7 @@ async def stream_chat(
     request (connect to ``[DONE]``)."""
     st = time.perf_counter()
     record.start_s = st - t0
-    last = first_choice = None
-    done = False
-    usage: dict[str, Any] | None = None
-    text: list[str] = []
+    stream = _Stream(st, keep_text)
     overhead = 0.0
     try:
         async with asyncio.timeout(timeout_s) as request_timeout:
@@ -154,39 +223,14 @@ async def stream_chat(
                 async for raw in resp.content:  # one line per iteration, its b"\n" included
                     now = time.perf_counter()  # the chunk's arrival; everything until the next await is overhead
                     try:
-                        record.num_events += 1
-                        line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                        if not line.startswith("data:"):
-                            continue  # blank separators, ": keep-alive" comments, "event:" fields
-                        payload = line[5:].strip()
-                        if payload == "[DONE]":
-                            done, end = True, now
-                            break
-                        obj = json.loads(payload)
-                        if "error" in obj:
-                            record.error = _stream_error_text(obj)
-                            return record
-                        if obj.get("usage"):
-                            usage = obj["usage"]
-                        choices = obj.get("choices")
-                        if not choices:
-                            continue
-                        delta = choices[0].get("delta") or {}
-                        if "role" not in delta:
-                            first_choice = first_choice or now
-                        piece = delta.get("content") or delta.get("reasoning_content")
-                        if piece:
-                            if last is None:
-                                record.ttft_s = now - st
-                            else:
-                                record.itl_s.append(now - last)
-                            last = now
-                            record.num_chunks += 1
-                            if keep_text:
-                                text.append(piece)
+                        status = stream.feed(record, raw, now)
                     finally:
                         overhead += time.perf_counter() - now
-                if done:
+                    if status == "error":
+                        return record
+                    if status == "done":
+                        break
+                if stream.end is not None:
                     request_timeout.reschedule(None)  # the request is complete: the drain has its own bound
                     await _drain(resp)
     except TimeoutError:
@@ -204,24 +248,7 @@ async def stream_chat(
     finally:
         record.end_s = time.perf_counter() - t0
         record.client_overhead_s = overhead
-    if not done:
-        record.error = "stream closed before data: [DONE]"
-        return record
-    if record.ttft_s is None:
-        if first_choice is None:
-            record.error = "stream had no choices"
-            return record
-        # Every token decoded to empty text (e.g. only special tokens, which servers skip): the first chunk
-        # after the role announcement (often the finish chunk) is the earliest evidence of a generated token.
-        record.ttft_s = first_choice - st
-    record.e2e_s = end - st
-    _apply_usage(record, usage)
-    if record.completion_tokens and record.completion_tokens > 1:
-        record.tpot_s = (record.e2e_s - record.ttft_s) / (record.completion_tokens - 1)
-    if keep_text:
-        record.output_text = "".join(text)
-    record.success = True
-    return record
+    return stream.finish(record)
 
 
 async def _drain(resp: aiohttp.ClientResponse) -> None:
