@@ -16,6 +16,13 @@ def _f(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
+def _like(cls: type, name: str, help: str = ""):
+    """The field ``name`` of ``cls`` again, same default (and help unless given): a launcher flag that sets a
+    stage's flag cannot drift from it."""
+    src = cls.__dataclass_fields__[name]
+    return field(default=src.default, metadata={"help": help or src.metadata["help"]})
+
+
 @dataclass
 class EncoderConfig:
     """The encoder server (gRPC): vision tower + image processor + embedding cache."""
@@ -138,28 +145,26 @@ class GatewayConfig:
 class LaunchConfig:
     """``epdserve launch``: all four servers (``--num-encoders`` encoders) on this machine, internal ports free."""
 
-    model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
-    served_model_name: str = _f("", "model name clients send; default: the model path")
+    model_path: str = _like(LMServerConfig, "model_path")
+    served_model_name: str = _like(GatewayConfig, "served_model_name")
     host: str = _f("127.0.0.1", "address the gateway binds to (internal servers always bind 127.0.0.1)")
     port: int = _f(8000, "gateway HTTP port; internal ports are taken from free ports")
-    device: str = _f("auto", "device for every stage")
-    dtype: str = _f("auto", "dtype for every stage")
-    page_size: int = _f(16, "tokens per KV page")
-    num_pages: int = _f(0, "KV pages per pool (prefill and decode each); 0 = automatic")
-    api_key: str = _f("", "require 'Authorization: Bearer KEY' at the gateway when set")
+    device: str = _like(LMServerConfig, "device", "device for every stage: cpu, cuda, cuda:N, or auto")
+    dtype: str = _like(LMServerConfig, "dtype", "dtype for every stage: float32, bfloat16, float16, or auto")
+    page_size: int = _like(LMServerConfig, "page_size")
+    num_pages: int = _like(LMServerConfig, "num_pages", "KV pages per pool (prefill and decode each); 0 = automatic")
+    api_key: str = _like(GatewayConfig, "api_key")
     num_encoders: int = _f(1, "encoder processes to start; the gateway routes each image to one by content hash")
     prefill_tp: int = _f(1, "tensor-parallel ranks of the prefill server (one GPU each)")
     decode_tp: int = _f(1, "tensor-parallel ranks of the decode server (one GPU each)")
     encoder_gpu: int = _f(0, "GPU of every encoder (cuda:N) when the device is cuda or auto")
     prefill_base_gpu: int = _f(0, "prefill TP rank r runs on GPU prefill_base_gpu + r")
     decode_base_gpu: int = _f(0, "decode TP rank r runs on GPU decode_base_gpu + r")
-    kv_transfer: str = _f("auto", "prefill->decode KV path: auto, zmq or shared (see `epdserve prefill --help`)")
-    encoder_cuda_graphs: int = _f(32, "vision-tower CUDA graphs per encoder (see `epdserve encoder --help`)")
-    prefill_cuda_graph_max_tokens: int = _f(2048, "longest one-request prefill replayed from a CUDA graph (see "
-                                                  "`epdserve prefill --help`, --cuda-graph-max-tokens)")
-    encoder_compile: bool = _f(True, "torch.compile the encoders' vision towers on CUDA (see `epdserve encoder "
-                                     "--help`)")
-    encoder_gpu_jpeg_decode: bool = _f(True, "decode JPEGs on the encoders' GPU (see `epdserve encoder --help`)")
+    kv_transfer: str = _like(LMServerConfig, "kv_transfer")
+    encoder_cuda_graphs: int = _like(EncoderConfig, "cuda_graphs")
+    prefill_cuda_graph_max_tokens: int = _like(PrefillConfig, "cuda_graph_max_tokens")
+    encoder_compile: bool = _like(EncoderConfig, "compile")
+    encoder_gpu_jpeg_decode: bool = _like(EncoderConfig, "gpu_jpeg_decode")
 
 
 def _base_type(tp):
