@@ -34,7 +34,8 @@ def server_info(config: EncoderConfig | None, ready: bool, metrics_port: int, ca
     flags = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(config)} if config is not None else {}
     stats = cache.stats()
     return encoder_pb2.GetServerInfoResponse(
-        flags=flags, version=epdserve.__version__, ready=ready, metrics_port=metrics_port, cache_entries=stats["entries"], cache_bytes=stats["size_bytes"],
+        flags=flags, version=epdserve.__version__, ready=ready, metrics_port=metrics_port,
+        cache_entries=stats["entries"], cache_bytes=stats["size_bytes"],
         cache_capacity_bytes=stats["capacity_bytes"], cache_hits=stats["hits"], cache_misses=stats["misses"],
         tower_calls=batcher.calls, queued_images=batcher.queued,
         running_requests=int(metrics.value("epdserve:num_running_reqs")))

@@ -51,6 +51,54 @@ def capture_forward(model, backend, batch: ForwardBatch, out: torch.Tensor, pool
     return graph
 
 
+def capture_graphs(sizes: list[int], capture_one,
+                   device: torch.device) -> tuple[dict[int, torch.cuda.CUDAGraph], float]:
+    """One graph per size, the largest first so that the smaller ones allocate from its memory pool (SGLang and
+    vLLM capture in this order for that reason). ``capture_one(size, pool)`` returns the graph of ``size``
+    (see :func:`capture_forward`). Returns ``(graphs by size, seconds taken)``.
+
+    Raises:
+        RuntimeError: an operation that cannot be captured.
+        torch.OutOfMemoryError: the graphs do not fit.
+    """
+    t0 = time.monotonic()
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    pool = None
+    with torch.inference_mode():
+        for size in reversed(sizes):
+            graphs[size] = capture_one(size, pool)
+            pool = graphs[size].pool()
+    torch.cuda.synchronize(device)
+    return graphs, time.monotonic() - t0
+
+
+def host_inputs(batch: ForwardBatch, rows: int, num_rows: int, pad_slots) -> tuple[torch.Tensor, bool]:
+    """The first rows of a graph's static inputs for ``batch`` (token ids, 3 M-RoPE positions, KV slots) in a
+    pinned int64 ``[num_rows, rows]`` host buffer, padded past the batch's tokens with id 0, position 0 and
+    ``pad_slots`` (an int or a ``[rows - T]`` tensor of scratch slots). Rows from 5 on are the caller's.
+
+    Returns ``(host, ids_on_device)``: with ``ids_on_device`` the ids (the overlap scheduler's last samples, or a
+    TP broadcast) are not in ``host``; :func:`upload_inputs` copies them on the device.
+    """
+    T = len(batch.out_slots)
+    host = torch.empty(num_rows, rows, dtype=torch.int64, pin_memory=True)
+    ids_on_device = batch.input_ids.is_cuda
+    host[0, :T] = 0 if ids_on_device else batch.input_ids
+    host[1:4, :T] = batch.positions
+    host[4, :T] = batch.out_slots
+    host[:4, T:] = 0
+    host[4, T:] = pad_slots
+    return host, ids_on_device
+
+
+def upload_inputs(inputs: torch.Tensor, host: torch.Tensor, batch: ForwardBatch, ids_on_device: bool) -> None:
+    """Copy ``host`` (from :func:`host_inputs`) into the static ``inputs`` in one non-blocking copy, then the
+    device-side ids."""
+    inputs[:, :host.shape[1]].copy_(host, non_blocking=True)
+    if ids_on_device:
+        inputs[0, :len(batch.input_ids)].copy_(batch.input_ids)
+
+
 class CudaGraphRunner:
     """Captured decode forwards of a model over a :class:`~epdserve.attention.flashinfer.FlashInferBackend`.
 
@@ -76,18 +124,13 @@ class CudaGraphRunner:
         self.inputs = torch.zeros(5, top, dtype=torch.int64, device=dev)
         self.inputs[4] = scratch_page * page_size
         self.logits = torch.empty(top, vocab_size, dtype=torch.float32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         backend.enable_cuda_graphs(self.sizes)
-        t0 = time.monotonic()
-        pool = None
-        with torch.inference_mode():
-            for bs in reversed(self.sizes):
-                batch = self._static_batch(bs, [1] * bs, [[scratch_page]] * bs)
-                self.graphs[bs] = capture_forward(model, backend, batch, self.logits[:bs], pool)
-                pool = self.graphs[bs].pool()
-        torch.cuda.synchronize(dev)
+        self.graphs, seconds = capture_graphs(
+            self.sizes, lambda bs, pool: capture_forward(
+                model, backend, self._static_batch(bs, [1] * bs, [[scratch_page]] * bs), self.logits[:bs], pool),
+            dev)
         log.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.sizes), self.sizes[0], top,
-                 time.monotonic() - t0)
+                 seconds)
 
     @property
     def max_bs(self) -> int:
@@ -115,16 +158,8 @@ class CudaGraphRunner:
                              f"{batch.batch_size}")
         B = batch.batch_size
         bs = next(s for s in self.sizes if s >= B)
-        host = torch.empty(5, bs, dtype=torch.int64, pin_memory=True)
-        ids_on_device = batch.input_ids.is_cuda  # the overlap scheduler feeds the previous step's samples
-        host[0, :B] = 0 if ids_on_device else batch.input_ids
-        host[1:4, :B] = batch.positions
-        host[4, :B] = batch.out_slots
-        host[:4, B:] = 0
-        host[4, B:] = self.scratch_page * self.backend.kv_pool.page_size
-        self.inputs[:, :bs].copy_(host, non_blocking=True)
-        if ids_on_device:
-            self.inputs[0, :B].copy_(batch.input_ids)
+        host, ids_on_device = host_inputs(batch, bs, 5, self.scratch_page * self.backend.kv_pool.page_size)
+        upload_inputs(self.inputs, host, batch, ids_on_device)
         pad = bs - B
         padded = self._static_batch(bs, list(batch.kv_lens) + [1] * pad,
                                     list(batch.page_table) + [[self.scratch_page]] * pad)

@@ -16,11 +16,10 @@ Batches of several requests run eagerly: their launches are shared by more token
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
-from epdserve.engine.cuda_graph import capture_forward
+from epdserve.engine.cuda_graph import capture_forward, capture_graphs, host_inputs, upload_inputs
 from epdserve.device import to_device
 from epdserve.engine.forward_batch import ForwardBatch
 
@@ -75,20 +74,16 @@ class PrefillGraphRunner:
         self.mm_mask = torch.zeros(top, dtype=torch.bool, device=dev)
         self.last_row = torch.zeros(1, dtype=torch.int64, device=dev)
         self.logits = torch.empty(1, vocab_size, dtype=torch.float32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         backend.enable_prefill_cuda_graphs(self.sizes)
         pages = [scratch_page] * -(-top // page_size)
-        t0 = time.monotonic()
-        pool = None
-        with torch.inference_mode():
-            for n in reversed(self.sizes):
-                self.last_row.fill_(n - 1)
-                self.graphs[n] = capture_forward(model, backend, self._static_batch(n, n, n, pages), self.logits,
-                                                 pool)
-                pool = self.graphs[n].pool()
-        torch.cuda.synchronize(dev)
+
+        def capture_one(n: int, pool) -> torch.cuda.CUDAGraph:
+            self.last_row.fill_(n - 1)
+            return capture_forward(model, backend, self._static_batch(n, n, n, pages), self.logits, pool)
+
+        self.graphs, seconds = capture_graphs(self.sizes, capture_one, dev)
         log.info("captured %d prefill CUDA graphs (%d..%d tokens) in %.1f s", len(self.sizes), self.sizes[0], top,
-                 time.monotonic() - t0)
+                 seconds)
 
     @property
     def max_tokens(self) -> int:
@@ -121,22 +116,14 @@ class PrefillGraphRunner:
         T = batch.q_lens[0]
         n = next(s for s in self.sizes if s >= T)
         dev = self.inputs.device
-        host = torch.empty(6, n, dtype=torch.int64, pin_memory=True)
-        ids_on_device = batch.input_ids.is_cuda  # a TP server's rank 0 broadcast them
-        host[0, :T] = 0 if ids_on_device else batch.input_ids
-        host[1:4, :T] = batch.positions
-        host[4, :T] = batch.out_slots
-        host[:4, T:] = 0
-        host[4, T:] = self.scratch_slots[T:n]
+        host, ids_on_device = host_inputs(batch, n, 6, self.scratch_slots[T:n])
         host[5] = 0
         if batch.mm_embeds is not None:
             rows = batch.mm_mask.cpu().nonzero().squeeze(1)
             host[5, rows] = 1
             emb = batch.mm_embeds if batch.mm_embeds.is_cuda else to_device(batch.mm_embeds, dev)
             self.mm_rows.index_copy_(0, to_device(rows, dev), emb.to(self.mm_rows.dtype))
-        self.inputs[:, :n].copy_(host, non_blocking=True)
-        if ids_on_device:
-            self.inputs[0, :T].copy_(batch.input_ids)
+        upload_inputs(self.inputs, host, batch, ids_on_device)
         self.mm_mask[:n] = self.inputs[5, :n] != 0
         self.last_row.fill_(T - 1)
         self.backend.prepare(self._static_batch(n, T, batch.kv_lens[0], batch.page_table[0]), cuda_graph=True)

@@ -221,8 +221,8 @@ def start_tp_runner(cfg, model_path: str, cuda_graph_max_bs: int = 0) -> TPRunne
     procs: dict[int, subprocess.Popen] = {}
     try:
         for rank in range(1, cfg.tp):
-            cmd = [sys.executable, "-m", "epdserve.engine.tp_follower", "--log-level", level, role, "--tp-rank", str(rank),
-                   "--dist-port", str(dist_port), "--ctrl-endpoint", f"tcp://127.0.0.1:{ctrl_port}",
+            cmd = [sys.executable, "-m", "epdserve.engine.tp_follower", "--log-level", level, role,
+                   "--tp-rank", str(rank), "--dist-port", str(dist_port), "--ctrl-endpoint", f"tcp://127.0.0.1:{ctrl_port}",
                    "--graph-bs", str(cuda_graph_max_bs), *config_argv(dataclasses.replace(cfg, model_path=model_path))]
             # Own session: a Ctrl-C at the terminal reaches rank 0 only, which then stops the ranks in order.
             procs[rank] = subprocess.Popen(cmd, start_new_session=True)

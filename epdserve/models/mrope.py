@@ -10,8 +10,9 @@ see :func:`epdserve.models.qwen2_vl_lm.mrope_cos_sin`), not the positions.
 
 Video. Qwen2-VL: one block per video, temporal index ``t``. Qwen2.5-VL: one block per video, temporal index
 ``int(t * second_per_grid_t * tokens_per_second)`` (an entry's ``time_interval``); the running start still advances
-by ``max(grid_h, grid_w) // m`` only. Qwen3-VL: the processor writes each frame (``grid_t`` frames, each of temporal patch 2) as
-its own block ``<{time:.1f} seconds><|vision_start|><|video_pad|> * (h * w / m**2)<|vision_end|>``, and
+by ``max(grid_h, grid_w) // m`` only. Qwen3-VL: the processor writes each frame (``grid_t`` frames, each of
+temporal patch 2) as its own block
+``<{time:.1f} seconds><|vision_start|><|video_pad|> * (h * w / m**2)<|vision_end|>``, and
 ``get_rope_index`` splits ``video_grid_thw`` into ``grid_t`` grids ``[1, h, w]``: every frame is positioned like
 a one-frame image (temporal index 0 plus the running start) at its own offset, and the timestamp tokens between
 frames are ordinary text. So Qwen3-VL video positions are :func:`mrope_positions` with one ``(offset, [1, h,

@@ -115,7 +115,8 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
             ``max_pixels / 28**2`` (Qwen2/2.5-VL; None: ``512 * 28**2``).
         readable: zero the LM-head rows of ids that do not decode to visible text (as the presets do), so greedy
             answers are readable gibberish rather than lone bytes shown as U+FFFD; EOS is then never picked.
-            The default served model (:func:`epdserve.models.paths.default_model_path`) is made this way; the test checkpoints are not.
+            The default served model (:func:`epdserve.models.paths.default_model_path`) is made this way; the
+            test checkpoints are not.
 
     Raises:
         ValueError: unknown ``arch`` or ``size``.

@@ -78,7 +78,8 @@ def video_grid(video_processor, num_frames: int, height: int, width: int) -> lis
     min_pixels, max_pixels = vp.size["shortest_edge"], vp.size["longest_edge"]
     if "num_frames" in inspect.signature(resize).parameters:  # Qwen3-VL: one pixel budget for all frames
         if getattr(vp, "cap_pixels_per_frame", None):
-            per_frame = max(min(vp.max_video_tokens * factor * factor, max_pixels // num_frames), int(min_pixels * 1.05))
+            frame_cap = vp.max_video_tokens * factor * factor
+            per_frame = max(min(frame_cap, max_pixels // num_frames), int(min_pixels * 1.05))
             max_pixels = per_frame * num_frames
         h, w = resize(num_frames, height, width, temporal_factor=tp, factor=factor, min_pixels=min_pixels,
                       max_pixels=max_pixels)

@@ -77,9 +77,9 @@ def recv(sock: zmq.Socket) -> Any | None:
 
 
 def decode_checked(frames: list) -> Any | None:
-    """:func:`~epdserve.wire.messages.decode` then :func:`~epdserve.wire.validate.check_message`; None (logged at WARNING)
-    for frames that are not a well-formed message, whatever the decoder raised (msgpack nesting deep enough to
-    hit the recursion limit raises RecursionError, not WireError)."""
+    """:func:`~epdserve.wire.messages.decode` then :func:`~epdserve.wire.validate.check_message`; None (logged
+    at WARNING) for frames that are not a well-formed message, whatever the decoder raised (msgpack nesting deep
+    enough to hit the recursion limit raises RecursionError, not WireError)."""
     try:
         return check_message(messages.decode(frames))
     except Exception as e:
