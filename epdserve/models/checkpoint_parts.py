@@ -127,3 +127,17 @@ def invisible_ids(tokenizer, vocab: int, keep: set[int] = frozenset()) -> list[i
     visible = {i for i in range(min(len(tokenizer), vocab))
                if _is_visible_text(tokenizer.decode([i], skip_special_tokens=True))}
     return sorted(set(range(vocab)) - visible - set(keep))
+
+
+def save_random_model(out: Path, model_cls, config, tokenizer, *, seed: int, readable: bool) -> None:
+    """Write ``model_cls(config)`` with the weights ``torch.manual_seed(seed)`` gives, in float32, to ``out``
+    (safetensors). ``readable``: zero the LM-head rows of tokens that decode to nothing visible
+    (:func:`invisible_ids`), so greedy output stays text."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    if readable:
+        with torch.no_grad():
+            model.lm_head.weight[invisible_ids(tokenizer, config.text_config.vocab_size)] = 0
+    model.save_pretrained(out, safe_serialization=True)

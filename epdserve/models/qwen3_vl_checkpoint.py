@@ -223,9 +223,8 @@ def make_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, max_pixels: int = 
     Raises:
         ValueError: unknown ``size`` (see ``QWEN3_VL_SIZES``).
     """
-    import torch
 
-    from epdserve.models.checkpoint_parts import build_tokenizer, invisible_ids
+    from epdserve.models.checkpoint_parts import build_tokenizer, save_random_model
 
     if size not in QWEN3_VL_SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(QWEN3_VL_SIZES)}")
@@ -235,11 +234,6 @@ def make_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, max_pixels: int = 
     dims = QWEN3_VL_SIZES[size]
     text = dict(vocab_size=len(tokenizer), max_position_embeddings=4096, **dims["text"])
     config, model_cls = qwen3_vl_config(tokenizer, text=text, vision=dims["vision"], tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
-    if readable:
-        with torch.no_grad():
-            model.lm_head.weight[invisible_ids(tokenizer, config.text_config.vocab_size)] = 0
-    model.save_pretrained(out, safe_serialization=True)
+    save_random_model(out, model_cls, config, tokenizer, seed=seed, readable=readable)
     write_qwen3_vl_processor(out, tokenizer, image_pixels=(64 * 64, max_pixels))
     return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from epdserve.models.checkpoint_parts import (
-    CHAT_TEMPLATE, build_tokenizer, invisible_ids, special_token_ids, write_generation_config,
+    CHAT_TEMPLATE, build_tokenizer, save_random_model, special_token_ids, write_generation_config,
 )
 
 # Text-model sizes. "tiny" (~1M parameters) is for CPU tests; "small" (~100M, head_dim 128 as in real Qwen-VL
@@ -121,8 +121,6 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
     Raises:
         ValueError: unknown ``arch`` or ``size``.
     """
-    import torch
-
     arch = normalize_arch(arch)
     if arch == "qwen3_vl":
         from epdserve.models.qwen3_vl_checkpoint import make_tiny_qwen3_vl
@@ -147,11 +145,6 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
         vision = dict(depth=vision_depth, num_heads=4, embed_dim=vision_hidden, mlp_ratio=2, hidden_size=hidden)
     config, model_cls, processor_cls = _build_config(arch, tokenizer, text=text, vision=vision,
                                                      tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
-    if readable:
-        with torch.no_grad():
-            model.lm_head.weight[invisible_ids(tokenizer, config.text_config.vocab_size)] = 0
-    model.save_pretrained(out, safe_serialization=True)
+    save_random_model(out, model_cls, config, tokenizer, seed=seed, readable=readable)
     _write_generation_and_processor(out, tokenizer, processor_cls, min_pixels=56 * 56, max_pixels=max_pixels)
     return out
