@@ -223,7 +223,6 @@ def make_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, max_pixels: int = 
     Raises:
         ValueError: unknown ``size`` (see ``QWEN3_VL_SIZES``).
     """
-
     from epdserve.models.checkpoint_parts import build_tokenizer, save_random_model
 
     if size not in QWEN3_VL_SIZES:
