@@ -42,6 +42,7 @@ class DecodeFrontStages(SchedulerStages):
         raise StageError("the decode server takes no images to encode", 400)
 
     def leg(self, prefill_req: PrefillRequest, decode_req: DecodeRequest) -> DecodeRequest:
+        """The decode leg: the ``DecodeRequest``."""
         return decode_req
 
 

@@ -48,12 +48,24 @@ class GatewayPath(RequestPath):
     server: Gateway
 
     async def open(self, request: Request) -> RequestLifetime:
+        """The request id from ``X-Request-Id`` (or a new one), registered as in flight.
+
+        Raises:
+            APIError: 400 when that id is in flight already.
+        """
         gw = self.server
         rid = request.state.rid = gw.requests.open(request.headers.get("x-request-id"))
         set_request_context(rid)  # this task serves one request: its log lines all name it
         return RequestLifetime(rid, gw.stages, gw.requests)
 
     async def answer(self, request: Request, lifetime: RequestLifetime, make_call: Callable[[], Call]) -> Response:
+        """Check readiness and the stages, wait for admission, prepare under the deadline, answer.
+
+        Raises:
+            APIError: 503 while starting or with a stage down, 429/503 from admission control, or the request's
+                own failure.
+            ClientGone: the client left before the answer began.
+        """
         gw = self.server
         if not gw.ready:
             raise APIError(503, "the server is starting: the stages are not ready yet")
@@ -70,6 +82,7 @@ class GatewayPath(RequestPath):
         return JSONResponse(await until_disconnect(request, call.complete(prepared)))
 
     def failed(self, kind: str, outcome: str = "error") -> None:
+        """Count the failure in the gateway's metrics."""
         self.server.metrics.on_failed(kind, outcome)
 
 

@@ -43,6 +43,7 @@ class Gateway:
 
     @property
     def ready(self) -> bool:
+        """True once the processor is loaded and the stages answered."""
         return self.chat is not None and self.stages.ready
 
     def max_model_len(self) -> int | None:
@@ -69,6 +70,7 @@ class Gateway:
             logger.error("gateway startup failed: %s", e)
 
     async def close(self) -> None:
+        """Stop the tokenizer thread, close the stages and the image-fetching client."""
         if self.chat is not None:
             self.chat.close()
         await self.stages.close()

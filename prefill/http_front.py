@@ -71,9 +71,11 @@ class PrefillFrontStages(SchedulerStages):
         return await self.encoder.encode(rid, images, list(self.scheduler.info.embed_endpoints))
 
     def leg(self, prefill_req: PrefillRequest, decode_req: DecodeRequest) -> PrefillRequest:
+        """The prefill leg: the ``PrefillRequest``."""
         return prefill_req
 
     async def close(self) -> None:
+        """Close the encoder channels and the scheduler connection."""
         if self.encoder is not None:
             await self.encoder.close()
         await super().close()

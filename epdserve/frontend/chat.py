@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import logging
 import secrets
 import time
 from collections.abc import AsyncIterator

@@ -121,13 +121,16 @@ class SchedulerStages:
 
     @property
     def ready(self) -> bool:
+        """True once the scheduler answered the handshake."""
         return self.scheduler.info is not None
 
     @property
     def context_length(self) -> int:
+        """The scheduler's context length in tokens (once ready)."""
         return self.scheduler.info.context_length
 
     def not_ready(self) -> str | None:
+        """None: a ready scheduler serves every request this front accepts (a role may say otherwise)."""
         return None
 
     def server_info_fields(self) -> dict[str, Any]:
@@ -162,14 +165,17 @@ class SchedulerStages:
             yield out
 
     def release(self, rid: str) -> None:
+        """Forget ``rid``; abort it at the scheduler unless it finished (or was never sent)."""
         if self.scheduler.drop(rid):
             self.abort(rid)
 
     def abort(self, rid: str) -> None:
+        """Tell the scheduler to drop ``rid``."""
         logger.debug("rid=%s abort", rid)
         self.scheduler.abort(rid)
 
     async def close(self) -> None:
+        """Close the scheduler connection."""
         await self.scheduler.close()
 
 
@@ -186,9 +192,11 @@ class Front:
 
     @property
     def ready(self) -> bool:
+        """True once the processor is loaded and the scheduler answered."""
         return self.chat is not None and self.stages.ready
 
     def max_model_len(self) -> int | None:
+        """The scheduler's context length once it answered, else None."""
         return self.stages.context_length if self.stages.ready else None
 
     def not_ready(self) -> str | None:
@@ -211,6 +219,7 @@ class Front:
             logger.exception("%s front startup failed", self.role)
 
     async def close(self) -> None:
+        """Stop the tokenizer thread and close the stages."""
         if self.chat is not None:
             self.chat.close()
         await self.stages.close()
@@ -223,6 +232,11 @@ class LegPath(RequestPath):
     server: Front
 
     async def open(self, request: Request) -> RequestLifetime:
+        """The request id from the router's room.
+
+        Raises:
+            APIError: 400 for bootstrap fields of the wrong type.
+        """
         try:
             fields = BootstrapFields.model_validate_json(await request.body())
         except ValidationError as e:

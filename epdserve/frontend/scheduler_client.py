@@ -10,7 +10,6 @@ each ``Load`` to the oldest :meth:`SchedulerClient.load` waiting for one. Aborts
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable

@@ -54,15 +54,21 @@ class Server(Protocol):
     chat: ChatService | None
 
     @property
-    def ready(self) -> bool: ...
+    def ready(self) -> bool:
+        """True once the server can take requests."""
+        ...
 
     def max_model_len(self) -> int | None:
         """The context length for ``/v1/models``, or None while unknown."""
         ...
 
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        """Load and connect (run in the background by the app; failures are the server's to keep)."""
+        ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Release everything :meth:`start` opened."""
+        ...
 
 
 class RequestPath:
