@@ -1,4 +1,5 @@
-"""Several encoders behind one gateway: each image goes to the encoder its content hash picks.
+"""Several encoders behind one front end (the gateway, a prefill front): each image goes to the encoder its content
+hash picks.
 
 Routing is rendezvous (highest-random-weight) hashing (Thaler and Ravishankar, "A name-based mapping scheme for
 rendezvous", 1996): for an image with SHA-256 digest ``d``, every encoder ``e`` gets the score
