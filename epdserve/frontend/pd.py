@@ -25,6 +25,7 @@ and ``/v1/loads``).
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import dataclasses
@@ -49,7 +50,7 @@ from epdserve.frontend.media import MediaPolicy
 from epdserve.frontend.native import native_router
 from epdserve.frontend.openai import openai_router
 from epdserve.frontend.process import die_with_parent
-from epdserve.frontend.prompt import PromptBuilder
+from epdserve.frontend.prompt import EncodedImage, PromptBuilder
 from epdserve.frontend.scheduler_client import SchedulerClient
 from epdserve.frontend.serving import Call, RequestPath
 from epdserve.wire.messages import DecodeRequest, Load, PrefillRequest, TokenOutput, input_ids_digest
@@ -100,10 +101,10 @@ def room_rid(room: int | None) -> str:
     return f"chatcmpl-{room:016x}" if room is not None else f"chatcmpl-{os.urandom(8).hex()}"
 
 
-class SchedulerStages:
+class SchedulerStages(abc.ABC):
     """What the prefill and decode fronts' :class:`~epdserve.frontend.stages.Stages` share: one scheduler, this
     server's own, over :class:`SchedulerClient`; a role's subclass sends its own leg's request (:meth:`leg`) and
-    says whether and how it encodes. ``deadline`` is accepted and not used: behind a PD router the router bounds
+    says whether and how it encodes (:attr:`encodes`, :meth:`encode`) and where prefill's bootstrap server is. ``deadline`` is accepted and not used: behind a PD router the router bounds
     each request.
 
     Args:
@@ -142,9 +143,18 @@ class SchedulerStages:
         self.scheduler.info = await self.scheduler.handshake()
         self.scheduler.start_reader()
 
+    @property
+    @abc.abstractmethod
+    def bootstrap(self) -> tuple[str, int] | None:
+        """See ``Stages.bootstrap``."""
+
+    @abc.abstractmethod
+    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None) -> list[EncodedImage]:
+        """See ``Stages.encode``."""
+
+    @abc.abstractmethod
     def leg(self, prefill_req: PrefillRequest, decode_req: DecodeRequest) -> Any:
         """The message this role's scheduler takes for the request."""
-        raise NotImplementedError
 
     def send(self, prefill_req: PrefillRequest, decode_req: DecodeRequest) -> None:
         """Send this role's leg of the request to the scheduler.
