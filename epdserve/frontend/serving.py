@@ -1,9 +1,12 @@
 """The request path every protocol router calls: open a request, parse it, admit and prepare it, answer it.
 
-A protocol module (``epdserve.frontend.openai``, ``epdserve.frontend.native``; later others, such as smg's gRPC or
-KServe v2) only turns its wire format into a :class:`Call`. A :class:`RequestPath` subclass says how this kind of
-server takes requests: the gateway's (``gateway/app.py``: request ids, admission control, deadlines, metrics) or a
-PD front's (``epdserve.frontend.pd``: the router's bootstrap fields).
+A protocol module (``epdserve.frontend.openai``, ``epdserve.frontend.native``; later e.g. KServe v2 over HTTP) only
+turns its wire format into a :class:`Call` and hands it to :meth:`RequestPath.serve`. A protocol on another
+transport (smg's gRPC) would drive the same pieces below HTTP: a :class:`Call`, a
+:class:`~epdserve.frontend.lifetime.RequestLifetime` and the server's :class:`~epdserve.frontend.chat.ChatService`.
+A :class:`RequestPath` subclass says how this kind of server takes requests: the gateway's (``gateway/app.py``:
+request ids, admission control, deadlines, metrics) or a PD front's (``epdserve.frontend.pd``: the router's
+bootstrap fields).
 """
 
 from __future__ import annotations
