@@ -1,6 +1,6 @@
 """The decode server process: sockets in, :class:`DecodeScheduler` in the middle, tokens out to gateways.
 
-With ``port`` > 0 an HTTP front (``epdserve.gateway.pd_front``, a child process) serves the OpenAI API for a PD
+With ``port`` > 0 an HTTP front (``http_front``, a child process) serves the OpenAI API for a PD
 router such as smg and talks to this loop over the ``zmq_port`` socket like any gateway.
 
 Sockets (bound on ``config.host``):
@@ -23,7 +23,7 @@ import zmq
 from epdserve.wire import transport
 from epdserve.config import DecodeConfig
 from epdserve.decode.scheduler import DecodeScheduler
-from epdserve.gateway.front_process import spawn_front
+from epdserve.frontend.process import spawn_front
 from epdserve.kvcache.kv_share import shares_kv
 from epdserve.wire.messages import (AbortRequest, DecodeRequest, KVTransfer, LoadRequest, ServerInfo, ServerInfoRequest,
                                TokenOutputBatch)
@@ -41,7 +41,7 @@ def serve(config: DecodeConfig) -> None:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
         zmq.ZMQError: a port is taken.
     """
-    front = spawn_front("decode", config)  # before the model loads: its /health says 503 meanwhile
+    front = spawn_front("epdserve.decode.http_front", config)  # before the model loads: its /health says 503 meanwhile
     try:
         return _serve(config)
     finally:

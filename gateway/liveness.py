@@ -27,22 +27,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from epdserve.wire.messages import Load, LoadRequest, ServerInfo, ServerInfoRequest, encode
+from epdserve.frontend.scheduler_client import try_send
+from epdserve.wire.messages import Load, LoadRequest, ServerInfo, ServerInfoRequest
 
 logger = logging.getLogger("epdserve.gateway")
-
-
-def try_send(sock: zmq.asyncio.Socket, msg: Any) -> bool:
-    """Send ``msg`` without waiting; False when the socket has no live connection to take it (``ZMQ_IMMEDIATE``)
-    or is closed."""
-    try:
-        fut = sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
-    except (zmq.Again, zmq.ZMQError):
-        return False
-    # With NOBLOCK the send has happened (or failed) already; the future only carries the outcome.
-    if fut.done() and fut.exception() is not None:
-        return False
-    return True
 
 
 class StageLiveness:

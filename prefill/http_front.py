@@ -1,22 +1,28 @@
-"""The prefill server's side of its HTTP front (``epdserve.gateway.pd_front``): images go to the encoders of
-``--encoder-urls`` (content-hash routing and failover, ``EncoderPool``) with this server's TP-rank embedding
-endpoints as targets, and the prompt goes to the scheduler as ``PrefillRequest(reply=True)``; the scheduler's one
-reply (first token or error) ends the leg."""
+"""The prefill server's HTTP front (``epdserve.frontend.pd``), a child process of the server: images go to the
+encoders of ``--encoder-urls`` (content-hash routing and failover, ``EncoderPool``) with this server's TP-rank
+embedding endpoints as targets, and the prompt goes to the scheduler as ``PrefillRequest(reply=True)``; the
+scheduler's one reply (first token or error) ends the leg.
+
+``python -m epdserve.prefill.http_front CONFIG_JSON --parent-pid PID`` (see ``epdserve.frontend.process``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import sys
 from typing import Any
 
 from epdserve.config import PrefillConfig
-from epdserve.gateway.pd_front import FrontStages, SchedulerClient
-from epdserve.gateway.prompt import EncodedImage, PromptBuilder
-from epdserve.gateway.stages import EncoderClient, StageError
-from epdserve.wire.messages import DecodeRequest, PrefillRequest, ServerInfo, TokenOutput
+from epdserve.frontend.encoder_client import EncoderClient, GrpcEncoderClient
+from epdserve.frontend.encoders import EncoderPool, parse_encoder_addrs
+from epdserve.frontend.errors import StageError
+from epdserve.frontend.pd import SchedulerStages, run_front
+from epdserve.frontend.prompt import EncodedImage
+from epdserve.frontend.scheduler_client import SchedulerClient
+from epdserve.wire.messages import DecodeRequest, PrefillRequest
 
 
-class PrefillFrontStages(FrontStages):
-    """The ``stages`` of a prefill front's ``ChatService`` (see ``epdserve.gateway.pd_front.FrontStages``).
+class PrefillFrontStages(SchedulerStages):
+    """The :class:`~epdserve.frontend.stages.Stages` of a prefill front: the encoders and this server's scheduler.
 
     Args:
         config: the prefill server's config (``encoder_urls``, ``bootstrap_port``).
@@ -25,36 +31,31 @@ class PrefillFrontStages(FrontStages):
     """
 
     role = "prefill"
+    encodes = True  # without --encoder-urls, encode refuses images (400)
 
     def __init__(self, config: PrefillConfig, scheduler: SchedulerClient, encoder: EncoderClient | None = None):
-        self.config = config
-        self.scheduler = scheduler
+        super().__init__(config, scheduler)
         self.encoder = encoder
 
     @property
-    def ready(self) -> bool:
-        return self.scheduler.info is not None
+    def bootstrap(self) -> tuple[str, int]:
+        """This server's own bootstrap address (the router's fields replace it in the request)."""
+        return self.scheduler.info.bootstrap_host, self.scheduler.info.bootstrap_port
 
-    @property
-    def context_length(self) -> int:
-        return self.scheduler.info.context_length
-
-    @property
-    def prefill_info(self) -> ServerInfo:
-        return self.scheduler.info
+    def not_ready(self) -> str | None:
+        """Why images cannot be taken now (no encoder of ``--encoder-urls`` serving), or None."""
+        not_serving = getattr(self.encoder, "not_serving", None)
+        return not_serving() if not_serving is not None else None
 
     def server_info_fields(self) -> dict[str, Any]:
         """Extra ``/get_server_info`` fields: the bootstrap port (SGLang's name) and the encoders."""
         return {"disaggregation_bootstrap_port": self.config.bootstrap_port,
                 "encoder_urls": [a for a in self.config.encoder_urls.split(",") if a.strip()]}
 
-    async def start(self, builder: PromptBuilder) -> None:
+    async def start(self) -> None:
         """Handshake with the scheduler; connect to the encoders in the background (text needs none)."""
-        await self.scheduler.start()
+        await super().start()
         if self.encoder is None and self.config.encoder_urls.strip():
-            from epdserve.gateway.encoders import EncoderPool, parse_encoder_addrs
-            from epdserve.gateway.stages import GrpcEncoderClient
-
             pool = EncoderPool([GrpcEncoderClient(a) for a in parse_encoder_addrs(self.config.encoder_urls)])
             self.encoder = pool
             pool.start(600.0)
@@ -69,15 +70,21 @@ class PrefillFrontStages(FrontStages):
             raise StageError("this prefill server has no --encoder-urls, so it cannot take images", 400)
         return await self.encoder.encode(rid, images, list(self.scheduler.info.embed_endpoints))
 
-    def generate(self, prefill_req: PrefillRequest, decode_req: DecodeRequest,
-                 deadline: float | None = None) -> AsyncIterator[TokenOutput]:
-        """Run the prefill leg: one output, the first token (``finish_reason="length"``) or an error."""
-        return self.scheduler.run(prefill_req)
-
-    def abort(self, rid: str) -> None:
-        self.scheduler.abort(rid)
+    def leg(self, prefill_req: PrefillRequest, decode_req: DecodeRequest) -> PrefillRequest:
+        """The prefill leg: the ``PrefillRequest``."""
+        return prefill_req
 
     async def close(self) -> None:
+        """Close the encoder channels and the scheduler connection."""
         if self.encoder is not None:
             await self.encoder.close()
-        await self.scheduler.close()
+        await super().close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the prefill front until SIGTERM (see the module docstring)."""
+    return run_front("prefill", PrefillConfig, PrefillFrontStages, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """The prefill server process: sockets in, :class:`PrefillScheduler` in the middle, KV transfers out.
 
-With ``port`` > 0 an HTTP front (``epdserve.gateway.pd_front``, a child process) serves the OpenAI API for a PD
+With ``port`` > 0 an HTTP front (``http_front``, a child process) serves the OpenAI API for a PD
 router such as smg and talks to this loop over the ``zmq_port`` socket like any gateway.
 
 Sockets (all bound on ``config.host``):
@@ -23,7 +23,7 @@ import zmq
 from epdserve.wire import transport
 from epdserve.config import PrefillConfig
 from epdserve.device import resolve_device
-from epdserve.gateway.front_process import spawn_front
+from epdserve.frontend.process import spawn_front
 from epdserve.prefill.embed_gate import EmbeddingGate
 from epdserve.kvcache.kv_share import shares_kv
 from epdserve.wire.messages import (AbortRequest, ImageEmbeddings, KVAck, KVRegister, LoadRequest, PrefillRequest,
@@ -44,7 +44,7 @@ def serve(config: PrefillConfig) -> None:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
         zmq.ZMQError: a port is taken.
     """
-    front = spawn_front("prefill", config)  # before the model loads: its /health says 503 meanwhile
+    front = spawn_front("epdserve.prefill.http_front", config)  # before the model loads: its /health says 503 meanwhile
     try:
         return _serve(config)
     finally:

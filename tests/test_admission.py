@@ -20,8 +20,8 @@ import torch
 from test_gateway import FakeEncoder, FakeStage, hang_script, running_gateway
 
 from epdserve.config import GatewayConfig
-from epdserve.gateway.admission import Admission, Overloaded
-from epdserve.gateway.stages import StageClient
+from epdserve.frontend.admission import Admission, Overloaded
+from epdserve.gateway.stages import GatewayStages as StageClient
 from epdserve.wire.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, KVRegister, KVTransfer, PrefillRequest,
                                SamplingParams, WireError, decode, encode)
 from epdserve.wire.validate import check_message

@@ -6,7 +6,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from epdserve.gateway.detokenizer import IncrementalDetokenizer, special_ids
+from epdserve.frontend.detokenizer import IncrementalDetokenizer, special_ids
 
 
 @pytest.fixture(scope="module", params=["auto", "processor"])

@@ -16,10 +16,11 @@ import time
 import pytest
 import zmq
 
-from epdserve.gateway.encoders import EncoderPool, parse_encoder_addrs, rendezvous_order
-from epdserve.gateway.media import MediaPolicy, load_image, run_cpu_bound
-from epdserve.gateway.prompt import EncodedImage
-from epdserve.gateway.stages import GrpcEncoderClient, StageError
+from epdserve.frontend.encoders import EncoderPool, parse_encoder_addrs, rendezvous_order
+from epdserve.frontend.media import MediaPolicy, load_image, run_cpu_bound
+from epdserve.frontend.prompt import EncodedImage
+from epdserve.frontend.encoder_client import GrpcEncoderClient
+from epdserve.frontend.errors import StageError
 from epdserve.wire.messages import ImageEmbeddings, decode
 
 TARGETS = ["tcp://127.0.0.1:39101"]

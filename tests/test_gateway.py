@@ -24,10 +24,11 @@ import zmq
 
 from epdserve.config import GatewayConfig
 from epdserve.gateway.app import create_app, server_config
-from epdserve.gateway.media import MediaError, MediaPolicy, decode_data_url, load_image
-from epdserve.gateway.prompt import EncodedImage, PromptBuilder, PromptError, to_hf_messages
-from epdserve.gateway.protocol import ChatMessage
-from epdserve.gateway.stages import StageClient, StageError
+from epdserve.frontend.media import MediaError, MediaPolicy, decode_data_url, load_image
+from epdserve.frontend.prompt import EncodedImage, PromptBuilder, PromptError, to_hf_messages
+from epdserve.frontend.protocol import ChatMessage
+from epdserve.frontend.errors import StageError
+from epdserve.gateway.stages import GatewayStages as StageClient
 from epdserve.wire.messages import (
     AbortRequest, DecodeRequest, Load, LoadRequest, PrefillRequest, ServerInfo, ServerInfoRequest, TokenOutput,
     TokenOutputBatch, decode, encode,
@@ -495,7 +496,7 @@ def test_stream_shape(gw, tiny_model_path, photo_paths):
 
 
 def test_queued_outputs_merge_up_to_a_finish_or_an_error():
-    from epdserve.gateway.stages import OutputRoute
+    from epdserve.frontend.scheduler_client import OutputRoute
 
     async def scenario():
         route = OutputRoute()
@@ -821,7 +822,7 @@ def test_grpc_encoder_client():
     """The real gRPC client against a scripted server: results parse, INVALID_ARGUMENT -> 400, down -> 503."""
     import grpc
 
-    from epdserve.gateway.stages import GrpcEncoderClient
+    from epdserve.frontend.encoder_client import GrpcEncoderClient
     from epdserve.proto import encoder_pb2 as pb2, encoder_pb2_grpc as pb2_grpc
 
     seen = []
@@ -866,8 +867,9 @@ def test_grpc_encoder_client():
 def test_max_new_tokens_budget(builder):
     from types import SimpleNamespace
 
-    from epdserve.gateway.chat import APIError, ChatService
-    from epdserve.gateway.protocol import ChatCompletionRequest
+    from epdserve.frontend.chat import ChatService
+    from epdserve.frontend.errors import APIError
+    from epdserve.frontend.protocol import ChatCompletionRequest
 
     def budget(default, **kw):
         svc = ChatService(SimpleNamespace(context_length=100), builder, "m", MediaPolicy(max_bytes=1), default)

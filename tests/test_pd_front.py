@@ -7,10 +7,9 @@ import time
 
 import pytest
 
-from epdserve.gateway.chat import APIError
-from epdserve.gateway.image_slots import image_slots
-from epdserve.gateway.pd_front import BootstrapFields, check_bootstrap, loads_body
-from epdserve.gateway.stages import StageError
+from epdserve.frontend.errors import APIError, StageError
+from epdserve.frontend.image_slots import image_slots
+from epdserve.frontend.pd import BootstrapFields, check_bootstrap, loads_body
 from epdserve.wire.messages import KVTransfer, Load, PrefillRequest, SamplingParams, input_ids_digest
 from epdserve.prefill.replies import PrefillReplies
 

@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from epdserve.gateway.chat import ChatService, PreparedChat
-from epdserve.gateway.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from epdserve.frontend.chat import ChatService, PreparedChat
+from epdserve.frontend.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from epdserve.wire.messages import TokenOutput
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from epdserve.gateway.protocol import ChatMessage, ImagePart, TextPart
+from epdserve.frontend.protocol import ChatMessage, ImagePart, TextPart
 from epdserve.wire.messages import ImageSpan
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from PIL import Image
 
-from epdserve.gateway.prompt import EncodedImage
-from epdserve.gateway.stages import StageError
+from epdserve.frontend.prompt import EncodedImage
+from epdserve.frontend.errors import StageError
 
 _MAX_PIXELS = 64_000_000  # the encoder's default --max-image-pixels
 

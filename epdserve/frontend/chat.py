@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -20,55 +19,20 @@ from dataclasses import dataclass, replace
 
 import httpx
 
-from epdserve.gateway.detokenizer import IncrementalDetokenizer, special_ids
-from epdserve.gateway.logprobs import TokenBytes, logprob_content
-from epdserve.gateway.image_slots import image_slots
-from epdserve.gateway.media import MediaError, MediaPolicy, load_image, run_cpu_bound
-from epdserve.gateway.prompt import EncodedImage, Prompt, PromptBuilder, PromptError, to_hf_messages
-from epdserve.gateway.protocol import (
+from epdserve.frontend.detokenizer import IncrementalDetokenizer, special_ids
+from epdserve.frontend.logprobs import TokenBytes, logprob_content
+from epdserve.frontend.image_slots import image_slots
+from epdserve.frontend.media import MediaError, MediaPolicy, load_image, run_cpu_bound
+from epdserve.frontend.prompt import EncodedImage, Prompt, PromptBuilder, PromptError, to_hf_messages
+from epdserve.frontend.errors import APIError, GenerationFailed, StageError
+from epdserve.frontend.protocol import (
     AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChoiceLogprobs,
-    ChunkChoice, Delta, ErrorInfo, ErrorResponse, GenerateRequest, Usage,
+    ChunkChoice, Delta, GenerateRequest, Usage,
 )
-from epdserve.gateway.stages import StageClient, StageError
+from epdserve.frontend.stages import Stages
 from epdserve.wire.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenLogprob, TokenOutput
 from epdserve.metrics import GatewayMetrics, RequestTrace
-
-logger = logging.getLogger("epdserve.gateway")
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-                503: "service_unavailable", 504: "timeout_error"}
-# Seconds a client should wait before retrying after a stage went down: about one heartbeat, so a restarted stage
-# is seen by then.
-STAGE_RETRY_AFTER_S = 2
-
-
-class APIError(Exception):
-    """An error answered as OpenAI error JSON with HTTP ``status`` (and ``headers``, e.g. ``Retry-After``)."""
-
-    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | int | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-        self.param = param
-        self.code = code if code is not None else status
-        self.headers = headers
-
-    @classmethod
-    def from_stage(cls, e: StageError) -> APIError:
-        """The answer to a :class:`StageError`: its status and message; a 503 says when to retry."""
-        headers = {"Retry-After": str(STAGE_RETRY_AFTER_S)} if e.status == 503 else None
-        return cls(e.status, e.message, headers=headers)
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code))
-
-
-class GenerationFailed(APIError):
-    """A stage reported an error for the request (HTTP 500)."""
+from epdserve.frontend import logger
 
 
 @dataclass
@@ -82,13 +46,15 @@ class PreparedChat:
     decode: DecodeRequest
     trace: RequestTrace  # its timings and usage, recorded in the gateway's metrics
     deadline: float | None = None  # time.monotonic() value after which the request ends with 504
+    # (first output, the rest) of a request whose outputs began before its answer did (ChatService.prime)
+    head: tuple[TokenOutput, AsyncIterator[TokenOutput]] | None = None
 
 
 class ChatService:
     """Runs chat completions against the stages. One per gateway; safe for concurrent requests.
 
     Args:
-        stages: a started (or starting) :class:`StageClient`.
+        stages: started (or starting) :class:`~epdserve.frontend.stages.Stages`.
         builder: the prompt builder; its calls are serialized on one worker thread (see :class:`PromptBuilder`).
         model_name: the served model name put in responses.
         media: image URL policy.
@@ -96,7 +62,7 @@ class ChatService:
         metrics: the gateway's metrics (a fresh one by default).
     """
 
-    def __init__(self, stages: StageClient, builder: PromptBuilder, model_name: str, media: MediaPolicy,
+    def __init__(self, stages: Stages, builder: PromptBuilder, model_name: str, media: MediaPolicy,
                  max_tokens_default: int = 0, http: httpx.AsyncClient | None = None,
                  metrics: GatewayMetrics | None = None):
         self.metrics = metrics if metrics is not None else GatewayMetrics()
@@ -119,7 +85,8 @@ class ChatService:
 
     async def prepare(self, rid: str, req: ChatCompletionRequest, deadline: float | None = None) -> PreparedChat:
         """Fetch and encode images, build the prompt, check lengths and build the stage requests; an image request
-        is dispatched to the stages (``stages.dispatch``) before the encoder answers, and its answer is checked.
+        is sent to the stages before the encoder answers where they take it so (``stages.sends_before_encoded``),
+        and the encoder's answer is checked against the image slots.
 
         Args:
             deadline: ``time.monotonic()`` value after which the request ends with 504 (None: none); it is kept in
@@ -141,7 +108,8 @@ class ChatService:
         # The chat template and the text's tokens do not depend on the images: they run while the encoder works.
         pieces = asyncio.get_running_loop().run_in_executor(self._executor, self.builder.tokenize_template,
                                                             hf_messages)
-        encoding = asyncio.ensure_future(self._encode(trace, rid, images, deadline)) if images else None
+        encoding = (asyncio.ensure_future(self._encode(trace, rid, images, deadline))
+                    if images and self.stages.encodes else None)
         try:
             # Each image's hash, token count and grid follow from its bytes and header, as the encoder's processor
             # computes them: the prompt is built and sent to prefill and decode while the encoder still works, so
@@ -153,7 +121,8 @@ class ChatService:
             sampling = self._sampling(req, max_new, bias)
             prefill, decode = self._stage_requests(rid, prompt, sampling)
             if encoding is not None:
-                self.stages.dispatch(prefill, decode)
+                if self.stages.sends_before_encoded:
+                    self.stages.send(prefill, decode)
                 _check_encoded(await encoding, slots)
                 logger.debug("rid=%s encoder answered", rid)
         except BaseException as e:
@@ -240,12 +209,11 @@ class ChatService:
     def _stage_requests(self, rid: str, prompt: Prompt, sampling: SamplingParams) -> tuple[PrefillRequest,
                                                                                           DecodeRequest]:
         room = secrets.randbits(63)  # rendezvous key between this request's prefill and decode
-        info = self.stages.prefill_info
+        host, port = self.stages.bootstrap or ("", 0)  # no address: the PD router names it (pd.bind_room)
         prefill = PrefillRequest(rid=rid, input_ids=prompt.input_ids, images=prompt.images, sampling=sampling,
                                  bootstrap_room=room)
-        decode = DecodeRequest(rid=rid, prompt_len=len(prompt.input_ids), sampling=sampling,
-                               bootstrap_host=info.bootstrap_host, bootstrap_port=info.bootstrap_port,
-                               bootstrap_room=room)
+        decode = DecodeRequest(rid=rid, prompt_len=len(prompt.input_ids), sampling=sampling, bootstrap_host=host,
+                               bootstrap_port=port, bootstrap_room=room)
         return prefill, decode
 
     def _max_new_tokens(self, wanted: int | None, prompt_len: int, prompt_param: str, max_param: str) -> int:
@@ -266,8 +234,8 @@ class ChatService:
     async def outputs(self, chat: PreparedChat) -> AsyncIterator[tuple[str, TokenOutput]]:
         """``chat``'s outputs as ``(text delta, output)``, up to the one with a finish reason (cut at a stop
         string), each recorded in the request's trace; the trace is finished once that last one has been taken.
-        Closing the iterator early aborts the request on the stages. The one loop over a request's outputs behind
-        every answer shape (:meth:`complete`, :meth:`stream`, ``epdserve.gateway.generate``).
+        A request left early (client gone, stop string) is aborted by its lifetime. The one loop over a request's
+        outputs behind every answer shape (:meth:`complete`, :meth:`stream`, ``epdserve.frontend.generate``).
 
         Raises:
             GenerationFailed: a stage reported an error for the request (500).
@@ -277,7 +245,7 @@ class ChatService:
         detok = self._detokenizer(chat)
         n_tokens = 0
         try:
-            async with aclosing(self.stages.generate(chat.prefill, chat.decode, chat.deadline)) as outputs:
+            async with aclosing(self._stage_outputs(chat)) as outputs:
                 async for out in outputs:
                     text, final = _detokenize(detok, out)
                     chat.trace.output(len(final.token_ids))
@@ -289,7 +257,7 @@ class ChatService:
                     n_tokens += len(final.token_ids)
                     yield text, final
                     if final.finish_reason is not None:
-                        break  # on a stop string: leaving the iterator aborts the request at prefill and decode
+                        break  # on a stop string: the request's lifetime aborts it at prefill and decode
         except StageError as e:
             logger.warning("rid=%s failed: %s", chat.rid, e.message)
             raise APIError.from_stage(e) from None
@@ -297,6 +265,29 @@ class ChatService:
         chat.trace.finish(final.finish_reason, usage)
         logger.debug("rid=%s finished (%s): %d+%d tokens in %.3f s", chat.rid, final.finish_reason,
                      usage.prompt_tokens, usage.completion_tokens, time.monotonic() - t0)
+
+    async def prime(self, chat: PreparedChat) -> TokenOutput:
+        """Start ``chat`` at the stages and wait for its first output (the first token, or an error); the answer's
+        outputs (:meth:`outputs`) then begin with it. A stream answered only then keeps its HTTP status open until
+        the first token exists (the decode leg behind a PD router: a failure before it stays retryable).
+
+        Raises:
+            StageError: as ``Stages.generate``.
+        """
+        outputs = self.stages.generate(chat.prefill, chat.decode, chat.deadline)
+        try:
+            first = await anext(outputs)
+        except BaseException:
+            await outputs.aclose()
+            raise
+        chat.head = (first, outputs)
+        return first
+
+    def _stage_outputs(self, chat: PreparedChat) -> AsyncIterator[TokenOutput]:
+        if chat.head is None:
+            return self.stages.generate(chat.prefill, chat.decode, chat.deadline)
+        head, chat.head = chat.head, None
+        return _prepend(*head)
 
     async def collect(self, chat: PreparedChat) -> tuple[str, list[int], list[TokenLogprob], TokenOutput]:
         """Run ``chat`` to the end: its whole text, its output token ids, their log-probabilities (empty unless the
@@ -431,3 +422,14 @@ def _detokenize(detok: IncrementalDetokenizer, out: TokenOutput) -> tuple[str, T
         out = replace(out, token_ids=out.token_ids[:used], logprobs=out.logprobs[:used], finish_reason="stop",
                       completion_tokens=max(out.completion_tokens - unused, 0))
     return "".join(parts), out
+
+
+async def _prepend(first: TokenOutput, rest: AsyncIterator[TokenOutput]) -> AsyncIterator[TokenOutput]:
+    """Yield ``first``, then ``rest`` unless ``first`` already finished the request."""
+    try:
+        yield first
+        if first.finish_reason is None:
+            async for out in rest:
+                yield out
+    finally:
+        await rest.aclose()

@@ -1,4 +1,5 @@
-"""Several encoders behind one gateway: each image goes to the encoder its content hash picks.
+"""Several encoders behind one front end (the gateway, a prefill front): each image goes to the encoder its content
+hash picks.
 
 Routing is rendezvous (highest-random-weight) hashing (Thaler and Ravishankar, "A name-based mapping scheme for
 rendezvous", 1996): for an image with SHA-256 digest ``d``, every encoder ``e`` gets the score
@@ -24,11 +25,11 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from epdserve.hashing import sha256_all
-from epdserve.gateway.media import run_cpu_bound
-from epdserve.gateway.prompt import EncodedImage
-from epdserve.gateway.stages import StageError
+from epdserve.frontend.media import run_cpu_bound
+from epdserve.frontend.prompt import EncodedImage
+from epdserve.frontend.errors import StageError
+from epdserve.frontend import logger
 
-logger = logging.getLogger("epdserve.gateway")
 
 PROBE_INTERVAL_S = 2.0
 # An encoder that has never served is most likely loading its model: probe it often, so the gateway (and its
@@ -37,7 +38,7 @@ STARTUP_PROBE_INTERVAL_S = 0.2
 
 
 class PooledEncoder(Protocol):
-    """An :class:`~epdserve.gateway.stages.EncoderClient` that the pool can name and probe."""
+    """An :class:`~epdserve.frontend.encoder_client.EncoderClient` that the pool can name and probe."""
 
     addr: str  # the rendezvous name: it must stay the same across gateway restarts
 
@@ -82,7 +83,7 @@ async def _false() -> bool:
 
 
 class EncoderPool:
-    """An :class:`~epdserve.gateway.stages.EncoderClient` over several encoders, routing each image by content.
+    """An :class:`~epdserve.frontend.encoder_client.EncoderClient` over several encoders, routing each image by content.
 
     A request's images that map to different encoders go to those encoders concurrently, one ``encode`` per
     encoder with that encoder's images (same request id, same targets); results come back in the request's image
@@ -170,7 +171,7 @@ class EncoderPool:
             raise TimeoutError(f"no encoder of {', '.join(self.names)} is reachable")
 
     async def encode(self, rid: str, images: list[bytes], targets: list[str]) -> list[EncodedImage]:
-        """See :class:`~epdserve.gateway.stages.EncoderClient`.
+        """See :class:`~epdserve.frontend.encoder_client.EncoderClient`.
 
         Raises:
             StageError: 503 when no encoder is up (or an image's retry also failed), else the first other error

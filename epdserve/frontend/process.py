@@ -1,16 +1,21 @@
-"""Starting and stopping a prefill/decode server's HTTP front (``epdserve.gateway.pd_front``) as a child process.
+"""Starting and stopping a prefill/decode server's HTTP front (``epdserve.frontend.pd``) as a child process, and
+the child's side of that tie (:func:`die_with_parent`).
 
 Kept apart from the front itself so the scheduler process imports no web framework.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+
+logger = logging.getLogger("epdserve.front")
 
 
 class FrontProcess:
@@ -29,9 +34,10 @@ class FrontProcess:
                 self.proc.wait()
 
 
-def spawn_front(role: str, config) -> FrontProcess | None:
-    """Start the HTTP front of a ``role`` server ("prefill" or "decode") with ``config`` (its ``PrefillConfig``
-    or ``DecodeConfig``) as a child process; None when ``config.port`` is 0.
+def spawn_front(module: str, config) -> FrontProcess | None:
+    """Start a server's HTTP front, ``python -m module`` (the ``http_front`` module of the server's package), with
+    ``config`` (the server's ``PrefillConfig`` or ``DecodeConfig``) as a child process; None when ``config.port`` is
+    0.
 
     The child gets the config as JSON with the model path resolved (the default tiny model is built here, once,
     not by two processes at the same time), logs at this process's epdserve level to the same stderr, and dies
@@ -46,6 +52,20 @@ def spawn_front(role: str, config) -> FrontProcess | None:
 
     config = dataclasses.replace(config, model_path=resolve_model_path(config.model_path))
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())
-    cmd = [sys.executable, "-m", "epdserve.gateway.pd_front", role, json.dumps(dataclasses.asdict(config)),
-           "--parent-pid", str(os.getpid()), "--log-level", level]
+    cmd = [sys.executable, "-m", module, json.dumps(dataclasses.asdict(config)), "--parent-pid", str(os.getpid()),
+           "--log-level", level]
     return FrontProcess(subprocess.Popen(cmd))
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux), and exit now if it already has.
+
+    A front whose scheduler is gone would accept requests it can never finish; dead, its port refuses them and
+    the router retries elsewhere at once.
+    """
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        logger.warning("cannot tie the front's life to its server's (no prctl)")
+    if os.getppid() != parent_pid:
+        os._exit(1)

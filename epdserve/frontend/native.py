@@ -1,0 +1,34 @@
+"""SGLang's native protocol: ``POST /generate`` (text or token ids in, no chat template; answers in
+``epdserve.frontend.generate``), as a router over a server's :class:`~epdserve.frontend.serving.RequestPath`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from epdserve.frontend.chat import ChatService
+from epdserve.frontend.generate import generate_events, generate_json
+from epdserve.frontend.openai import no_auth
+from epdserve.frontend.protocol import GenerateRequest
+from epdserve.frontend.serving import Call, RequestPath
+
+
+def generate_call(chat: ChatService, rid: str, req: GenerateRequest) -> Call:
+    """The :class:`Call` of a ``/generate`` request."""
+    return Call(lambda deadline: chat.prepare_ids(rid, req, deadline), req.stream,
+                lambda p: generate_events(chat, p), lambda p: generate_json(chat, p), json.dumps)
+
+
+def native_router(path: RequestPath, authorize: Callable = no_auth) -> APIRouter:
+    """``POST /generate`` of ``path``'s server, behind ``authorize`` (a FastAPI dependency)."""
+    router = APIRouter(dependencies=[Depends(authorize)])
+
+    @router.post("/generate")
+    async def generate(request: Request) -> Response:
+        """SGLang's native API: text or token ids in, no chat template (see ``epdserve.frontend.generate``)."""
+        return await path.serve(request, GenerateRequest, lambda rid, req: generate_call(path.server.chat, rid, req))
+
+    return router
