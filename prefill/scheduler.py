@@ -13,22 +13,19 @@ record (:class:`_Req`) in one table, and one sweep (:meth:`PrefillScheduler._swe
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from dataclasses import dataclass, field
-
 import torch
 
-from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.radix_cache import RadixCache
 from epdserve.kvcache.kv_share import host_id
-from epdserve.wire.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest, TokenLogprob
+from epdserve.wire.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest
 from epdserve.metrics import PrefillMetrics
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.mrope import mrope_positions
 from epdserve.engine.sampling import apply_logit_bias, sample, sampled_logprobs, token_logprobs
+from epdserve.prefill.records import PrefillRecord as _Req, RecordState as _State, prefill_batch
 
 log = logging.getLogger(__name__)
 
@@ -40,45 +37,6 @@ def image_pad_id(image_hash: str) -> int:
     """Radix-cache key id for every token of an image: above any vocabulary id and unique per image hash
     (60 bits of the SHA-256), so equal images at equal places share KV and different images never do."""
     return (1 << 62) | int(image_hash[:15], 16)
-
-
-class _State(enum.Enum):
-    """Where a record is; what its ``deadline`` means there."""
-    EARLY = "early"  # keyed by rid: embeddings before their request, and/or an aborted id's marker (drop at deadline)
-    REGISTERED = "registered"  # a decode registration before its request (dropped at the deadline)
-    WAITING = "waiting"  # a request waiting for embeddings or pages (fails at the deadline)
-    RUNNING = "running"  # holds pages, partly prefilled (no deadline: it ends, fails or is aborted)
-    FINISHED = "finished"  # KV or an error ready, waiting for a registration (pages back at the deadline)
-    LENT = "lent"  # a decode server copies its pages (shared path; pages back at its KVAck or the deadline)
-
-
-@dataclass
-class _Req:
-    """Everything prefill holds for one request: its table key is the bootstrap ``room`` once a request or a
-    registration names it, else the ``rid`` (embeddings that came first, an aborted id's marker)."""
-    rid: str
-    room: int | None
-    state: _State
-    deadline: float  # time.monotonic() when the sweep acts (see _State)
-    msg: PrefillRequest | None = None
-    reg: KVRegister | None = None  # the decode server's registration for the room
-    embeds: dict[str, torch.Tensor] | None = None  # image hash -> [n, hidden]; None: none received
-    transfer: KVTransfer | None = None  # FINISHED: host-path or error transfer (None: the KV is in ``pages``)
-    aborted_until: float = 0.0  # EARLY: this id was aborted; its late inputs are kept _LATE_S only
-    arrival: float = 0.0  # time.monotonic() when the request arrived (queue time, time in prefill)
-    positions: torch.Tensor | None = None  # [3, n] int64
-    mrope_delta: int = 0
-    key: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
-    node: object = None  # locked radix node of the matched prefix
-    cached: int = 0  # tokens whose KV came from the radix cache
-    computed: int = 0  # tokens with KV in this server's pages
-    first_token: int = -1  # sampled once the whole prompt is prefilled
-    first_logprob: TokenLogprob | None = None  # its log-probability, when the request asked
-
-    @property
-    def n(self) -> int:
-        return len(self.msg.input_ids)
 
 
 class PrefillScheduler:
@@ -400,34 +358,8 @@ class PrefillScheduler:
             batch_reqs.append(req)
             chunks.append((req.computed, req.computed + take))
             budget -= take
-        ids, pos, slots, mask, mm, sources = [], [], [], [], [], []
-        for req, (s, e) in zip(batch_reqs, chunks):
-            ids.extend(req.msg.input_ids[s:e])
-            pos.append(req.positions[:, s:e])
-            slots.extend(self.pool.slots(req.pages, s, e))
-            m = torch.zeros(e - s, dtype=torch.bool)
-            got = req.embeds or {}
-            for span in req.msg.images:
-                a, b = max(s, span.offset), min(e, span.offset + span.length)
-                if a < b:
-                    m[a - s:b - s] = True
-                    mm.append(got[span.image_hash][a - span.offset:b - span.offset])
-                    sources.append((req.msg.rid, span.image_hash, a - span.offset, b - span.offset))
-            mask.append(m)
         dev = self.runner.device
-        # Built on the host: the runner moves what it needs (a CUDA graph takes it in one pinned copy).
-        batch = ForwardBatch(
-            is_decode=False,
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.cat(pos, dim=1),
-            out_slots=torch.tensor(slots, dtype=torch.int64),
-            q_lens=[e - s for s, e in chunks],
-            kv_lens=[e for _, e in chunks],
-            page_table=[r.pages for r in batch_reqs],
-            mm_embeds=torch.cat(mm) if mm else None,
-            mm_mask=torch.cat(mask) if mm else None,
-            mm_sources=sources if mm else None,
-        )
+        batch = prefill_batch(batch_reqs, chunks, self.pool)
         # With DEBUG logs, CUDA events time the forward on the GPU: the stage timeline then tells host from GPU.
         timed = log.isEnabledFor(logging.DEBUG) and dev.type == "cuda"
         if timed:
@@ -457,7 +389,7 @@ class PrefillScheduler:
         first_lp = token_logprobs(lp, params)
         if timed:
             log.debug("forward of %d tokens for %s: batch built in %.1f ms, launched in %.1f ms, on the GPU %.1f ms, "
-                      "first token %.1f ms after the start", len(ids), ",".join(r.msg.rid for r in reqs),
+                      "first token %.1f ms after the start", len(batch.input_ids), ",".join(r.msg.rid for r in reqs),
                       (t1 - t0) * 1e3, (t2 - t1) * 1e3, gpu[0].elapsed_time(gpu[1]), (time.perf_counter() - t0) * 1e3)
         for req, tok, tok_lp in zip(reqs, first, first_lp):
             req.first_token, req.first_logprob, req.embeds = tok, tok_lp, None
