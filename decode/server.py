@@ -15,7 +15,6 @@ Out: one PUSH socket per prefill bootstrap address, carrying ``KVRegister`` and 
 from __future__ import annotations
 
 import logging
-import signal
 from collections import defaultdict
 
 import zmq
@@ -23,17 +22,16 @@ import zmq
 from epdserve.wire import transport
 from epdserve.config import DecodeConfig
 from epdserve.decode.scheduler import DecodeScheduler
+from epdserve.engine.server import StageServer, kv_shared
 from epdserve.frontend.process import spawn_front
-from epdserve.kvcache.kv_share import shares_kv
-from epdserve.wire.messages import (AbortRequest, DecodeRequest, KVTransfer, LoadRequest, ServerInfo, ServerInfoRequest,
-                               TokenOutputBatch)
-from epdserve.metrics import DecodeMetrics, start_metrics_server
+from epdserve.wire.messages import AbortRequest, DecodeRequest, KVTransfer, ServerInfo, TokenOutputBatch
+from epdserve.metrics import DecodeMetrics
 from epdserve.engine.runner_setup import runner_from_config
 
 log = logging.getLogger("epdserve.decode")
 
 
-def serve(config: DecodeConfig) -> None:
+def serve(config: DecodeConfig) -> int:
     """Load the model (on ``config.tp`` ranks) and run the decode loop until SIGINT/SIGTERM. Returns 0, or 1
     when a TP rank was lost (its requests fail with an error first).
 
@@ -52,7 +50,7 @@ def serve(config: DecodeConfig) -> None:
 def _serve(config: DecodeConfig) -> int:
     graph_bs = 0 if config.disable_cuda_graph else min(config.cuda_graph_max_bs, config.max_running_requests)
     model_path, runner, context_length = runner_from_config(config, cuda_graph_max_bs=graph_bs)
-    share = shares_kv(config.kv_transfer, runner.device) and config.tp == 1  # TP ranks take KV by host path
+    share = kv_shared(config, runner.device)  # TP ranks take KV by host path
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
     metrics = DecodeMetrics()
     sched = DecodeScheduler(runner, context_length=context_length, max_running_requests=config.max_running_requests,
@@ -60,62 +58,51 @@ def _serve(config: DecodeConfig) -> int:
                             metrics=metrics)
     info = ServerInfo(role="decode", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages)
+    return _DecodeServer(config, runner, sched, metrics, info, kv_endpoint=kv_endpoint, share=share).run()
 
-    metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port, "decode")
-    ctx = zmq.Context()
-    requests = transport.bind(ctx, zmq.ROUTER, config.host, config.zmq_port)
-    kv_in = transport.bind(ctx, zmq.PULL, config.host, config.kv_port)
-    to_bootstrap: dict[str, zmq.Socket] = {}
-    poller = zmq.Poller()
-    for sock in (requests, kv_in):
-        poller.register(sock, zmq.POLLIN)
 
-    stopping = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.append(True))
-    log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages, KV hand-off %s, "
-             "metrics=%s)", config.host, config.zmq_port, kv_endpoint, model_path, runner.device, runner.num_pages,
-             "shared or zmq" if share else "zmq", metrics_server.url)
-    try:
-        while not stopping and not runner.failed:
-            poller.poll(0 if sched.has_work() else 20)
-            metrics.update_load(sched.load)
-            while (got := transport.recv_routed(requests)) is not None:
-                peer, msg = got
-                if isinstance(msg, DecodeRequest):
-                    endpoint, register = sched.add_request(msg, peer)
-                    if (sock := transport.connect_cached(ctx, zmq.PUSH, endpoint, to_bootstrap)) is not None:
-                        transport.send(sock, register)
-                    else:  # its KV can never arrive
-                        sched.fail_request(msg.rid, f"bad bootstrap address {endpoint!r}")
-                elif isinstance(msg, AbortRequest):
-                    sched.abort(msg.rid)
-                elif isinstance(msg, ServerInfoRequest):
-                    transport.send(requests, info, identity=peer)
-                elif isinstance(msg, LoadRequest):
-                    transport.send(requests, sched.load(), identity=peer)
-            while (msg := transport.recv(kv_in)) is not None:
-                if isinstance(msg, KVTransfer):
-                    sched.add_transfer(msg)
-            try:
-                outputs = sched.step()
-            except Exception as e:  # a failed forward must not take the server down
-                log.exception("decode step failed")
-                sched.fail_running(f"decode failed: {e}")
-                outputs, sched.outputs = sched.outputs, []
-            for endpoint, ack in sched.take_acks():
-                if (sock := transport.connect_cached(ctx, zmq.PUSH, endpoint, to_bootstrap)) is not None:
-                    transport.send(sock, ack)
-            _send_outputs(requests, outputs)
-        if runner.failed:  # a TP rank is gone: fail what this server holds, then stop
-            sched.fail_all(f"decode failed: {runner.failed}")
-            _send_outputs(requests, sched.outputs)
-            return 1
-        return 0
-    finally:
-        runner.close()
-        ctx.destroy(linger=1000 if runner.failed else 0)
-        metrics_server.close()
+class _DecodeServer(StageServer):
+    """The decode stage's part of the loop: registrations out to prefill bootstrap ports, KV in, a scheduler
+    step, acks out, token outputs back to the gateways."""
+
+    def __init__(self, config: DecodeConfig, runner, sched: DecodeScheduler, metrics: DecodeMetrics,
+                 info: ServerInfo, *, kv_endpoint: str, share: bool):
+        super().__init__("decode", config, runner, sched, metrics, info)
+        self.kv_endpoint, self.share = kv_endpoint, share
+        self.kv_in = self.bind(zmq.PULL, config.kv_port)
+
+    def log_ready(self) -> None:
+        c = self.config
+        log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages, KV hand-off %s, "
+                 "metrics=%s)", c.host, c.zmq_port, self.kv_endpoint, self.info.model_path, self.runner.device,
+                 self.runner.num_pages, "shared or zmq" if self.share else "zmq", self.metrics_server.url)
+
+    def on_request(self, peer: bytes, msg) -> None:
+        if isinstance(msg, DecodeRequest):
+            endpoint, register = self.sched.add_request(msg, peer)
+            if not self.push(endpoint, register):  # its KV can never arrive
+                self.sched.fail_request(msg.rid, f"bad bootstrap address {endpoint!r}")
+        elif isinstance(msg, AbortRequest):
+            self.sched.abort(msg.rid)
+
+    def tick(self) -> None:
+        sched = self.sched
+        while (msg := transport.recv(self.kv_in)) is not None:
+            if isinstance(msg, KVTransfer):
+                sched.add_transfer(msg)
+        try:
+            outputs = sched.step()
+        except Exception as e:  # a failed forward must not take the server down
+            log.exception("decode step failed")
+            sched.fail_running(f"decode failed: {e}")
+            outputs, sched.outputs = sched.outputs, []
+        for endpoint, ack in sched.take_acks():
+            self.push(endpoint, ack)
+        _send_outputs(self.requests, outputs)
+
+    def on_rank_lost(self) -> None:
+        self.sched.fail_all(f"decode failed: {self.runner.failed}")
+        _send_outputs(self.requests, self.sched.outputs)
 
 
 def _send_outputs(requests: zmq.Socket, outputs) -> None:

@@ -7,26 +7,25 @@ over ZeroMQ, and the pages are freed at once), or shared (a decode server on thi
 KV pool and copies the pages device to device; they stay held until its ``KVAck``).
 
 Requests and embeddings arrive in either order (the encoder pushes embeddings while the gateway sends the
-request). Decode registrations can come before or after prefill ends. Everything that waits has a deadline.
+request). Decode registrations can come before or after prefill ends. Everything a request holds lives in one
+record (:class:`_Req`) in one table, and one sweep (:meth:`PrefillScheduler._sweep`) enforces every deadline.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-
 import torch
 
-from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.radix_cache import RadixCache
 from epdserve.kvcache.kv_share import host_id
-from epdserve.wire.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest, TokenLogprob
+from epdserve.wire.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest
 from epdserve.metrics import PrefillMetrics
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.mrope import mrope_positions
 from epdserve.engine.sampling import apply_logit_bias, sample, sampled_logprobs, token_logprobs
+from epdserve.prefill.records import PrefillRecord as _Req, RecordState as _State, prefill_batch
 
 log = logging.getLogger(__name__)
 
@@ -38,26 +37,6 @@ def image_pad_id(image_hash: str) -> int:
     """Radix-cache key id for every token of an image: above any vocabulary id and unique per image hash
     (60 bits of the SHA-256), so equal images at equal places share KV and different images never do."""
     return (1 << 62) | int(image_hash[:15], 16)
-
-
-@dataclass
-class _Req:
-    msg: PrefillRequest
-    deadline: float
-    arrival: float = 0.0  # time.monotonic() when the request arrived (queue time, time in prefill)
-    positions: torch.Tensor | None = None  # [3, n] int64
-    mrope_delta: int = 0
-    key: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
-    node: object = None  # locked radix node of the matched prefix
-    cached: int = 0  # tokens whose KV came from the radix cache
-    computed: int = 0  # tokens with KV in this server's pages
-    first_token: int = -1  # sampled once the whole prompt is prefilled
-    first_logprob: TokenLogprob | None = None  # its log-probability, when the request asked
-
-    @property
-    def n(self) -> int:
-        return len(self.msg.input_ids)
 
 
 class PrefillScheduler:
@@ -83,22 +62,33 @@ class PrefillScheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk = chunked_prefill_size if chunked_prefill_size > 0 else max_prefill_tokens
         self.timeout_s = timeout_s
-        self.waiting: dict[str, _Req] = {}  # rid -> request waiting for embeddings or pages
-        self.running: list[_Req] = []  # requests with pages, partly prefilled (chunked)
-        self.embeds: dict[str, tuple[float, dict[str, torch.Tensor]]] = {}  # rid -> (deadline, hash -> [n, h])
-        self.registered: dict[int, tuple[float, KVRegister]] = {}  # room -> (deadline, decode registration)
-        # room -> (deadline, KV ready to hand off): a transfer (host path, or an error), or a prefilled request
-        # whose pages hold its KV (this pool is shared: the path is chosen when its decode server registers).
-        self.finished: dict[int, tuple[float, KVTransfer | _Req]] = {}
-        self.lent: dict[int, tuple[float, _Req]] = {}  # room -> request whose pages a decode server copies
+        # room (or rid, for EARLY records) -> record. Insertion order is the queue order: a record moves to the end
+        # when its request arrives, is admitted and finishes, so WAITING records are in arrival order (first come,
+        # first served), RUNNING ones in admission order and FINISHED ones in finishing order.
+        self.reqs: dict[int | str, _Req] = {}
         self.pool_handle = runner.kv_handle()  # None: this pool is not shared, KV goes through host memory
         self.host_id = host_id()
         self.metrics = metrics if metrics is not None else PrefillMetrics()
-        # rid -> expiry of aborted requests: embeddings and decode registrations travel on other sockets than the
-        # abort and may land after it; without this they would be held until their own timeout. They are kept for
-        # _LATE_S only (not dropped): a client may reuse its X-Request-Id at once, and that new request's inputs
-        # must not be lost.
-        self.aborted: dict[str, float] = {}
+
+    # ---- views (read-only; for the server loop, its replies and tests) ---------------------------------------
+    def _in(self, *states: _State) -> list[_Req]:
+        return [r for r in self.reqs.values() if r.state in states]
+
+    @property
+    def running(self) -> list[_Req]:
+        """Requests holding pages and partly prefilled, in admission order."""
+        return self._in(_State.RUNNING)
+
+    @property
+    def embeds(self) -> dict[str, dict[str, torch.Tensor]]:
+        """rid -> image hash -> embedding [n, hidden], for every request id whose embeddings are held."""
+        return {r.rid: r.embeds for r in self.reqs.values() if r.embeds is not None}
+
+    @property
+    def finished(self) -> dict[int, tuple[float, KVTransfer | _Req]]:
+        """room -> (deadline, the transfer, or the prefilled request whose pages hold its KV): done, waiting for
+        a decode registration (the shape :meth:`PrefillReplies.collect` reads)."""
+        return {r.room: (r.deadline, r.transfer if r.transfer is not None else r) for r in self._in(_State.FINISHED)}
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def add_request(self, msg: PrefillRequest) -> None:
@@ -108,83 +98,176 @@ class PrefillScheduler:
         if err:
             log.warning("rid=%s rejected: %s", msg.rid, err)
             self.metrics.on_error("invalid_request")
-            self._finish_error(msg, err)
+            early = self.reqs.get(msg.rid)
+            if early is not None:  # its embeddings go; an aborted id's marker stays
+                self._drop_early_embeds(early, now)
+            self._finish_error(self._room_record(msg, now), err)
             return
-        self.aborted.pop(msg.rid, None)  # a new request under a reused id
-        self.waiting[msg.rid] = _Req(msg, deadline=now + self.timeout_s, arrival=now)
+        early = self.reqs.pop(msg.rid, None)  # embeddings that came first; a new request under a reused id
+        rec = self._room_record(msg, now)
+        rec.state, rec.deadline, rec.arrival = _State.WAITING, now + self.timeout_s, now
+        rec.embeds = early.embeds if early is not None else None
+        self._to_end(rec)
         log.debug("rid=%s request received (%d tokens)", msg.rid, len(msg.input_ids))
 
     def add_embeddings(self, msg: ImageEmbeddings) -> None:
         """Stash the encoder's embeddings for ``msg.rid`` until (or after) its request arrives (kept only briefly
         when that id was just aborted)."""
         now = time.monotonic()
-        _, by_hash = self.embeds.setdefault(msg.rid, (now + (_LATE_S if msg.rid in self.aborted else self.timeout_s),
-                                                      {}))
+        # A scan, not an index: records are bounded by the requests in flight, and one table stays consistent.
+        rec = next((r for r in self.reqs.values()
+                    if r.rid == msg.rid and r.state in (_State.WAITING, _State.RUNNING)), None)
+        if rec is None:
+            rec = self.reqs.get(msg.rid)
+            if rec is None:
+                rec = self.reqs[msg.rid] = _Req(msg.rid, None, _State.EARLY, now + self.timeout_s)
+            if rec.embeds is None:  # the first arrival sets the deadline, as later ones only add images
+                rec.deadline = now + (_LATE_S if rec.aborted_until > now else self.timeout_s)
+                rec.embeds = {}
+        elif rec.embeds is None:
+            rec.embeds = {}
         log.debug("rid=%s embeddings received", msg.rid)
         for h, emb in zip(msg.image_hashes, msg.embeddings):
-            by_hash[h] = emb
+            rec.embeds[h] = emb
 
     def register(self, msg: KVRegister) -> None:
         """A decode server asks for the KV of ``msg.bootstrap_room`` at ``msg.kv_endpoint`` (kept only briefly
         when that id was just aborted)."""
-        late = msg.rid in self.aborted
-        self.registered[msg.bootstrap_room] = (time.monotonic() + (_LATE_S if late else self.timeout_s), msg)
+        now = time.monotonic()
+        early = self.reqs.get(msg.rid)
+        late = early is not None and early.aborted_until > now
+        rec = self.reqs.get(msg.bootstrap_room)
+        if rec is None:
+            rec = self.reqs[msg.bootstrap_room] = _Req(msg.rid, msg.bootstrap_room, _State.REGISTERED, 0.0)
+        if rec.state is _State.REGISTERED:  # with a request, the registration lives as long as the request
+            rec.deadline = now + (_LATE_S if late else self.timeout_s)
+        rec.reg = msg
 
     def ack(self, msg: KVAck) -> None:
         """A decode server copied the KV of ``msg.bootstrap_room`` out of this pool: its pages may be reused."""
-        lent = self.lent.pop(msg.bootstrap_room, None)
-        if lent is not None:
-            self._release(lent[1], insert=True)
+        rec = self.reqs.get(msg.bootstrap_room)
+        if rec is not None and rec.state is _State.LENT:
+            del self.reqs[msg.bootstrap_room]
+            self._release(rec, insert=True)
             log.debug("rid=%s KV copied by decode, pages released", msg.rid)
 
     def abort(self, rid: str) -> None:
         """Drop ``rid`` wherever it is and free its pages; its embeddings or registration arriving later are
-        dropped too."""
-        self.aborted[rid] = time.monotonic() + self.timeout_s
-        self.embeds.pop(rid, None)
-        req = self.waiting.pop(rid, None)
-        for r in [r for r in self.running if r.msg.rid == rid]:
-            self.running.remove(r)
-            self._release(r, insert=False)
-            req = r
-        if req is not None:
-            self.registered.pop(req.msg.bootstrap_room, None)
-        for table in (self.finished, self.lent):
-            for room, (_, item) in list(table.items()):
-                if (item.rid if isinstance(item, KVTransfer) else item.msg.rid) == rid:
-                    del table[room]
-                    self.registered.pop(room, None)
-                    if isinstance(item, _Req):
-                        self._release(item, insert=False)
+        kept only briefly (a client may reuse its id at once, and that new request's inputs must not be lost)."""
+        now = time.monotonic()
+        for key, rec in list(self.reqs.items()):
+            # A registration whose request never came stays until its own deadline, as it always did.
+            if rec.rid == rid and rec.state not in (_State.EARLY, _State.REGISTERED):
+                del self.reqs[key]
+                if rec.pages:  # KV never sent: not worth a radix entry (as before the records)
+                    self._release(rec, insert=False)
+        # Embeddings and registrations travel on other sockets than the abort and may land after it: the marker
+        # keeps them _LATE_S only instead of their full timeout.
+        self.reqs[rid] = _Req(rid, None, _State.EARLY, now + self.timeout_s, aborted_until=now + self.timeout_s)
 
     def load(self) -> Load:
         """What this scheduler holds now; with no request in flight, ``kv_pages_used == kv_pages_cached``."""
         used = self.pool.num_pages - self.pool.num_free
-        return Load(role="prefill", num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+        recs = list(self.reqs.values())
+        rooms = sum(1 for r in recs if r.room is not None and (r.reg is not None or r.state in (_State.FINISHED,
+                                                                                                 _State.LENT)))
+        return Load(role="prefill", num_running_reqs=sum(r.state is _State.RUNNING for r in recs),
+                    num_waiting_reqs=sum(r.state is _State.WAITING for r in recs),
                     kv_pages_used=used, kv_pages_total=self.pool.num_pages, kv_pages_cached=self.radix.num_pages,
-                    rooms=len(self.registered.keys() | self.finished.keys() | self.lent.keys()),
-                    embeddings=len(self.embeds))
+                    rooms=rooms, embeddings=len(self.embeds))
 
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
         """True when :meth:`step` would run a forward now."""
-        return bool(self.running) or any(self._embeds_ready(r) for r in self.waiting.values())
+        return any(r.state is _State.RUNNING or (r.state is _State.WAITING and self._embeds_ready(r))
+                   for r in self.reqs.values())
 
     def step(self) -> list[tuple[str, KVTransfer]]:
         """Admit ready requests, run one prefill forward, and return the transfers to send now as
         ``(decode KV endpoint, KVTransfer)``."""
-        self._expire()
+        self._sweep()
         self._admit()
         if self.running:
             self._forward()
         out = []
-        for room in [room for room in self.finished if room in self.registered]:
-            _, item = self.finished.pop(room)
-            _, reg = self.registered.pop(room)
-            transfer = self._hand_off(item, reg) if isinstance(item, _Req) else item
+        for rec in [r for r in self._in(_State.FINISHED) if r.reg is not None]:
+            del self.reqs[rec.room]
+            transfer = rec.transfer if rec.transfer is not None else self._hand_off(rec)
             self.metrics.on_kv_sent(transfer)
-            out.append((reg.kv_endpoint, transfer))
+            out.append((rec.reg.kv_endpoint, transfer))
         return out
+
+    def fail_running(self, error: str) -> None:
+        """After a failed forward: end every running request with ``error`` and free its pages."""
+        for rec in self.running:
+            self._release(rec, insert=False)
+            self.metrics.on_error("forward_failed")
+            self._finish_error(rec, error)
+
+    def fail_all(self, error: str) -> None:
+        """Before the server stops: end every running and waiting request with ``error`` (the error transfers go
+        out on the next :meth:`step` to the decode servers registered for them)."""
+        self.fail_running(error)
+        for rec in self._in(_State.WAITING):
+            self._finish_error(rec, error)
+
+    # ---- the table ----------------------------------------------------------------------------------------
+    def _room_record(self, msg: PrefillRequest, now: float) -> _Req:
+        """The record of ``msg``'s room (kept if only a registration was there), holding ``msg``."""
+        rec = self.reqs.get(msg.bootstrap_room)
+        if rec is not None and rec.state is not _State.REGISTERED:
+            # Rooms are random 63-bit ids, so this is a resent request: the old one goes, its pages with it.
+            del self.reqs[msg.bootstrap_room]
+            if rec.pages:
+                self._release(rec, insert=False)
+            rec = _Req(msg.rid, msg.bootstrap_room, _State.REGISTERED, now, reg=rec.reg)
+        elif rec is None:
+            rec = _Req(msg.rid, msg.bootstrap_room, _State.REGISTERED, now)
+        rec.rid, rec.msg = msg.rid, msg
+        self.reqs[msg.bootstrap_room] = rec
+        return rec
+
+    def _to_end(self, rec: _Req) -> None:
+        """Move ``rec`` to the end of the table (the queue order, see ``__init__``)."""
+        key = rec.room if rec.room is not None else rec.rid
+        self.reqs[key] = self.reqs.pop(key)
+
+    def _drop_early_embeds(self, rec: _Req, now: float) -> None:
+        """An EARLY record's embeddings go; the record stays while it marks an aborted id."""
+        rec.embeds = None
+        if rec.aborted_until > now:
+            rec.deadline = rec.aborted_until
+        else:
+            del self.reqs[rec.rid]
+
+    def _finish_error(self, rec: _Req, error: str) -> None:
+        """End ``rec``'s request with ``error`` (its pages must already be released): an error transfer waits for
+        its decode registration."""
+        log.debug("rid=%s failed: %s", rec.rid, error)
+        rec.embeds = None
+        rec.transfer = KVTransfer(rid=rec.msg.rid, bootstrap_room=rec.msg.bootstrap_room, error=error)
+        rec.state, rec.deadline = _State.FINISHED, time.monotonic() + self.timeout_s
+        self._to_end(rec)
+
+    def _sweep(self) -> None:
+        """The one deadline check: every record past its deadline moves on as its state says."""
+        now = time.monotonic()
+        for rec in [r for r in self.reqs.values() if r.deadline < now and r.state is not _State.RUNNING]:
+            if rec.state is _State.WAITING:
+                log.warning("rid=%s timed out waiting for image embeddings", rec.rid)
+                self.metrics.on_error("embeddings_timeout")
+                self._finish_error(rec, "timed out waiting for image embeddings")
+            elif rec.state is _State.EARLY:  # embeddings whose request never came, an aborted id's marker
+                self._drop_early_embeds(rec, now)
+            else:  # a registration whose request never came, KV nobody asked for or never acknowledged
+                del self.reqs[rec.room]
+                if rec.state is _State.FINISHED:
+                    self.metrics.on_kv_failure("no_registration")
+                elif rec.state is _State.LENT:  # its decode server died before copying the KV
+                    self.metrics.on_kv_failure("no_ack")
+                if rec.pages:
+                    log.warning("rid=%s KV not taken by a decode server in time; pages released", rec.rid)
+                    self._release(rec, insert=True)
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _validate(self, msg: PrefillRequest) -> str | None:
@@ -208,74 +291,36 @@ class PrefillScheduler:
     def _embeds_ready(self, req: _Req) -> bool:
         if not req.msg.images:
             return True
-        got = self._embeds_of(req.msg.rid)
+        got = req.embeds or {}
         return all(s.image_hash in got for s in req.msg.images)
 
-    def _embeds_of(self, rid: str) -> dict[str, torch.Tensor]:
-        """The embeddings received so far for ``rid``, by image hash."""
-        return self.embeds.get(rid, (0.0, {}))[1]
-
-    def _finish_error(self, msg: PrefillRequest, error: str) -> None:
-        log.debug("rid=%s failed: %s", msg.rid, error)
-        self.embeds.pop(msg.rid, None)
-        transfer = KVTransfer(rid=msg.rid, bootstrap_room=msg.bootstrap_room, error=error)
-        self.finished[msg.bootstrap_room] = (time.monotonic() + self.timeout_s, transfer)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for rid, req in list(self.waiting.items()):
-            if req.deadline < now:
-                del self.waiting[rid]
-                log.warning("rid=%s timed out waiting for image embeddings", rid)
-                self.metrics.on_error("embeddings_timeout")
-                self._finish_error(req.msg, "timed out waiting for image embeddings")
-        # Embeddings whose request never came, registrations whose request never came, KV nobody asked for or
-        # never acknowledged (its decode server died): the pages go back.
-        active_rids = set(self.waiting) | {r.msg.rid for r in self.running}
-        active_rooms = {r.msg.bootstrap_room for r in (*self.waiting.values(), *self.running)} | set(self.finished)
-        for table, active in ((self.embeds, active_rids), (self.registered, active_rooms), (self.finished, ()),
-                              (self.lent, ())):
-            for key in [k for k, v in table.items() if v[0] < now and k not in active]:
-                _, item = table.pop(key)
-                if table is self.finished:  # KV that no decode server asked for in time
-                    self.metrics.on_kv_failure("no_registration")
-                elif table is self.lent:  # a decode server that never acknowledged its copy of the KV
-                    self.metrics.on_kv_failure("no_ack")
-                if isinstance(item, _Req):
-                    log.warning("rid=%s KV not taken by a decode server in time; pages released", item.msg.rid)
-                    self._release(item, insert=True)
-        for rid in [rid for rid, expiry in self.aborted.items() if expiry < now]:
-            del self.aborted[rid]
-
     def _admit(self) -> None:
-        for rid, req in list(self.waiting.items()):
+        for req in self._in(_State.WAITING):
+            rid = req.rid
             if not self._embeds_ready(req):
                 continue
             err = self._check_embeds(req)
             if err:
-                del self.waiting[rid]
                 self.metrics.on_error("bad_embeddings")
-                self._finish_error(req.msg, err)
+                self._finish_error(req, err)
                 continue
             if not self._allocate(req):
                 # Pages held now come back (prefill ends, a decode server acks or dies, deadlines): only a prompt
                 # larger than the whole pool can never fit. Failing whenever nothing runs here would fail requests
                 # under load while decode servers still copy lent pages.
                 if self.pool.pages_for(req.n) > self.pool.num_pages:
-                    del self.waiting[rid]
                     self.metrics.on_error("kv_pool_too_small")
-                    self._finish_error(req.msg, f"prompt of {req.n} tokens needs more KV pages than the pool has")
+                    self._finish_error(req, f"prompt of {req.n} tokens needs more KV pages than the pool has")
                     continue
                 break  # first come, first served: later requests wait behind it
-            del self.waiting[rid]
-            self.running.append(req)
+            req.state = _State.RUNNING
+            self._to_end(req)
             self.metrics.on_admit(req.arrival)
             log.debug("rid=%s admitted (%d of %d tokens cached)", rid, req.cached, req.n)
 
     def _check_embeds(self, req: _Req) -> str | None:
-        got = self._embeds_of(req.msg.rid)
         for span in req.msg.images:
-            emb = got[span.image_hash]
+            emb = req.embeds[span.image_hash]
             if emb.dim() != 2 or emb.shape != (span.length, self.cfg.hidden_size):
                 return f"embedding of image {span.image_hash[:12]} has shape {tuple(emb.shape)}, " \
                        f"expected ({span.length}, {self.cfg.hidden_size})"
@@ -306,41 +351,15 @@ class PrefillScheduler:
         t0 = time.perf_counter()
         budget = self.max_prefill_tokens
         batch_reqs, chunks = [], []
-        for req in self.running:
+        for req in self.running:  # admission order
             if budget <= 0:
                 break
             take = min(req.n - req.computed, budget, self.chunk)
             batch_reqs.append(req)
             chunks.append((req.computed, req.computed + take))
             budget -= take
-        ids, pos, slots, mask, mm, sources = [], [], [], [], [], []
-        for req, (s, e) in zip(batch_reqs, chunks):
-            ids.extend(req.msg.input_ids[s:e])
-            pos.append(req.positions[:, s:e])
-            slots.extend(self.pool.slots(req.pages, s, e))
-            m = torch.zeros(e - s, dtype=torch.bool)
-            got = self._embeds_of(req.msg.rid)
-            for span in req.msg.images:
-                a, b = max(s, span.offset), min(e, span.offset + span.length)
-                if a < b:
-                    m[a - s:b - s] = True
-                    mm.append(got[span.image_hash][a - span.offset:b - span.offset])
-                    sources.append((req.msg.rid, span.image_hash, a - span.offset, b - span.offset))
-            mask.append(m)
         dev = self.runner.device
-        # Built on the host: the runner moves what it needs (a CUDA graph takes it in one pinned copy).
-        batch = ForwardBatch(
-            is_decode=False,
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.cat(pos, dim=1),
-            out_slots=torch.tensor(slots, dtype=torch.int64),
-            q_lens=[e - s for s, e in chunks],
-            kv_lens=[e for _, e in chunks],
-            page_table=[r.pages for r in batch_reqs],
-            mm_embeds=torch.cat(mm) if mm else None,
-            mm_mask=torch.cat(mask) if mm else None,
-            mm_sources=sources if mm else None,
-        )
+        batch = prefill_batch(batch_reqs, chunks, self.pool)
         # With DEBUG logs, CUDA events time the forward on the GPU: the stage timeline then tells host from GPU.
         timed = log.isEnabledFor(logging.DEBUG) and dev.type == "cuda"
         if timed:
@@ -370,23 +389,26 @@ class PrefillScheduler:
         first_lp = token_logprobs(lp, params)
         if timed:
             log.debug("forward of %d tokens for %s: batch built in %.1f ms, launched in %.1f ms, on the GPU %.1f ms, "
-                      "first token %.1f ms after the start", len(ids), ",".join(r.msg.rid for r in reqs),
+                      "first token %.1f ms after the start", len(batch.input_ids), ",".join(r.msg.rid for r in reqs),
                       (t1 - t0) * 1e3, (t2 - t1) * 1e3, gpu[0].elapsed_time(gpu[1]), (time.perf_counter() - t0) * 1e3)
         for req, tok, tok_lp in zip(reqs, first, first_lp):
-            self.running.remove(req)
-            req.first_token, req.first_logprob = tok, tok_lp
-            self.embeds.pop(req.msg.rid, None)
-            item = req if self.pool_handle is not None else self._host_transfer(req)
-            self.finished[req.msg.bootstrap_room] = (time.monotonic() + self.timeout_s, item)
+            req.first_token, req.first_logprob, req.embeds = tok, tok_lp, None
+            if self.pool_handle is None:  # host path: the KV leaves the pages now
+                req.transfer = self._host_transfer(req)
+            req.state, req.deadline = _State.FINISHED, time.monotonic() + self.timeout_s
+            self._to_end(req)
             self.metrics.on_prefilled(req.arrival, req.n, req.cached, req.msg.images)
             log.debug("rid=%s prefilled %d tokens (%d cached)", req.msg.rid, req.n, req.cached)
 
-    def _hand_off(self, req: _Req, reg: KVRegister) -> KVTransfer:
-        """The transfer for a prefilled request whose decode server just registered: shared when that server
-        maps pools of this machine (the pages stay held until its ``KVAck``), else through host memory."""
+    def _hand_off(self, req: _Req) -> KVTransfer:
+        """The transfer for a prefilled request (out of the table) whose decode server just registered: shared
+        when that server maps pools of this machine (the pages stay held, the record LENT, until its ``KVAck``),
+        else through host memory."""
+        reg = req.reg
         if not (reg.accept_shared and reg.host_id == self.host_id):
             return self._host_transfer(req)
-        self.lent[req.msg.bootstrap_room] = (time.monotonic() + self.timeout_s, req)
+        req.state, req.deadline = _State.LENT, time.monotonic() + self.timeout_s
+        self.reqs[req.room] = req
         return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
                           cached_tokens=req.cached, mrope_position_delta=req.mrope_delta, pool=self.pool_handle,
                           kv_pages=req.pages[:self.pool.pages_for(req.n)], input_digest=req.msg.input_digest,
@@ -418,18 +440,3 @@ class PrefillScheduler:
         self.radix.unlock(req.node)
         req.pages = []
 
-    def fail_running(self, error: str) -> None:
-        """After a failed forward: end every running request with ``error`` and free its pages."""
-        for req in self.running:
-            self._release(req, insert=False)
-            self.metrics.on_error("forward_failed")
-            self._finish_error(req.msg, error)
-        self.running = []
-
-    def fail_all(self, error: str) -> None:
-        """Before the server stops: end every running and waiting request with ``error`` (the error transfers go
-        out on the next :meth:`step` to the decode servers registered for them)."""
-        self.fail_running(error)
-        for req in self.waiting.values():
-            self._finish_error(req.msg, error)
-        self.waiting = {}

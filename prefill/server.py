@@ -16,19 +16,17 @@ Out: one PUSH socket per decode KV endpoint, carrying ``KVTransfer``.
 from __future__ import annotations
 
 import logging
-import signal
 
 import zmq
 
 from epdserve.wire import transport
 from epdserve.config import PrefillConfig
 from epdserve.device import resolve_device
+from epdserve.engine.server import StageServer, kv_shared
 from epdserve.frontend.process import spawn_front
 from epdserve.prefill.embed_gate import EmbeddingGate
-from epdserve.kvcache.kv_share import shares_kv
-from epdserve.wire.messages import (AbortRequest, ImageEmbeddings, KVAck, KVRegister, LoadRequest, PrefillRequest,
-                               ServerInfo, ServerInfoRequest)
-from epdserve.metrics import PrefillMetrics, start_metrics_server
+from epdserve.wire.messages import AbortRequest, ImageEmbeddings, KVAck, KVRegister, PrefillRequest, ServerInfo
+from epdserve.metrics import PrefillMetrics
 from epdserve.engine.runner_setup import runner_from_config
 from epdserve.prefill.replies import PrefillReplies
 from epdserve.prefill.scheduler import PrefillScheduler
@@ -36,7 +34,7 @@ from epdserve.prefill.scheduler import PrefillScheduler
 log = logging.getLogger("epdserve.prefill")
 
 
-def serve(config: PrefillConfig) -> None:
+def serve(config: PrefillConfig) -> int:
     """Load the model (on ``config.tp`` ranks) and run the prefill loop until SIGINT/SIGTERM. Returns 0, or 1
     when a TP rank was lost (its requests fail with an error first).
 
@@ -53,89 +51,82 @@ def serve(config: PrefillConfig) -> None:
 
 
 def _serve(config: PrefillConfig) -> int:
-    # The shared (same-host) KV hand-off maps one pool; a TP server's KV is split over its ranks: host path.
-    share = shares_kv(config.kv_transfer, resolve_device(config.device)) and config.tp == 1
+    share = kv_shared(config, resolve_device(config.device))
     model_path, runner, context_length = runner_from_config(config, share_kv=share)
     metrics = PrefillMetrics()
     sched = PrefillScheduler(runner, context_length=context_length,
                              max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,
                              chunked_prefill_size=config.chunked_prefill_size, metrics=metrics)
     tp = runner if config.tp > 1 else None  # a TPRunner: embedding receipts from the other ranks
-    gate = EmbeddingGate(config.tp, config.request_timeout_s)
     info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages,
                       embed_endpoints=[f"tcp://{config.host}:{config.embed_port}",
                                        *(tp.embed_endpoints if tp else [])],
                       bootstrap_host=config.host, bootstrap_port=config.bootstrap_port)
+    return _PrefillServer(config, runner, sched, metrics, info, tp=tp, share=share).run()
 
-    metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port, "prefill")
-    ctx = zmq.Context()
-    requests = transport.bind(ctx, zmq.ROUTER, config.host, config.zmq_port)
-    replies = PrefillReplies(config.request_timeout_s * 2)
-    embeds = transport.bind(ctx, zmq.PULL, config.host, config.embed_port)
-    bootstrap = transport.bind(ctx, zmq.PULL, config.host, config.bootstrap_port)
-    to_decode: dict[str, zmq.Socket] = {}
-    poller = zmq.Poller()
-    for sock in (requests, embeds, bootstrap, *([tp.ctrl] if tp else [])):
-        poller.register(sock, zmq.POLLIN)
 
-    stopping = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.append(True))
-    log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages, "
-             "KV hand-off %s, metrics=%s)", config.host, config.zmq_port, info.embed_endpoints[0], config.host,
-             config.bootstrap_port, model_path, runner.device, runner.num_pages, "shared or zmq" if share else "zmq",
-             metrics_server.url)
-    try:
-        while not stopping and not runner.failed:
-            poller.poll(0 if sched.has_work() else 20)
-            metrics.update_load(sched.load)
-            while (got := transport.recv_routed(requests)) is not None:
-                peer, msg = got
-                if isinstance(msg, PrefillRequest):
-                    replies.track(peer, msg)
-                    sched.add_request(msg)
-                elif isinstance(msg, AbortRequest):
-                    replies.forget(msg.rid)
-                    sched.abort(msg.rid)
-                    gate.abort(msg.rid)
-                elif isinstance(msg, ServerInfoRequest):
-                    transport.send(requests, info, identity=peer)
-                elif isinstance(msg, LoadRequest):
-                    transport.send(requests, sched.load(), identity=peer)
-            while (msg := transport.recv(embeds)) is not None:
-                if isinstance(msg, ImageEmbeddings):
-                    gate.add_local(msg)
-            for receipt in tp.receipts() if tp else ():
-                gate.add_receipt(receipt)
-            gate.expire()
-            for msg in gate.ready():
-                sched.add_embeddings(msg)
-            while (msg := transport.recv(bootstrap)) is not None:
-                if isinstance(msg, KVRegister):
-                    sched.register(msg)
-                elif isinstance(msg, KVAck):
-                    sched.ack(msg)
-            try:
-                transfers = sched.step()
-            except Exception as e:  # a failed forward must not take the server down
-                log.exception("prefill step failed")
-                sched.fail_running(f"prefill failed: {e}")
-                transfers = []
-            for endpoint, transfer in transfers:
-                if (sock := transport.connect_cached(ctx, zmq.PUSH, endpoint, to_decode)) is not None:
-                    transport.send(sock, transfer)
-            for peer, out in replies.collect(sched.finished, [t for _, t in transfers]):
-                transport.send(requests, out, identity=peer)
-            if tp:
-                tp.release_embeddings(gate.releasable(sched.embeds))
-        if runner.failed:  # a TP rank is gone: fail what this server holds, then stop
-            sched.fail_all(f"prefill failed: {runner.failed}")
-            for endpoint, transfer in sched.step():
-                transport.send(to_decode.get(endpoint) or transport.connect(ctx, zmq.PUSH, endpoint), transfer)
-            return 1
-        return 0
-    finally:
-        runner.close()
-        ctx.destroy(linger=1000 if runner.failed else 0)
-        metrics_server.close()
+class _PrefillServer(StageServer):
+    """The prefill stage's part of the loop: embeddings (gated on every TP rank), decode registrations and
+    acks, a scheduler step, KV transfers out, replies to the HTTP front."""
+
+    def __init__(self, config: PrefillConfig, runner, sched: PrefillScheduler, metrics: PrefillMetrics,
+                 info: ServerInfo, *, tp, share: bool):
+        super().__init__("prefill", config, runner, sched, metrics, info)
+        self.tp, self.share = tp, share
+        self.gate = EmbeddingGate(config.tp, config.request_timeout_s)
+        self.replies = PrefillReplies(config.request_timeout_s * 2)
+        self.embeds = self.bind(zmq.PULL, config.embed_port)
+        self.bootstrap = self.bind(zmq.PULL, config.bootstrap_port)
+        if tp:
+            self.poller.register(tp.ctrl, zmq.POLLIN)
+
+    def log_ready(self) -> None:
+        c = self.config
+        log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages, "
+                 "KV hand-off %s, metrics=%s)", c.host, c.zmq_port, self.info.embed_endpoints[0], c.host,
+                 c.bootstrap_port, self.info.model_path, self.runner.device, self.runner.num_pages,
+                 "shared or zmq" if self.share else "zmq", self.metrics_server.url)
+
+    def on_request(self, peer: bytes, msg) -> None:
+        if isinstance(msg, PrefillRequest):
+            self.replies.track(peer, msg)
+            self.sched.add_request(msg)
+        elif isinstance(msg, AbortRequest):
+            self.replies.forget(msg.rid)
+            self.sched.abort(msg.rid)
+            self.gate.abort(msg.rid)
+
+    def tick(self) -> None:
+        sched, gate, tp = self.sched, self.gate, self.tp
+        while (msg := transport.recv(self.embeds)) is not None:
+            if isinstance(msg, ImageEmbeddings):
+                gate.add_local(msg)
+        for receipt in tp.receipts() if tp else ():
+            gate.add_receipt(receipt)
+        gate.expire()
+        for msg in gate.ready():
+            sched.add_embeddings(msg)
+        while (msg := transport.recv(self.bootstrap)) is not None:
+            if isinstance(msg, KVRegister):
+                sched.register(msg)
+            elif isinstance(msg, KVAck):
+                sched.ack(msg)
+        try:
+            transfers = sched.step()
+        except Exception as e:  # a failed forward must not take the server down
+            log.exception("prefill step failed")
+            sched.fail_running(f"prefill failed: {e}")
+            transfers = []
+        for endpoint, transfer in transfers:
+            self.push(endpoint, transfer)
+        for peer, out in self.replies.collect(sched.finished, [t for _, t in transfers]):
+            self.reply(peer, out)
+        if tp:
+            tp.release_embeddings(gate.releasable(sched.embeds))
+
+    def on_rank_lost(self) -> None:
+        self.sched.fail_all(f"prefill failed: {self.runner.failed}")
+        for endpoint, transfer in self.sched.step():
+            sock = self.pushes.get(endpoint) or transport.connect(self.ctx, zmq.PUSH, endpoint)
+            transport.send(sock, transfer)

@@ -405,3 +405,40 @@ def test_logprobs_ride_the_host_path_for_the_requests_that_ask(runner, photo_req
     assert all(not o.logprobs for o in outs if o.rid == "r1")
     for tok, lp in got["r0"]:
         assert lp.top[0][0] == tok and lp.logprob == lp.top[0][1] and len(lp.top) == 3
+
+
+def test_prefill_records_expire_in_one_sweep_and_free_everything(runner, photo_request, monkeypatch):
+    """Every kind of record the prefill scheduler keeps (embeddings without a request, a registration without a
+    request, KV nobody registered for, an aborted id's marker) goes at its deadline, and nothing stays held."""
+    import epdserve.prefill.scheduler as prefill_scheduler
+
+    monkeypatch.setattr(prefill_scheduler, "_LATE_S", 0.05)
+    sched = _prefill(runner, timeout_s=0.3)
+    sched.add_embeddings(_embeds(photo_request, "orphan"))  # its request never comes
+    sched.register(KVRegister(rid="nobody", bootstrap_room=9, kv_endpoint="tcp://d"))  # nor does this one's
+    sched.add_request(_req(photo_request, "k", 5))
+    sched.add_embeddings(_embeds(photo_request, "k"))
+    assert _run(sched, 3) == []  # prefilled, but no decode server registered for room 5
+    sched.abort("gone")
+    sched.add_embeddings(_embeds(photo_request, "gone"))  # late: kept _LATE_S only
+    load = sched.load()
+    assert (load.rooms, load.embeddings, load.num_waiting_reqs, load.num_running_reqs) == (2, 2, 0, 0)
+    time.sleep(0.1)
+    sched.step()
+    assert "gone" not in sched.embeds and "orphan" in sched.embeds  # the late ones went first
+    time.sleep(0.3)
+    assert sched.step() == []
+    load = sched.load()
+    assert (load.rooms, load.embeddings) == (0, 0) and not sched.reqs and _pages_accounted(sched)
+    sched.radix.check_integrity()
+
+
+def test_prefill_request_under_a_reused_id_keeps_its_early_embeddings(runner, photo_request):
+    """An aborted id reused at once: the new request's embeddings, even if they came first, are used."""
+    sched = _prefill(runner)
+    sched.add_request(_req(photo_request, "r", 1))
+    sched.abort("r")
+    sched.add_embeddings(_embeds(photo_request, "r"))  # the new request's, before the new request
+    transfer = _transfer_when_done(sched, _req(photo_request, "r", 2), _embeds(photo_request, "r"))
+    assert transfer.error is None and transfer.bootstrap_room == 2
+    assert not sched.reqs and _pages_accounted(sched)

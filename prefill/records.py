@@ -1,0 +1,89 @@
+"""What the prefill scheduler holds per request (:class:`PrefillRecord`, one table of them in
+:class:`~epdserve.prefill.scheduler.PrefillScheduler`) and the forward batch it builds from them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.kvcache.page_pool import PagePool
+from epdserve.wire.messages import KVRegister, KVTransfer, PrefillRequest, TokenLogprob
+
+
+class RecordState(enum.Enum):
+    """Where a record is; what its ``deadline`` means there."""
+    EARLY = "early"  # keyed by rid: embeddings before their request, and/or an aborted id's marker (drop at deadline)
+    REGISTERED = "registered"  # a decode registration before its request (dropped at the deadline)
+    WAITING = "waiting"  # a request waiting for embeddings or pages (fails at the deadline)
+    RUNNING = "running"  # holds pages, partly prefilled (no deadline: it ends, fails or is aborted)
+    FINISHED = "finished"  # KV or an error ready, waiting for a registration (pages back at the deadline)
+    LENT = "lent"  # a decode server copies its pages (shared path; pages back at its KVAck or the deadline)
+
+
+@dataclass
+class PrefillRecord:
+    """Everything prefill holds for one request: its table key is the bootstrap ``room`` once a request or a
+    registration names it, else the ``rid`` (embeddings that came first, an aborted id's marker)."""
+    rid: str
+    room: int | None
+    state: RecordState
+    deadline: float  # time.monotonic() when the sweep acts (see RecordState)
+    msg: PrefillRequest | None = None
+    reg: KVRegister | None = None  # the decode server's registration for the room
+    embeds: dict[str, torch.Tensor] | None = None  # image hash -> [n, hidden]; None: none received
+    transfer: KVTransfer | None = None  # FINISHED: host-path or error transfer (None: the KV is in ``pages``)
+    aborted_until: float = 0.0  # EARLY: this id was aborted; its late inputs are kept _LATE_S only
+    arrival: float = 0.0  # time.monotonic() when the request arrived (queue time, time in prefill)
+    positions: torch.Tensor | None = None  # [3, n] int64
+    mrope_delta: int = 0
+    key: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    node: object = None  # locked radix node of the matched prefix
+    cached: int = 0  # tokens whose KV came from the radix cache
+    computed: int = 0  # tokens with KV in this server's pages
+    first_token: int = -1  # sampled once the whole prompt is prefilled
+    first_logprob: TokenLogprob | None = None  # its log-probability, when the request asked
+
+    @property
+    def n(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.msg.input_ids)
+
+
+def prefill_batch(reqs: list[PrefillRecord], chunks: list[tuple[int, int]], pool: PagePool) -> ForwardBatch:
+    """The forward batch computing tokens ``[s, e)`` of each request's prompt (``chunks``, one per request of
+    ``reqs``), its image tokens taken from the request's embeddings. Built on the host: the runner moves what it
+    needs (a CUDA graph takes it in one pinned copy).
+
+    Raises:
+        KeyError: an image's embedding is missing (the scheduler admits a request only with all of them).
+    """
+    ids, pos, slots, mask, mm, sources = [], [], [], [], [], []
+    for req, (s, e) in zip(reqs, chunks):
+        ids.extend(req.msg.input_ids[s:e])
+        pos.append(req.positions[:, s:e])
+        slots.extend(pool.slots(req.pages, s, e))
+        m = torch.zeros(e - s, dtype=torch.bool)
+        got = req.embeds or {}
+        for span in req.msg.images:
+            a, b = max(s, span.offset), min(e, span.offset + span.length)
+            if a < b:
+                m[a - s:b - s] = True
+                mm.append(got[span.image_hash][a - span.offset:b - span.offset])
+                sources.append((req.msg.rid, span.image_hash, a - span.offset, b - span.offset))
+        mask.append(m)
+    return ForwardBatch(
+        is_decode=False,
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.cat(pos, dim=1),
+        out_slots=torch.tensor(slots, dtype=torch.int64),
+        q_lens=[e - s for s, e in chunks],
+        kv_lens=[e for _, e in chunks],
+        page_table=[r.pages for r in reqs],
+        mm_embeds=torch.cat(mm) if mm else None,
+        mm_mask=torch.cat(mask) if mm else None,
+        mm_sources=sources if mm else None,
+    )
