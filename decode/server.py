@@ -22,8 +22,7 @@ import zmq
 from epdserve.wire import transport
 from epdserve.config import DecodeConfig
 from epdserve.decode.scheduler import DecodeScheduler
-from epdserve.engine.server import StageServer, kv_shared
-from epdserve.frontend.process import spawn_front
+from epdserve.engine.server import StageServer, kv_shared, serve_with_front
 from epdserve.wire.messages import AbortRequest, DecodeRequest, KVTransfer, ServerInfo, TokenOutputBatch
 from epdserve.metrics import DecodeMetrics
 from epdserve.engine.runner_setup import runner_from_config
@@ -39,12 +38,7 @@ def serve(config: DecodeConfig) -> int:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
         zmq.ZMQError: a port is taken.
     """
-    front = spawn_front("epdserve.decode.http_front", config)  # before the model loads: its /health says 503 meanwhile
-    try:
-        return _serve(config)
-    finally:
-        if front is not None:
-            front.stop()
+    return serve_with_front("epdserve.decode.http_front", config, _serve)
 
 
 def _serve(config: DecodeConfig) -> int:

@@ -22,8 +22,7 @@ import zmq
 from epdserve.wire import transport
 from epdserve.config import PrefillConfig
 from epdserve.device import resolve_device
-from epdserve.engine.server import StageServer, kv_shared
-from epdserve.frontend.process import spawn_front
+from epdserve.engine.server import StageServer, kv_shared, serve_with_front
 from epdserve.prefill.embed_gate import EmbeddingGate
 from epdserve.wire.messages import AbortRequest, ImageEmbeddings, KVAck, KVRegister, PrefillRequest, ServerInfo
 from epdserve.metrics import PrefillMetrics
@@ -42,12 +41,7 @@ def serve(config: PrefillConfig) -> int:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
         zmq.ZMQError: a port is taken.
     """
-    front = spawn_front("epdserve.prefill.http_front", config)  # before the model loads: its /health says 503 meanwhile
-    try:
-        return _serve(config)
-    finally:
-        if front is not None:
-            front.stop()
+    return serve_with_front("epdserve.prefill.http_front", config, _serve)
 
 
 def _serve(config: PrefillConfig) -> int:

@@ -10,11 +10,13 @@ line and what it does when a TP rank is lost.
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import zmq
 
+from epdserve.frontend.process import spawn_front
 from epdserve.kvcache.kv_share import shares_kv
 from epdserve.metrics import start_metrics_server
 from epdserve.wire import transport
@@ -124,3 +126,16 @@ class StageServer:
             # Linger only when errors were just queued for other servers (a lost rank): they must get out.
             self.ctx.destroy(linger=1000 if self.runner.failed else 0)
             self.metrics_server.close()
+
+
+def serve_with_front(front_module: str, config: Any, serve: Callable[[Any], int]) -> int:
+    """Start the stage's HTTP front (``python -m front_module``, a child process; see
+    :func:`epdserve.frontend.process.spawn_front`; none when ``config.port`` is 0) before the model loads, so its
+    ``/health`` answers 503 meanwhile; run ``serve(config)``; stop the front whatever happens. Returns ``serve``'s
+    exit code."""
+    front = spawn_front(front_module, config)
+    try:
+        return serve(config)
+    finally:
+        if front is not None:
+            front.stop()
