@@ -40,6 +40,13 @@ def _rates(text: str) -> list[float]:
     return [_rate(t) for t in text.split(",") if t.strip()]
 
 
+def _size(text: str) -> tuple[int, int]:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _sizes(text: str) -> tuple[tuple[int, int], ...]:
     try:
         return tuple(parse_size(t) for t in text.split(",") if t.strip())
@@ -74,6 +81,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--image-format", choices=("jpeg", "png"), default="jpeg", help="synthetic image encoding")
     g.add_argument("--image-dir", help="image-dir: folder of photos")
     g.add_argument("--prompts-file", help="image-dir: prompts, one per line (default: built-in prompts)")
+    g.add_argument("--video-size", type=_size, default=(640, 360), metavar="WxH",
+                   help="random-video: clip size in pixels, even numbers (default: 640x360)")
+    g.add_argument("--video-frames", type=int, default=16, help="random-video: frames per clip (default: %(default)s)")
+    g.add_argument("--video-fps", type=float, default=2.0, help="random-video: frame rate (default: %(default)s)")
+    g.add_argument("--video-dir", help="video-dir: folder of video files (mp4, webm, mov, mkv, avi)")
     g.add_argument("--shared-fraction", type=float, default=0.5, help="shared-prefix: share of requests that "
                    "reuse the one system prompt and image (default: %(default)s)")
     g.add_argument("--prefix-len", type=int, default=256,
@@ -196,7 +208,8 @@ def _one_run(args, model: str, url: str, headers: dict[str, str], rate: float, s
         range_ratio=args.range_ratio, image_sizes=args.image_sizes, images_per_request=args.images_per_request,
         image_format=args.image_format, image_dir=args.image_dir, prompts_file=args.prompts_file,
         shared_fraction=args.shared_fraction, prefix_len=args.prefix_len, jsonl_path=args.jsonl,
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer, video_size=args.video_size, video_frames=args.video_frames,
+        video_fps=args.video_fps, video_dir=args.video_dir,
     )
     if not args.disable_tqdm:
         print(f"preparing {args.warmup} + {num} requests ({args.dataset}, seed {seed})", file=sys.stderr)

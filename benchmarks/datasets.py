@@ -1,4 +1,5 @@
-"""The request sets a benchmark sends: ``random-mm``, ``image-dir``, ``shared-prefix`` and ``jsonl``.
+"""The request sets a benchmark sends: ``random-mm``, ``image-dir``, ``random-video``, ``video-dir``,
+``shared-prefix`` and ``jsonl``.
 
 Each builder returns a list of :class:`BenchRequest` (OpenAI chat ``messages`` plus what the metrics need to
 know about the prompt). All randomness comes from one ``numpy`` generator seeded by ``DatasetOptions.seed``,
@@ -14,9 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from .synth import TextMaker, file_data_url, image_data_url, list_images, random_image
+from .synth import (
+    VIDEO_SUFFIXES, TextMaker, file_data_url, image_data_url, list_images, random_image, random_video, video_data_url,
+)
 
-DATASETS = ("random-mm", "image-dir", "shared-prefix", "jsonl")
+DATASETS = ("random-mm", "image-dir", "random-video", "video-dir", "shared-prefix", "jsonl")
 
 DEFAULT_PROMPTS = (
     "Describe this image in detail.",
@@ -44,7 +47,7 @@ class BenchRequest:
         text_tokens: estimated tokens of the prompt's text (exact with ``--tokenizer``, words without); image
             tokens are not included since only the server knows its image processor. Used for input
             throughput only when the server reports no ``usage``.
-        num_images: images in the request.
+        num_images: images in the request (videos count in ``num_videos``).
         group: dataset-defined tag kept in each result record (``shared``/``unique`` for shared-prefix, the
             photo names for image-dir, empty otherwise).
         extra: other body fields to send (e.g. ``temperature`` from a jsonl line).
@@ -56,6 +59,7 @@ class BenchRequest:
     num_images: int
     group: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    num_videos: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,10 @@ class DatasetOptions:
     prefix_len: int = 256
     jsonl_path: str | None = None
     tokenizer: str | None = None
+    video_size: tuple[int, int] = (640, 360)
+    video_frames: int = 16
+    video_fps: float = 2.0
+    video_dir: str | None = None
 
 
 def build_requests(opts: DatasetOptions, num: int) -> list[BenchRequest]:
@@ -92,6 +100,8 @@ def build_requests(opts: DatasetOptions, num: int) -> list[BenchRequest]:
         return _random_mm(opts, num, rng, text)
     if opts.name == "image-dir":
         return _image_dir(opts, num, rng, text)
+    if opts.name in ("random-video", "video-dir"):
+        return _videos(opts, num, rng, text)
     return _shared_prefix(opts, num, rng, text)
 
 
@@ -101,8 +111,9 @@ def _length(rng: np.random.Generator, mean: int, ratio: float) -> int:
     return max(1, int(rng.integers(lo, hi + 1))) if hi > lo else max(1, mean)
 
 
-def _user(image_urls: list[str], text: str) -> dict[str, Any]:
-    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in image_urls]
+def _user(image_urls: list[str], text: str, video_urls: tuple[str, ...] = ()) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "video_url", "video_url": {"url": u}} for u in video_urls]
+    parts += [{"type": "image_url", "image_url": {"url": u}} for u in image_urls]
     return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
 
 
@@ -142,6 +153,29 @@ def _image_dir(opts: DatasetOptions, num: int, rng: np.random.Generator, text: T
         out_len = _length(rng, opts.output_len, opts.range_ratio)
         group = ",".join(p.name for p in chosen)
         out.append(BenchRequest([_user([urls[p] for p in chosen], prompt)], out_len, text.count(prompt), k, group))
+    return out
+
+
+def _videos(opts: DatasetOptions, num: int, rng: np.random.Generator, text: TextMaker) -> list[BenchRequest]:
+    """One video per request (vLLM's and SGLang's ``video_url`` part): a new synthetic clip each time
+    (``random-video``: ``video_size``, ``video_frames`` at ``video_fps``), or a file drawn from ``video_dir``."""
+    files: list[Path] = []
+    if opts.name == "video-dir":
+        if not opts.video_dir:
+            raise ValueError("dataset video-dir needs --video-dir")
+        files = list_images(opts.video_dir, VIDEO_SUFFIXES)
+    urls: dict[Path, str] = {}
+    out = []
+    for _ in range(num):
+        if files:
+            path = files[int(rng.integers(len(files)))]
+            url, group = urls.setdefault(path, file_data_url(path)), path.name
+        else:
+            w, h = opts.video_size
+            url, group = video_data_url(random_video(rng, w, h, opts.video_frames, opts.video_fps)), ""
+        prompt = text.text(rng, _length(rng, opts.input_len, opts.range_ratio))
+        out_len = _length(rng, opts.output_len, opts.range_ratio)
+        out.append(BenchRequest([_user([], prompt, (url,))], out_len, text.count(prompt), 0, group, num_videos=1))
     return out
 
 

@@ -6,6 +6,7 @@ Everything takes an explicit ``numpy.random.Generator`` so a dataset built twice
 from __future__ import annotations
 
 import base64
+import fractions
 import io
 import mimetypes
 from pathlib import Path
@@ -30,6 +31,7 @@ WORDS = tuple(
 )
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 
 
 class TextMaker:
@@ -96,6 +98,49 @@ def image_data_url(image: Image.Image, fmt: str = "jpeg") -> str:
     return f"data:image/{mime};base64,{base64.b64encode(buf.getvalue()).decode('ascii')}"
 
 
+def random_video(rng: np.random.Generator, width: int, height: int, frames: int, fps: float) -> bytes:
+    """An H.264 MP4 clip (PyAV) of ``frames`` frames at ``fps``: a colour gradient of random hues with a block that
+    moves across it and a little noise, so every clip differs (no embedding cache can hit) while compressing like
+    video rather than noise.
+
+    Raises:
+        ValueError: a non-positive size, frame count or rate, or an odd width or height (H.264's 4:2:0).
+    """
+    import av
+
+    if width <= 0 or height <= 0 or frames <= 0 or fps <= 0:
+        raise ValueError(f"video size, frames and fps must be positive, got {width}x{height}, {frames}, {fps}")
+    if width % 2 or height % 2:
+        raise ValueError(f"H.264 needs an even width and height, got {width}x{height}")
+    ramp = np.add.outer(np.linspace(0, 1, height), np.linspace(0, 1, width))[..., None] / 2  # [h, w, 1]
+    lo, hi = rng.integers(0, 128, 3), rng.integers(128, 256, 3)
+    base = (lo + ramp * (hi - lo)).astype(np.float32)
+    bw, bh = max(2, width // 6), max(2, height // 6)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        # ultrafast: quick to make, and (no lookahead) the same bytes every time; the default preset gave runs
+        # of the same frames different bytes.
+        stream = container.add_stream("libx264", rate=fractions.Fraction(fps).limit_denominator(1000),
+                                      options={"preset": "ultrafast"})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        kept = []  # PyAV's frame may point into the array while x264 holds it for lookahead: keep them alive
+        for i in range(frames):
+            frame = base + rng.normal(0, 1.5, base.shape).astype(np.float32)
+            x = int((width - bw) * i / max(1, frames - 1))
+            frame[height // 3:height // 3 + bh, x:x + bw] = 255 - frame[height // 3:height // 3 + bh, x:x + bw]
+            kept.append(np.clip(frame, 0, 255).astype(np.uint8))
+            for packet in stream.encode(av.VideoFrame.from_ndarray(kept[-1], format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def video_data_url(data: bytes, mime: str = "video/mp4") -> str:
+    """``data`` as a ``data:video/...;base64,...`` URL."""
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
 def file_data_url(path: str | Path) -> str:
     """A local image file as a ``data:`` URL, bytes unchanged (the server decodes the original file)."""
     path = Path(path)
@@ -103,12 +148,18 @@ def file_data_url(path: str | Path) -> str:
     return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
 
 
-def list_images(folder: str | Path) -> list[Path]:
-    """Image files directly in ``folder``, sorted by name (so a seed picks the same photos everywhere)."""
+def list_images(folder: str | Path, suffixes: tuple[str, ...] = ()) -> list[Path]:
+    """Image files (or files with ``suffixes``) directly in ``folder``, sorted by name (so a seed picks the same
+    files everywhere).
+
+    Raises:
+        FileNotFoundError: no such folder, or none of those files in it.
+    """
+    suffixes = suffixes or IMAGE_SUFFIXES
     folder = Path(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"image directory {folder} does not exist")
-    paths = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        raise FileNotFoundError(f"directory {folder} does not exist")
+    paths = sorted(p for p in folder.iterdir() if p.suffix.lower() in suffixes and p.is_file())
     if not paths:
-        raise FileNotFoundError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {folder}")
+        raise FileNotFoundError(f"no files ({', '.join(suffixes)}) in {folder}")
     return paths

@@ -364,3 +364,42 @@ def test_gateway_benchmark_against_a_synthetic_decode(tmp_path, tiny_model_path,
     assert 15 <= row["itl_median_ms"] <= 30
     assert row["gateway_cpu_ms_per_1k_tokens"] > 0
     assert "delivered" in capsys.readouterr().out
+
+
+def test_random_video_dataset_sends_distinct_real_clips_of_the_asked_shape(tmp_path):
+    """random-video: one video_url part per request, an MP4 of the asked size, frame count and rate that PyAV
+    reads back; the same seed gives the same clips, and no two requests share a clip (no cache can hit)."""
+    import base64
+
+    from epdserve.bench.datasets import DatasetOptions, build_requests
+    from epdserve.video import probe_video
+
+    opts = DatasetOptions(name="random-video", seed=3, input_len=8, output_len=4, video_size=(96, 64),
+                          video_frames=6, video_fps=3.0)
+    reqs = build_requests(opts, 3)
+    urls = [r.messages[0]["content"][0]["video_url"]["url"] for r in reqs]
+    assert all(r.num_videos == 1 and r.num_images == 0 for r in reqs)
+    assert all(u.startswith("data:video/mp4;base64,") for u in urls) and len(set(urls)) == 3
+    meta = probe_video(base64.b64decode(urls[0].split(",", 1)[1]))
+    assert (meta.width, meta.height, meta.total_num_frames, meta.fps) == (96, 64, 6, 3.0)
+    again = build_requests(opts, 3)
+    assert [r.messages for r in again] == [r.messages for r in reqs]
+    with pytest.raises(ValueError, match="even width and height"):
+        build_requests(DatasetOptions(name="random-video", video_size=(95, 64)), 1)
+
+
+def test_video_dir_dataset_reads_the_files(tmp_path):
+    from epdserve.bench.datasets import DatasetOptions, build_requests
+    from epdserve.bench.synth import random_video
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "a.mp4").write_bytes(random_video(rng, 64, 48, 4, 2.0))
+    (tmp_path / "notes.txt").write_text("not a video")
+    reqs = build_requests(DatasetOptions(name="video-dir", video_dir=str(tmp_path)), 2)
+    assert {r.group for r in reqs} == {"a.mp4"}
+    assert reqs[0].messages[0]["content"][0]["video_url"]["url"].startswith("data:video/mp4;base64,")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_requests(DatasetOptions(name="video-dir", video_dir=str(tmp_path / "missing")), 1)
+    (tmp_path / "a.mp4").unlink()
+    with pytest.raises(FileNotFoundError, match="no files"):
+        build_requests(DatasetOptions(name="video-dir", video_dir=str(tmp_path)), 1)
