@@ -8,9 +8,10 @@ preprocessing differences move logits far more than kernel noise does; see ../sh
 
 Qwen3-VL's tower (``Qwen3VLVisionModel``) also returns DeepStack features: the outputs of the blocks listed in
 ``deepstack_visual_indexes``, each through its own patch merger, one ``[num_tokens, hidden]`` level per entry
-(transformers' ``Qwen3VLModel.get_image_features``). For it :meth:`VisionEncoder.encode` yields
-:class:`Qwen3ImageFeatures` (embedding, grid, and the levels stacked); Qwen2-VL / Qwen2.5-VL keep their
-``(embedding, grid)`` pairs.
+(transformers' ``Qwen3VLModel.get_image_features``). They travel as extra columns of the embedding: an image's
+embedding is ``[num_tokens, hidden * (1 + levels)]``, the merged embedding first, then level 0, 1, ... (vLLM's
+layout for Qwen3-VL). Every row still belongs to one image token, so the cache, the wire, chunked prefill and the
+TP fan-out need nothing new; the language model splits the columns (:mod:`epdserve.models.qwen3_vl_lm`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import logging
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
-from typing import NamedTuple
-
 import torch
 from PIL import Image
 
@@ -48,23 +47,6 @@ class PreparedImages:
     pixels: torch.Tensor
     rows: list[list[int]]
     ready: torch.cuda.Event | None
-
-
-class Qwen3ImageFeatures(NamedTuple):
-    """One Qwen3-VL image's tower outputs, as :meth:`VisionEncoder.encode` returns them (a 3-tuple, so code that
-    unpacks Qwen2's ``(embedding, grid_thw)`` pairs fails loudly instead of dropping the DeepStack levels).
-
-    Attributes:
-        embedding: ``[num_tokens, hidden]``: the merger's output, transformers' ``pooler_output`` of this image.
-        grid_thw: the processor's ``[t, h, w]`` patch grid.
-        deepstack: ``[num_levels, num_tokens, hidden]``: level ``i`` is transformers' ``deepstack_features[i]`` of
-            this image (vision block ``deepstack_visual_indexes[i]`` through ``deepstack_merger_list[i]``), added to
-            the LM's image rows after decoder layer ``i``. Same dtype and device as ``embedding``.
-    """
-
-    embedding: torch.Tensor
-    grid_thw: list[int]
-    deepstack: torch.Tensor
 
 
 class ImageDecodeError(ValueError):
@@ -163,6 +145,7 @@ class VisionEncoder:
         model_path: the checkpoint directory.
         model_type: ``"qwen2_5_vl"``, ``"qwen2_vl"`` or ``"qwen3_vl"``.
         num_deepstack: DeepStack levels per image (Qwen3-VL: ``len(deepstack_visual_indexes)``; otherwise 0).
+        embed_width: columns of an embedding, ``hidden_size * (1 + num_deepstack)``.
         device, dtype: where the tower runs and its parameter dtype.
         merge_size: spatial merge size; an image of grid ``(t, h, w)`` gives ``t*h*w // merge_size**2`` tokens.
         hidden_size: width of the embeddings (the language model's hidden size).
@@ -228,6 +211,7 @@ class VisionEncoder:
                              f"spatial_merge_size {self.merge_size}")
         self.hidden_size: int = config.text_config.hidden_size
         self.num_deepstack: int = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
+        self.embed_width: int = self.hidden_size * (1 + self.num_deepstack)
 
         # Every weight is overwritten from the checkpoint, so random initialization would be wasted time
         # (seconds for a real tower); the device context builds the tower in place, without a host copy.
@@ -382,7 +366,7 @@ class VisionEncoder:
         return PreparedImages(pixels, rows, ready)
 
     @torch.inference_mode()
-    def run_tower(self, prepared: PreparedImages) -> list[tuple[torch.Tensor, list[int]]] | list[Qwen3ImageFeatures]:
+    def run_tower(self, prepared: PreparedImages) -> list[tuple[torch.Tensor, list[int]]]:
         """Run the vision tower on a :meth:`preprocess` output: the second half of :meth:`encode`. Waits for the
         preprocessing on the device (not on the host), then for its own result only. One call at a time.
 
@@ -399,8 +383,8 @@ class VisionEncoder:
         else:
             result = self.model(pixels, grid_thw=torch.tensor(rows, dtype=torch.int64, device=self.device))
             out = result.pooler_output
-            if self.num_deepstack:  # [1 + levels, patches / merge**2, hidden]: one copy to the host below
-                out = torch.stack([out, *result.deepstack_features])
+            if self.num_deepstack:  # [tokens, hidden * (1 + levels)]: one copy to the host below
+                out = torch.cat([out, *result.deepstack_features], dim=-1)
         sizes = [self.num_tokens(row) for row in rows]
         # One device-to-host copy for the batch (the cache and the wire need host memory). On CUDA it goes to
         # pinned memory and waits on an event: a plain .to("cpu") would also wait for whatever the
@@ -413,12 +397,9 @@ class VisionEncoder:
             done.synchronize()
             out = host
         # clone: each cached embedding owns its memory instead of pinning the whole batch.
-        if self.num_deepstack:
-            per_image = (part.clone() for part in torch.split(out, sizes, dim=1))
-            return [Qwen3ImageFeatures(part[0], row, part[1:]) for part, row in zip(per_image, rows)]
         return [(emb.clone(), row) for emb, row in zip(torch.split(out, sizes), rows)]
 
-    def encode(self, images: list[Image.Image]) -> list[tuple[torch.Tensor, list[int]]] | list[Qwen3ImageFeatures]:
+    def encode(self, images: list[Image.Image]) -> list[tuple[torch.Tensor, list[int]]]:
         """Run the image processor and the vision tower on ``images`` in one batch.
 
         The tower takes the concatenated ``pixel_values`` with one ``image_grid_thw`` row per image and attends
@@ -429,9 +410,8 @@ class VisionEncoder:
 
         Returns:
             One ``(embedding, grid_thw)`` per image, in order: ``embedding`` is a contiguous CPU tensor
-            ``[num_tokens_i, hidden_size]`` in the tower's dtype, ``grid_thw`` the processor's ``[t, h, w]`` row.
-            Qwen3-VL: one :class:`Qwen3ImageFeatures` ``(embedding, grid_thw, deepstack)`` per image instead,
-            ``deepstack`` ``[num_deepstack, num_tokens_i, hidden_size]`` (CPU, tower dtype). An empty list gives an
+            ``[num_tokens_i, embed_width]`` in the tower's dtype (Qwen3-VL: the DeepStack levels as extra columns,
+            see the module docstring), ``grid_thw`` the processor's ``[t, h, w]`` row. An empty list gives an
             empty list.
         """
         if not images:

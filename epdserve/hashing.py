@@ -6,3 +6,20 @@ import hashlib
 def sha256_all(datas: list[bytes]) -> list[bytes]:
     """SHA-256 digests (32 bytes each) of ``datas``, in order. About 0.2 s for 100 MB: call it off the event loop."""
     return [hashlib.sha256(d).digest() for d in datas]
+
+
+def video_key(data: bytes, fps: float | None = None, num_frames: int | None = None) -> str:
+    """The cache and routing key of a video's embeddings (hex SHA-256): its bytes and the frame sampling asked for
+    (a request's ``mm_processor_kwargs`` ``fps`` / ``num_frames``; None: the checkpoint's default), since the same
+    file sampled differently gives other embeddings. Hex like an image hash, so the radix cache's
+    :func:`~epdserve.prefill.scheduler.image_pad_id` takes it as it takes an image's.
+
+    Raises:
+        ValueError: both ``fps`` and ``num_frames`` given, or either not positive.
+    """
+    if fps is not None and num_frames is not None:
+        raise ValueError("give fps or num_frames, not both")
+    if (fps is not None and not fps > 0) or (num_frames is not None and num_frames <= 0):
+        raise ValueError(f"fps and num_frames must be positive, got fps={fps} num_frames={num_frames}")
+    sampling = f"video;fps={float(fps) if fps is not None else ''};num_frames={num_frames or ''}".encode()
+    return hashlib.sha256(hashlib.sha256(data).digest() + sampling).hexdigest()

@@ -33,7 +33,7 @@ class PrefillRecord:
     deadline: float  # time.monotonic() when the sweep acts (see RecordState)
     msg: PrefillRequest | None = None
     reg: KVRegister | None = None  # the decode server's registration for the room
-    embeds: dict[str, torch.Tensor] | None = None  # image hash -> [n, hidden]; None: none received
+    embeds: dict[str, torch.Tensor] | None = None  # image hash -> [n, embed_width]; None: none received
     transfer: KVTransfer | None = None  # FINISHED: host-path or error transfer (None: the KV is in ``pages``)
     aborted_until: float = 0.0  # EARLY: this id was aborted; its late inputs are kept _LATE_S only
     arrival: float = 0.0  # time.monotonic() when the request arrived (queue time, time in prefill)

@@ -321,9 +321,9 @@ class PrefillScheduler:
     def _check_embeds(self, req: _Req) -> str | None:
         for span in req.msg.images:
             emb = req.embeds[span.image_hash]
-            if emb.dim() != 2 or emb.shape != (span.length, self.cfg.hidden_size):
+            if emb.dim() != 2 or emb.shape != (span.length, self.cfg.embed_width):
                 return f"embedding of image {span.image_hash[:12]} has shape {tuple(emb.shape)}, " \
-                       f"expected ({span.length}, {self.cfg.hidden_size})"
+                       f"expected ({span.length}, {self.cfg.embed_width})"
         return None
 
     def _allocate(self, req: _Req) -> bool:

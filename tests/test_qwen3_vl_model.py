@@ -113,8 +113,9 @@ def ours(encoder, photos):
     """Our encoder's features of ``photos`` (one batch), concatenated as the LM takes them."""
     from PIL import Image
 
-    out = encoder.encode([Image.open(p).convert("RGB") for p in photos])
-    return torch.cat([o.embedding for o in out]), torch.cat([o.deepstack for o in out], dim=1)
+    out = torch.cat([emb for emb, _ in encoder.encode([Image.open(p).convert("RGB") for p in photos])])
+    hidden = encoder.hidden_size
+    return out[:, :hidden], out[:, hidden:].unflatten(-1, (-1, hidden)).transpose(0, 1)
 
 
 # ---------------------------------------------------------------- the tiny checkpoint and its config
@@ -150,11 +151,11 @@ def test_encoder_matches_get_image_features(hf3, encoder3, photo_paths, names):
     from PIL import Image
 
     out = encoder3.encode([Image.open(photo_paths[n]).convert("RGB") for n in names])
-    assert [o.grid_thw for o in out] == inputs["image_grid_thw"].tolist()
+    assert [grid for _, grid in out] == inputs["image_grid_thw"].tolist()
     assert encoder3.num_deepstack == ref_levels.shape[0] == hf3.cfg.num_deepstack_layers
-    for o in out:
-        assert o.deepstack.shape == (encoder3.num_deepstack, *o.embedding.shape)
-        assert o.embedding.is_contiguous() and o.deepstack.is_contiguous()
+    assert encoder3.embed_width == hf3.cfg.embed_width == hf3.cfg.hidden_size * (1 + encoder3.num_deepstack)
+    for emb, grid in out:  # the DeepStack levels travel as extra columns of every image row
+        assert emb.shape == (encoder3.num_tokens(grid), encoder3.embed_width) and emb.is_contiguous()
     embeds, levels = ours(encoder3, [photo_paths[n] for n in names])
     torch.testing.assert_close(embeds, ref_embeds, atol=1e-5, rtol=1e-5)
     for level, ref in zip(levels, ref_levels):
@@ -221,6 +222,20 @@ def test_deepstack_changes_the_answer(hf3, runner3, photo_paths):
     a = runner3.forward(make_batch3([real.extend_part(n)]))
     b = runner3.forward(make_batch3([zeroed.extend_part(n)]))
     assert (a - b).abs().max() > 1e-3
+
+
+def test_deepstack_as_embedding_columns_is_the_same_forward(hf3, runner3, photo_paths):
+    """The encoder's wire layout (``mm_embeds`` ``[N, hidden * (1 + L)]``, no ``deepstack_embeds``) computes what
+    the explicit levels do."""
+    inputs = hf3.prompt([photo_paths["rocket"]])
+    n, ps = inputs["input_ids"].shape[1], runner3.page_size
+    pages = Pages(runner3.num_pages, seed=7)
+    a_seq, b_seq = (hf3.seq(inputs, pages.take(-(-n // ps)), ps) for _ in range(2))
+    explicit = make_batch3([a_seq.extend_part(n)])
+    cols = torch.cat([explicit.mm_embeds, *explicit.deepstack_embeds], dim=-1)
+    wire = dataclasses.replace(make_batch3([b_seq.extend_part(n)]), mm_embeds=cols, deepstack_embeds=None)
+    assert cols.shape[1] == hf3.cfg.embed_width
+    torch.testing.assert_close(runner3.forward(wire), runner3.forward(explicit), atol=0, rtol=0)
 
 
 def test_prefix_reuse_and_aligned_rows_match_one_shot(hf3, runner3, photo_paths):
@@ -379,5 +394,5 @@ def test_preset_2b_checkpoint(tmp_path):
     assert c.tie_word_embeddings and c.mrope_section == (24, 20, 20) and c.rope_theta == 5e6
     assert runner.model.lm_head.weight.data_ptr() == runner.model.embed_tokens.weight.data_ptr()
     enc = VisionEncoder(path, CPU, torch.bfloat16)
-    [(emb, grid, levels)] = enc.encode([Image.new("RGB", (320, 256), (200, 40, 40))])
-    assert grid == [1, 16, 20] and emb.shape == (80, 2048) and levels.shape == (1, 80, 2048)
+    [(emb, grid)] = enc.encode([Image.new("RGB", (320, 256), (200, 40, 40))])
+    assert grid == [1, 16, 20] and emb.shape == (80, 2048 * 2)  # one DeepStack level as extra columns

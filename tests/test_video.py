@@ -52,7 +52,8 @@ def video_processor(request, tiny_model_path, tmp_path_factory):
         return AutoProcessor.from_pretrained(tiny_model_path).video_processor
     from epdserve.models.tiny import make_tiny_model
 
-    return AutoProcessor.from_pretrained(make_tiny_model(tmp_path_factory.mktemp("q3v"), arch="qwen3_vl")).video_processor
+    path = make_tiny_model(tmp_path_factory.mktemp("q3v"), arch="qwen3_vl")
+    return AutoProcessor.from_pretrained(path).video_processor
 
 
 def test_sampled_frames_and_pixels_equal_transformers(video_processor):

@@ -66,7 +66,7 @@ class Follower:
 
     def __init__(self, runner: ModelRunner, report):
         self.runner, self.rank, self._report = runner, runner.tp.rank, report
-        self.embeds: dict[str, dict[str, torch.Tensor]] = {}  # rid -> image hash -> [n, hidden]
+        self.embeds: dict[str, dict[str, torch.Tensor]] = {}  # rid -> image hash -> [n, embed_width]
         self._inflight: torch.cuda.Event | None = None  # the previous forward's end on the device
 
     def add_embeddings(self, msg: ImageEmbeddings) -> None:

@@ -5,10 +5,11 @@ several."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Protocol
 
 from epdserve.frontend.errors import StageError
-from epdserve.frontend.prompt import EncodedImage
+from epdserve.frontend.prompt import EncodedImage, VideoInput
 
 _GRPC_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -16,11 +17,15 @@ _GRPC_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 class EncoderClient(Protocol):
     """What the gateway needs from an encoder (the gRPC client below, or a fake in tests)."""
 
-    async def encode(self, rid: str, images: list[bytes], targets: list[str]) -> list[EncodedImage]:
-        """Encode ``images`` and push their embeddings for ``rid`` to every endpoint in ``targets``.
+    async def encode(self, rid: str, images: list[bytes], targets: list[str],
+                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]:
+        """Encode ``images`` and ``videos`` and push their embeddings for ``rid`` to every endpoint in ``targets``.
+
+        Returns one :class:`EncodedImage` per image, then one per video (hash = :func:`epdserve.hashing.video_key`,
+        ``num_tokens`` all of the video's rows, ``grid_thw`` ``[t, h, w]``), in request order.
 
         Raises:
-            StageError: 400 for an image the encoder rejects, 503 when it is unreachable or past a deadline (an
+            StageError: 400 for an image or video the encoder rejects, 503 when it is unreachable or past a deadline (an
                 :class:`~epdserve.frontend.encoders.EncoderPool` then takes it as down), 500 otherwise.
         """
         ...

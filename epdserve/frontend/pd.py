@@ -104,8 +104,8 @@ def room_rid(room: int | None) -> str:
 class SchedulerStages(abc.ABC):
     """What the prefill and decode fronts' :class:`~epdserve.frontend.stages.Stages` share: one scheduler, this
     server's own, over :class:`SchedulerClient`; a role's subclass sends its own leg's request (:meth:`leg`) and
-    says whether and how it encodes (:attr:`encodes`, :meth:`encode`) and where prefill's bootstrap server is. ``deadline`` is accepted and not used: behind a PD router the router bounds
-    each request.
+    says whether and how it encodes (:attr:`encodes`, :meth:`encode`) and where prefill's bootstrap server is.
+    ``deadline`` is accepted and not used: behind a PD router the router bounds each request.
 
     Args:
         config: the server's config.

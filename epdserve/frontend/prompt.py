@@ -31,6 +31,17 @@ class EncodedImage:
     grid_thw: list[int]
 
 
+@dataclass(frozen=True)
+class VideoInput:
+    """One video of a request as the encoder takes it: the file's bytes (mp4, webm, ... as the client sent them)
+    and the frame sampling asked for (``mm_processor_kwargs``; None: the checkpoint's video processor default, see
+    :func:`epdserve.models.video_layout.frame_sampler`). Its key is :func:`epdserve.hashing.video_key`."""
+
+    data: bytes
+    fps: float | None = None
+    num_frames: int | None = None
+
+
 @dataclass
 class TemplatePieces:
     """A chat-template text cut at its image slots, each piece tokenized: ``piece_ids[i]`` comes before image

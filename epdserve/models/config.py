@@ -73,6 +73,12 @@ class ModelConfig:
         """How many decoder layers (the first ones) take DeepStack features: 0 for Qwen2/2.5-VL."""
         return len(self.deepstack_visual_indexes)
 
+    @property
+    def embed_width(self) -> int:
+        """Columns of one image token's row from the encoder: ``hidden_size`` for Qwen2/2.5-VL; Qwen3-VL appends
+        its DeepStack levels, ``hidden_size * (1 + num_deepstack_layers)`` (see :mod:`epdserve.encoder.vision`)."""
+        return self.hidden_size * (1 + self.num_deepstack_layers)
+
     @classmethod
     def load(cls, model_path: str | Path) -> ModelConfig:
         """Read ``config.json`` (and ``generation_config.json`` when present) of a local checkpoint.

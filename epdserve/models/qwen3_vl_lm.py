@@ -13,7 +13,8 @@ paged attention and fused-op switch this module reuses:
   :func:`~epdserve.models.qwen2_vl_lm.mrope_cos_sin`), the ``mrope_interleaved`` of :class:`ModelConfig`.
 - DeepStack: after decoder layer ``i < L`` the i-th level of ``batch.deepstack_embeds`` (features of intermediate
   vision blocks, one ``[N, hidden]`` per level) is added to the hidden states of the image-token rows, as
-  ``Qwen3VLTextModel._deepstack_process`` does.
+  ``Qwen3VLTextModel._deepstack_process`` does. The encoder sends the levels as extra columns of each image row
+  (``mm_embeds`` ``[N, hidden * (1 + L)]``, vLLM's layout); :meth:`Qwen3VLLanguageModel.forward` splits them.
 
 CUDA: the fused flashinfer ops apply as for Qwen2 (q/k norms run as flashinfer ``rmsnorm`` over ``[T * heads,
 head_dim]``). Decode batches carry no image rows, so decode CUDA graphs apply unchanged; the prefill CUDA graphs
@@ -22,6 +23,8 @@ is False and Qwen3-VL prefills run eagerly.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -100,6 +103,7 @@ class Qwen3VLLanguageModel(Qwen2VLLanguageModel):
         """
         if self.attn is None:
             raise RuntimeError(f"{type(self).__name__}.attn is not set")
+        batch = self._split_columns(batch)
         deepstack = self._deepstack(batch)
         x = self._embed(batch)
         rope = self._rope(batch, x)
@@ -111,6 +115,17 @@ class Qwen3VLLanguageModel(Qwen2VLLanguageModel):
                 # then let the next layer start as the first one does (residual None).
                 x, residual = add_deepstack(x + residual, batch.mm_mask, deepstack[i]), None
         return self._logits(batch, x, residual, out)
+
+    def _split_columns(self, batch: ForwardBatch) -> ForwardBatch:
+        """``mm_embeds`` ``[N, hidden * (1 + L)]`` as the encoder sends them -> ``mm_embeds`` ``[N, hidden]`` and
+        ``deepstack_embeds`` ``[L, N, hidden]`` (views, no copy of the embedding columns)."""
+        mm, hidden = batch.mm_embeds, self.config.hidden_size
+        if mm is None or batch.deepstack_embeds is not None or mm.shape[-1] == hidden:
+            return batch
+        if mm.shape[-1] % hidden:
+            raise ValueError(f"mm_embeds of width {mm.shape[-1]} is not a multiple of hidden size {hidden}")
+        levels = mm[:, hidden:].unflatten(-1, (-1, hidden)).transpose(0, 1)
+        return dataclasses.replace(batch, mm_embeds=mm[:, :hidden], deepstack_embeds=levels)
 
     @staticmethod
     def _deepstack(batch: ForwardBatch) -> torch.Tensor | tuple[()]:

@@ -55,16 +55,26 @@ class TokenLogprob:
 
 @dataclass
 class ImageSpan:
-    """Where one image's tokens sit in a prompt.
+    """Where one image's tokens, or one run of a video's tokens, sit in a prompt.
 
     ``offset``/``length`` index into ``input_ids`` (tokens); ``grid_thw`` is the processor's patch grid before
-    spatial merging; ``image_hash`` is the hex SHA-256 of the image bytes, also the embedding cache key.
+    spatial merging of the tokens of this span (M-RoPE takes it); ``image_hash`` is the embedding cache key: the
+    hex SHA-256 of the image bytes, or a video's :func:`epdserve.hashing.video_key`.
+
+    Video (``video`` True: the tokens are the model's video token id): Qwen2/2.5-VL put a video in one span of grid
+    ``[t, h, w]``; Qwen3-VL writes each temporal patch as its own run between timestamp text, one span each of
+    grid ``[1, h, w]``, all with the video's key, and ``embed_offset`` the first row of the video's embedding that
+    the span takes. ``time_interval`` is the M-RoPE temporal step per grid ``t`` (Qwen2.5-VL:
+    ``second_per_grid_t * tokens_per_second``; 1 otherwise, see :func:`epdserve.models.mrope.mrope_positions`).
     """
 
     offset: int
     length: int
     image_hash: str
     grid_thw: list[int]
+    video: bool = False
+    embed_offset: int = 0
+    time_interval: float = 1.0
 
 
 @dataclass

@@ -121,6 +121,10 @@ def _check_prefill(msg: messages.PrefillRequest) -> str | None:
             return f"bad image grid {span.grid_thw[:4]}"
         if not _HEX.match(span.image_hash):
             return "image hash is not hex"
+        if not isinstance(span.video, bool) or not _ints_fit([span.embed_offset], 0, 1 << 40):
+            return "bad video flag or embedding offset"
+        if not isinstance(span.time_interval, (int, float)) or not 0 < span.time_interval < 1e6:
+            return f"bad time interval {span.time_interval!r}"
         if span.offset < end or span.length < 1 or span.offset + span.length > len(msg.input_ids):
             return "image spans overlap, are out of order, or leave the prompt"
         end = span.offset + span.length
