@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -55,23 +56,27 @@ def photo_paths() -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model_path, tmp_path_factory):
-    """`epdserve launch` on a free port with the tiny model and two encoders, DEBUG logs as JSON lines; yields
-    (base_url, log_path). Launched once per session: the tests using it send requests one test at a time.
+def tiny_qwen3_vl_path(tmp_path_factory) -> str:
+    """The tiny Qwen3-VL checkpoint, written through the command line (``--arch qwen3-vl``)."""
+    from epdserve.entry.cli import main
 
-    Two encoders, so every test using it also runs through the gateway's content-hash routing between them; and
-    the shared KV hand-off (on the CPU the prefill pool in /dev/shm, which decode maps and copies from), so the
-    protocol the GPU's CUDA IPC path uses is checked against transformers too. At the end, Ctrl-C must stop all
-    four servers cleanly.
-    """
+    path = tmp_path_factory.mktemp("tiny-qwen3-vl")
+    assert main(["make-tiny-model", str(path), "--arch", "qwen3-vl"]) == 0
+    return str(path)
+
+
+@contextlib.contextmanager
+def launched(model_path: str, log_dir: Path, *args: str, num_encoders: int = 1):
+    """`epdserve launch` of ``model_path`` on a free port with DEBUG logs as JSON lines and ``args`` added; yields
+    (base_url, log_path) once ready. On exit, Ctrl-C must stop every server cleanly (exit 0, the port closed)."""
     from epdserve.wire.transport import free_port
 
     port = free_port()
-    log_path = tmp_path_factory.mktemp("launch") / "launch.log"
+    log_path = log_dir / "launch.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "epdserve", "--log-level", "DEBUG", "--log-format", "json", "launch",
-         "--model-path", tiny_model_path, "--port", str(port), "--num-encoders", "2", "--kv-transfer", "shared"],
+         "--model-path", model_path, "--port", str(port), "--num-encoders", str(num_encoders), *args],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
@@ -80,7 +85,7 @@ def server(tiny_model_path, tmp_path_factory):
             proc.kill()
             pytest.fail(f"launch did not get ready:\n{log_path.read_text()[-4000:]}")
         time.sleep(0.3)
-    assert len(re.findall(r"encoder ready on 127\.0\.0\.1:\d+", log_path.read_text())) == 2
+    assert len(re.findall(r"encoder ready on 127\.0\.0\.1:\d+", log_path.read_text())) == num_encoders
     yield url, log_path
     proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the launcher stops all four servers and exits 0
     try:
@@ -92,6 +97,20 @@ def server(tiny_model_path, tmp_path_factory):
     assert code == 0, f"launch did not stop cleanly on Ctrl-C:\n{log_path.read_text()[-3000:]}"
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0, "the gateway port is still open after Ctrl-C"
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_path, tmp_path_factory):
+    """`epdserve launch` with the tiny model and two encoders (:func:`launched`); yields (base_url, log_path).
+    Launched once per session: the tests using it send requests one test at a time.
+
+    Two encoders, so every test using it also runs through the gateway's content-hash routing between them; and
+    the shared KV hand-off (on the CPU the prefill pool in /dev/shm, which decode maps and copies from), so the
+    protocol the GPU's CUDA IPC path uses is checked against transformers too.
+    """
+    with launched(tiny_model_path, tmp_path_factory.mktemp("launch"), "--kv-transfer", "shared",
+                  num_encoders=2) as out:
+        yield out
 
 
 def launch_metrics_urls(log_path: Path) -> dict[str, str]:

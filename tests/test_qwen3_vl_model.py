@@ -82,16 +82,6 @@ class HF3:
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen3_vl_path(tmp_path_factory):
-    """The tiny Qwen3-VL checkpoint, written through the command line (``--arch qwen3-vl``)."""
-    from epdserve.entry.cli import main
-
-    path = tmp_path_factory.mktemp("tiny-qwen3-vl")
-    assert main(["make-tiny-model", str(path), "--arch", "qwen3-vl"]) == 0
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def hf3(tiny_qwen3_vl_path):
     return HF3(tiny_qwen3_vl_path)
 

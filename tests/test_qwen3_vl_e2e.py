@@ -1,0 +1,107 @@
+"""Qwen3-VL through the whole pipeline against transformers' generate() on the same tiny checkpoint.
+
+Greedy output through `epdserve launch` must equal ``generate(do_sample=False)`` token for token (text, one photo,
+two photos, a multi-turn chat; streaming and not), with two encoders (content-hash routing) and with prefill and
+decode at TP=2 (gloo), and behind smg. DeepStack features cross the encode -> prefill boundary as extra embedding
+columns (encoder/vision.py): a model that dropped them, or added them to the wrong rows, would not match. A
+radix-cache hit that covers the image reuses its KV (which holds the DeepStack sums) and must still match.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from conftest import launched
+from smg_cluster import smg_executable, start_cluster
+from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve
+
+
+@pytest.fixture(scope="module")
+def hf3e(tiny_qwen3_vl_path):
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_qwen3_vl_path)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl_path, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    return processor, model
+
+
+@pytest.fixture(scope="module")
+def references(hf3e, photo_paths):
+    """Per case, transformers' ``(prompt ids, greedy ids, text)``, computed once for the module."""
+    return {case: _hf_reference(hf3e, _resolve(case, photo_paths), NEW_TOKENS) for case in CASES}
+
+
+LAUNCHES = {
+    "two-encoders": dict(args=(), num_encoders=2),
+    "tp2": dict(args=("--device", "cpu", "--prefill-tp", "2", "--decode-tp", "2"), num_encoders=1),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAUNCHES))
+def q3_server(request, tiny_qwen3_vl_path, tmp_path_factory):
+    spec = LAUNCHES[request.param]
+    with launched(tiny_qwen3_vl_path, tmp_path_factory.mktemp(request.param), *spec["args"],
+                  num_encoders=spec["num_encoders"]) as out:
+        yield out
+
+
+def _stream_text(url: str, model: str, messages: list) -> tuple[str, int]:
+    """The streamed answer's text (deltas joined) and its usage's completion tokens."""
+    body = {"model": model, "messages": messages, "temperature": 0, "max_completion_tokens": NEW_TOKENS,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return text, chunks[-1]["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_parity_with_transformers(q3_server, references, tiny_qwen3_vl_path, photo_paths, case):
+    url, _ = q3_server
+    ref_prompt, ref_ids, ref_text = references[case]
+    messages = _openai_messages(_resolve(case, photo_paths))
+    resp = _chat(url, tiny_qwen3_vl_path, messages)
+    assert resp["prompt_token_ids"] == ref_prompt
+    assert resp["choices"][0]["token_ids"] == ref_ids
+    assert resp["choices"][0]["message"]["content"] == ref_text
+    assert _stream_text(url, tiny_qwen3_vl_path, messages) == (ref_text, NEW_TOKENS)
+
+
+def test_radix_hit_over_the_image_matches_transformers(q3_server, hf3e, tiny_qwen3_vl_path, photo_paths):
+    """A second question about the same photo reuses the first one's KV through the image (no DeepStack rows are
+    needed for cached tokens) and still equals transformers."""
+    url, _ = q3_server
+    photo = photo_paths["coffee"]
+    # Shared text after the image, longer than a page, so the page-aligned hit reaches past the image's end.
+    shared = "Look at this picture carefully, then answer the question below in one short paragraph. "
+    _chat(url, tiny_qwen3_vl_path, _openai_messages([("user", [photo, shared + "What is in this picture?"])]))
+    turns = [("user", [photo, shared + "Which colours do you see, and where are they?"])]
+    ref_prompt, ref_ids, ref_text = _hf_reference(hf3e, turns, NEW_TOKENS)
+    resp = _chat(url, tiny_qwen3_vl_path, _openai_messages(turns))
+    pad = hf3e[1].config.image_token_id
+    image_end = max(i for i, t in enumerate(ref_prompt) if t == pad) + 1
+    assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] >= image_end
+    assert resp["prompt_token_ids"] == ref_prompt
+    assert resp["choices"][0]["token_ids"] == ref_ids and resp["choices"][0]["message"]["content"] == ref_text
+
+
+@pytest.mark.skipif(smg_executable() is None, reason="smg is not installed")
+def test_behind_smg_matches_transformers(references, tiny_qwen3_vl_path, photo_paths, tmp_path_factory):
+    cluster = start_cluster(tiny_qwen3_vl_path, tmp_path_factory.mktemp("smg-q3"), encoders=1, prefills=1,
+                            decodes=1, policy="cache_aware")
+    try:
+        for case in ("text", "one_photo", "two_photos"):
+            ref_prompt, ref_ids, ref_text = references[case]
+            resp = _chat(cluster.url, tiny_qwen3_vl_path, _openai_messages(_resolve(case, photo_paths)))
+            assert resp["choices"][0]["token_ids"] == ref_ids, case
+            assert resp["choices"][0]["message"]["content"] == ref_text, case
+    finally:
+        cluster.stop()
