@@ -73,12 +73,16 @@ def decode_video(video_processor, data: bytes, fps: float | None, num_frames: in
             return sampler(metadata=metadata)
         except ValueError as e:  # the processor's own check, e.g. num_frames over the video's frames
             raise VideoError(f"cannot sample the video's frames: {e}") from None
+        except ZeroDivisionError:  # Qwen2-VL's sample_frames when the rate gives no frame at all (a still image)
+            raise VideoError(f"the video ({metadata.total_num_frames} frame(s) at {metadata.fps:g} fps) is too "
+                             "short for one frame at its sampling rate") from None
 
     frames, metadata = load_video(data, sample, limits)
     try:
         grid = video_grid(video_processor, len(frames), metadata.height, metadata.width)
     except ValueError as e:
-        raise VideoError(f"unsupported video frame shape {metadata.width}x{metadata.height}: {e}") from None
+        raise VideoError(f"the video processor refuses {len(frames)} frame(s) of {metadata.width}x{metadata.height}: "
+                         f"{e}") from None
     return DecodedVideo(frames, metadata, grid)
 
 
