@@ -318,3 +318,59 @@ def test_pool_fails_videos_over_like_images():
         assert v.data in routed[top]
     assert routed["a:1"] and routed["b:2"]
     assert sorted(v.data for _, vs in b_calls for v in vs) == sorted(v.data for v in videos)
+
+
+def test_video_tower_calls_never_overlap_image_batches(tiny_model_path, photo_paths):
+    """Concurrent requests with images and videos: every tower call (a video's too) runs on the batcher's one
+    tower thread, one at a time, and each video is a call of its own."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import zmq.asyncio
+
+    from epdserve.encoder.batcher import EncodeBatcher
+    from epdserve.encoder.cache import EmbeddingCache
+    from epdserve.encoder.pusher import EmbeddingPusher
+    from epdserve.encoder.server import EncoderServicer
+    from epdserve.encoder.vision import VisionEncoder
+
+    encoder = VisionEncoder(tiny_model_path, "cpu", "float32")
+    run_tower, state, lock = encoder.run_tower, {"now": 0, "most": 0, "rows": []}, threading.Lock()
+
+    def watched(prepared):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            state["rows"].append(len(prepared.rows))
+        time.sleep(0.05)  # long enough for a second tower call to overlap, were one allowed
+        try:
+            return run_tower(prepared)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    encoder.run_tower = watched
+
+    class Context:
+        async def abort(self, code, message):
+            raise AssertionError(f"{code}: {message}")
+
+    photos = [photo_paths[n].read_bytes() for n in ("chelsea", "rocket", "coffee")]
+    clips = [make_clip(frames=16, fps=8, size=(64, 48), seed=200 + i) for i in range(3)]
+
+    async def run():
+        tower, ctx = ThreadPoolExecutor(1), zmq.asyncio.Context()
+        servicer = EncoderServicer(EmbeddingCache(64 << 20), EmbeddingPusher(ctx), EncodeBatcher(tower), 4_000_000)
+        servicer.encoder = encoder
+        requests = [_request(f"mix{i}", [(clips[i], None, None)], [photos[i]]) for i in range(3)]
+        out = await asyncio.gather(*(servicer.Encode(r, Context()) for r in requests))
+        tower.shutdown()
+        ctx.term()
+        return out
+
+    out = asyncio.run(run())
+    assert all(len(r.images) == 1 and len(r.videos) == 1 for r in out)
+    assert state["most"] == 1, "two tower calls overlapped"
+    # 3 videos alone, the 3 images in 1 to 3 batches
+    assert state["rows"].count(1) >= 3 and sum(state["rows"]) == 6
