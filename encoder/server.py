@@ -211,8 +211,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             if not targets:
                 item.embedding.CopyFrom(tensor_to_proto(emb))
         hits = sum(results[h][2] for h in keys)
-        log.debug("rid=%s encoded %d image(s) and %d video(s), %d from cache", rid, num_images,
-                  len(request.videos), hits)
+        log.debug("rid=%s encoded %d image(s)%s, %d from cache", rid, num_images,
+                  f" and {len(request.videos)} video(s)" if request.videos else "", hits)
         return response
 
     def _start_encodes(self, encoder: VisionEncoder, sources: list[bytes | encoder_pb2.Video],

@@ -230,9 +230,10 @@ class EncoderPool:
         encs = list(groups)
         calls = []
         for e in encs:
-            logger.debug("rid=%s %d image(s)/video(s) -> encoder %s", rid, len(groups[e]), self.names[e])
             images = [items[p] for p in groups[e] if isinstance(items[p], bytes)]
             videos = [items[p] for p in groups[e] if not isinstance(items[p], bytes)]
+            logger.debug("rid=%s %d image(s)%s -> encoder %s", rid, len(images),
+                         f", {len(videos)} video(s)" if videos else "", self.names[e])
             # Without videos the plain call: an encoder client that predates videos still serves images.
             args = (rid, images, targets, videos) if videos else (rid, images, targets)
             call = asyncio.ensure_future(self.clients[e].encode(*args))
