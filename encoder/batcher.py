@@ -27,7 +27,9 @@ from epdserve.encoder.metrics import EncoderMetrics
 
 class ImageEncoder(Protocol):
     """What the batcher needs of :class:`epdserve.encoder.vision.VisionEncoder`: ``run_tower(preprocess(x))``
-    is the encoding of images ``x``; the two may run at once on two threads."""
+    is the encoding of images ``x``; the two may run at once on two threads. Only items of the same encoder object
+    share a call, so a :class:`~epdserve.encoder.video.VideoJob` (one per video, ``is_video`` true for the
+    metrics) runs alone."""
 
     def preprocess(self, images: list[Image.Image]) -> Any: ...
 
@@ -228,7 +230,8 @@ class EncodeBatcher:
                 item.future.set_result(out)
         if self._metrics is not None:
             self._metrics.on_batch([started - item.arrival for item in batch], sum(item.patches for item in batch),
-                                   prep_s + loop.time() - tower_started)
+                                   prep_s + loop.time() - tower_started,
+                                   video=getattr(batch[0].encoder, "is_video", False))
 
     async def aclose(self) -> None:
         """Stop the runner; images queued, being preprocessed or on the tower fail with RuntimeError (the running

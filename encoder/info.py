@@ -18,14 +18,16 @@ if TYPE_CHECKING:
 
 
 def model_info(encoder: VisionEncoder) -> encoder_pb2.GetModelInfoResponse:
-    """The loaded vision model: path, model type, device, dtype and the patch geometry of its config."""
+    """The loaded vision model: path, model type, device, dtype, the patch geometry of its config and its DeepStack
+    levels (an embedding is ``[num_tokens, out_hidden_size * (1 + num_deepstack_levels)]``)."""
     cfg = encoder.model.config
     return encoder_pb2.GetModelInfoResponse(
         model_path=encoder.model_path, model_type=encoder.model_type, device=str(encoder.device),
         dtype=str(encoder.dtype).removeprefix("torch."), patch_size=cfg.patch_size,
         temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size,
         # Qwen2.5-VL's vision config names the LM width out_hidden_size; Qwen2-VL's names it hidden_size.
-        out_hidden_size=getattr(cfg, "out_hidden_size", None) or cfg.hidden_size)
+        out_hidden_size=getattr(cfg, "out_hidden_size", None) or cfg.hidden_size,
+        num_deepstack_levels=encoder.num_deepstack)
 
 
 def server_info(config: EncoderConfig | None, ready: bool, metrics_port: int, cache: EmbeddingCache,

@@ -20,6 +20,9 @@ class EncoderMetrics(StageMetrics):
         super().__init__("encoder")
         self.images = self._counter("encoder_images", "Images received in Encode requests (repeats included)")
         self.images_encoded = self._counter("images_encoded", "Images run through the vision tower")
+        self.videos = self._counter("encoder_videos", "Videos received in Encode requests (repeats included)")
+        self.videos_encoded = self._counter("videos_encoded", "Videos run through the vision tower (one tower call "
+                                            "each)")
         self.cache_hits = self._counter("embedding_cache_hits", "Embedding cache lookups that found the image")
         self.cache_misses = self._counter("embedding_cache_misses", "Embedding cache lookups that missed")
         self.batch_size = self._histogram("batch_size", "Images per vision tower call", BATCH_BUCKETS)
@@ -64,10 +67,14 @@ class EncoderMetrics(StageMetrics):
         """One embedding-cache lookup of a distinct image of a request."""
         (self.cache_hits if hit else self.cache_misses).inc()
 
-    def on_batch(self, queue_times: list[float], patches: int, seconds: float) -> None:
-        """One vision tower call over ``len(queue_times)`` images that waited ``queue_times`` seconds each."""
-        self.batch_size.observe(len(queue_times))
-        self.images_encoded.inc(len(queue_times))
+    def on_batch(self, queue_times: list[float], patches: int, seconds: float, video: bool = False) -> None:
+        """One vision tower call over ``len(queue_times)`` images that waited ``queue_times`` seconds each, or
+        (``video``) over one video; patches, duration and queue time count for both."""
+        if video:
+            self.videos_encoded.inc(len(queue_times))
+        else:
+            self.batch_size.observe(len(queue_times))
+            self.images_encoded.inc(len(queue_times))
         self.batch_patches.observe(patches)
         self.encode_latency.observe(seconds)
         for q in queue_times:

@@ -3,8 +3,11 @@
 A request's images are hashed and looked up in the cache; each missing one is decoded on a worker thread and
 queued to the batcher, which encodes the pending images of all concurrent requests together in one tower call on
 a single tower thread (the event loop keeps answering health checks meanwhile). An image already being encoded
-for another request is awaited, not encoded again. With ``targets`` the embeddings are pushed over ZMQ to
-every TP rank of one prefill server before the response is sent; without, they come back in the response.
+for another request is awaited, not encoded again. A request's videos go the same way under their key
+(:func:`epdserve.hashing.video_key`): decoded to the frames the checkpoint samples on a worker thread, then one
+tower call each through the batcher (:mod:`epdserve.encoder.video`). With ``targets`` the embeddings are pushed
+over ZMQ to every TP rank of one prefill server before the response is sent; without, they come back in the
+response.
 
 Run it with ``python -m epdserve.encoder.server --port 50051`` (flags: :class:`epdserve.config.EncoderConfig`).
 """
@@ -26,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from PIL import Image
 
-from epdserve.hashing import sha256_all
+from epdserve.hashing import sha256_all, video_key
 from epdserve.config import EncoderConfig
 from epdserve.device import limit_cpu_threads, resolve_device, resolve_dtype
 from epdserve.encoder.batcher import EncodeBatcher
@@ -34,6 +37,7 @@ from epdserve.encoder.cache import EmbeddingCache
 from epdserve.encoder.grpc_codec import SERVICE_NAME, MalformedRequest, RequestError, add_servicer, tensor_to_proto
 from epdserve.encoder.info import model_info, server_info
 from epdserve.encoder.pusher import EmbeddingPusher
+from epdserve.encoder.video import VideoJob, decode_video
 from epdserve.encoder.vision import ImageDecodeError, VisionEncoder
 from epdserve.logging_setup import request_context
 from epdserve.wire.messages import ImageEmbeddings, encode
@@ -41,6 +45,7 @@ from epdserve.encoder.metrics import EncoderMetrics
 from epdserve.metrics import start_metrics_server
 from epdserve.models.paths import resolve_model_path
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
+from epdserve.video import VideoError, VideoLimits
 
 log = logging.getLogger("epdserve.encoder")  # not __name__: that is "__main__" under python -m
 
@@ -51,6 +56,21 @@ LOAD_DELAY_ENV = "EPDSERVE_TEST_ENCODER_LOAD_DELAY_S"
 def _decode_one(encoder: VisionEncoder, data: bytes, max_pixels: int) -> tuple[Image.Image | torch.Tensor, int]:
     image = encoder.decode(data, max_pixels)
     return image, encoder.num_patches(image)
+
+
+def _keys(datas: list[bytes], videos: list[encoder_pb2.Video]) -> list[str]:
+    """The images' hashes then the videos' keys, in request order (CPU-bound: SHA-256 of every byte).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT for a video with both fps and num_frames, or a negative one.
+    """
+    keys = [d.hex() for d in sha256_all(datas)]
+    for j, v in enumerate(videos):
+        try:  # proto3's 0 is "unset": the checkpoint's default sampling
+            keys.append(video_key(v.data, v.fps or None, v.num_frames or None))
+        except ValueError as e:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"video {j}: {e}") from None
+    return keys
 
 
 def _consume_exception(fut: asyncio.Future) -> None:
@@ -70,7 +90,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     def __init__(self, cache: EmbeddingCache, pusher: EmbeddingPusher, batcher: EncodeBatcher,
                  max_image_pixels: int, metrics: EncoderMetrics | None = None,
-                 config: EncoderConfig | None = None) -> None:
+                 config: EncoderConfig | None = None, video_limits: VideoLimits = VideoLimits()) -> None:
         self.encoder: VisionEncoder | None = None
         self.metrics = metrics if metrics is not None else EncoderMetrics()
         self.metrics.watch(cache, batcher)
@@ -79,9 +99,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self.cache = cache
         self._pusher = pusher
         self._batcher = batcher
-        self._max_pixels = max_image_pixels
-        # image hash -> future of (embedding, grid_thw) for images being encoded now, shared by all requests.
+        self._max_pixels = max_image_pixels  # per image, and per video frame
+        self._video_limits = video_limits
+        # image hash or video key -> future of (embedding, grid_thw) for those being encoded now, shared by all
+        # requests; the videos' keys are also in _inflight_videos.
         self._inflight: dict[str, asyncio.Future] = {}
+        self._inflight_videos: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self.num_requests = 0  # Encode calls in progress
 
@@ -92,11 +115,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     async def Encode(self, request: encoder_pb2.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> encoder_pb2.EncodeResponse:
-        """Encode the request's images; see the module docstring and proto/encoder.proto for the semantics.
+        """Encode the request's images and videos; see the module docstring and proto/encoder.proto for the
+        semantics.
 
-        Status codes: INVALID_ARGUMENT (no images, an undecodable or too large image named by its index, a bad
-        target, targets without a request id), UNAVAILABLE (model loading, a target not accepting), INTERNAL
-        (anything unexpected; the server keeps serving).
+        Status codes: INVALID_ARGUMENT (no images or videos; an undecodable or too large image, or a video that does
+        not decode, is over ``--max-video-frames`` / ``--max-video-duration-s`` / ``--max-image-pixels`` per frame
+        or asks for both fps and num_frames, named by its index: "image 1: ...", "video 0: ..."; a bad target,
+        targets without a request id), UNAVAILABLE (model loading, a target not accepting), INTERNAL (anything
+        unexpected; the server keeps serving).
         """
         rid = request.request_id
         if isinstance(request, MalformedRequest):
@@ -138,7 +164,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         """Requests and images in flight and the cache's size now (see proto/encoder.proto)."""
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
-        return encoder_pb2.EncoderLoad(num_requests=self.num_requests, num_images_encoding=len(self._inflight),
+        videos = len(self._inflight_videos)
+        return encoder_pb2.EncoderLoad(num_requests=self.num_requests, num_videos_encoding=videos,
+                                       num_images_encoding=len(self._inflight) - videos,
                                        cached_embeddings=len(self.cache), cache_bytes=self.cache.size_bytes,
                                        push_sockets=self._pusher.num_sockets)
 
@@ -147,48 +175,56 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         encoder = self.encoder
         if encoder is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the vision model is still loading")
-        if not request.images:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request has no images")
+        if not request.images and not request.videos:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request has no images or videos")
         targets = list(dict.fromkeys(request.targets))  # a rank listed twice must not get the message twice
         if targets and not rid:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required when targets are given")
         self._pusher.connect(targets)  # a malformed target fails the request before any encoding
-        datas = [im.data for im in request.images]
-        self.metrics.images.inc(len(datas))
+        # The images' bytes, then the videos: one list, so that both share the cache, in-flight map and push.
+        sources: list[bytes | encoder_pb2.Video] = [im.data for im in request.images]
+        num_images = len(sources)
+        sources += request.videos
+        self.metrics.images.inc(num_images)
+        self.metrics.videos.inc(len(request.videos))
         # From here until its images' decodes have started, this request counts as on its way to the batcher, so a
         # batch about to start waits for it (up to the batching window).
         self._batcher.announce()
         try:
             # 100 MB takes ~0.2 s: keep it off the loop
-            hashes = [d.hex() for d in await asyncio.to_thread(sha256_all, datas)]
-            out, pending = self._start_encodes(encoder, datas, hashes)
+            keys = await asyncio.to_thread(_keys, sources[:num_images], sources[num_images:])
+            out, pending = self._start_encodes(encoder, sources, keys)
         finally:
             self._batcher.withdraw()
-        results = await self._embeddings(hashes, out, pending)
+        labels = [f"image {i}" for i in range(num_images)] + [f"video {j}" for j in range(len(request.videos))]
+        results = await self._embeddings(keys, labels, out, pending)
         if targets:
-            msg = ImageEmbeddings(rid=rid, image_hashes=hashes, embeddings=[results[h][0] for h in hashes])
+            msg = ImageEmbeddings(rid=rid, image_hashes=keys, embeddings=[results[h][0] for h in keys])
             frames = encode(msg)
             await self._pusher.push(targets, frames)
             self.metrics.on_pushed(sum(memoryview(f).nbytes for f in frames), len(targets))
         response = encoder_pb2.EncodeResponse(request_id=rid)
-        for h in hashes:
+        for pos, h in enumerate(keys):
             emb, grid, hit = results[h]
-            item = response.images.add(image_hash=h, num_tokens=encoder.num_tokens(grid), grid_thw=grid,
-                                       cache_hit=hit)
+            item = (response.images if pos < num_images else response.videos).add(
+                image_hash=h, num_tokens=encoder.num_tokens(grid), grid_thw=grid, cache_hit=hit)
             if not targets:
                 item.embedding.CopyFrom(tensor_to_proto(emb))
-        hits = sum(results[h][2] for h in hashes)
-        log.debug("rid=%s encoded %d image(s), %d from cache", rid, len(hashes), hits)
+        hits = sum(results[h][2] for h in keys)
+        log.debug("rid=%s encoded %d image(s)%s, %d from cache", rid, num_images,
+                  f" and {len(request.videos)} video(s)" if request.videos else "", hits)
         return response
 
-    def _start_encodes(self, encoder: VisionEncoder, datas: list[bytes], hashes: list[str]) -> tuple[
-            dict[str, tuple[torch.Tensor, list[int], bool]], dict[str, asyncio.Future]]:
-        """A request's cache hits as ``hash -> (embedding, grid_thw, True)``, and a future per other distinct image:
-        an encode already in flight for another request, or one started here."""
+    def _start_encodes(self, encoder: VisionEncoder, sources: list[bytes | encoder_pb2.Video],
+                       keys: list[str]) -> tuple[dict[str, tuple[torch.Tensor, list[int], bool]],
+                                                 dict[str, asyncio.Future]]:
+        """A request's cache hits as ``key -> (embedding, grid_thw, True)``, and a future per other distinct image
+        or video (``sources[i]`` has key ``keys[i]``): an encode already in flight for another request, or one
+        started here."""
         out: dict[str, tuple[torch.Tensor, list[int], bool]] = {}
         pending: dict[str, asyncio.Future] = {}
         loop = asyncio.get_running_loop()
-        for i, h in enumerate(hashes):
+        for source, h in zip(sources, keys):
             if h in out or h in pending:
                 continue
             entry = self.cache.get(h)
@@ -201,47 +237,64 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 fut = loop.create_future()
                 fut.add_done_callback(_consume_exception)
                 self._inflight[h] = fut
-                self._batcher.announce()  # taken back by the task: at submit, or if its decode fails
+                if isinstance(source, bytes):
+                    self._batcher.announce()  # taken back by the task: at submit, or if its decode fails
+                else:  # a video never joins an image batch: no batch should wait for it
+                    self._inflight_videos.add(h)
                 # A task, not an inline await: if this request is cancelled, the encode still finishes for the
                 # other requests waiting on the same image, and its result still lands in the cache.
-                task = asyncio.create_task(self._produce(encoder, h, datas[i], fut))
+                task = asyncio.create_task(self._produce(encoder, h, source, fut))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             pending[h] = fut
         return out, pending
 
-    async def _embeddings(self, hashes: list[str], out: dict[str, tuple[torch.Tensor, list[int], bool]],
+    async def _embeddings(self, keys: list[str], labels: list[str],
+                          out: dict[str, tuple[torch.Tensor, list[int], bool]],
                           pending: dict[str, asyncio.Future]) -> dict[str, tuple[torch.Tensor, list[int], bool]]:
-        """``hash -> (embedding, grid_thw, cache_hit)`` for every distinct image of a request (``hashes``, in
-        request order): ``out`` (its cache hits) completed with the outcomes of ``pending``.
+        """``key -> (embedding, grid_thw, cache_hit)`` for every distinct image and video of a request (``keys``,
+        in request order, named ``labels`` in errors): ``out`` (its cache hits) completed with the outcomes of
+        ``pending``.
 
         Raises:
-            RequestError: INVALID_ARGUMENT for the first image (in request order) that does not decode.
+            RequestError: INVALID_ARGUMENT for the first image or video (in request order) that does not decode or
+                is over a limit.
         """
         outcomes = await asyncio.gather(*(asyncio.shield(f) for f in pending.values()), return_exceptions=True)
         done = dict(zip(pending, outcomes))
-        for i, h in enumerate(hashes):  # report the first bad image in request order
-            if isinstance(done.get(h), ImageDecodeError):
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"image {i}: {done[h]}")
+        for label, h in zip(labels, keys):  # report the first bad one in request order
+            if isinstance(done.get(h), (ImageDecodeError, VideoError)):
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{label}: {done[h]}")
         for h, res in done.items():
             if isinstance(res, BaseException):
                 raise res
             out[h] = (res[0], res[1], False)
         return out
 
-    async def _produce(self, encoder: VisionEncoder, h: str, data: bytes, fut: asyncio.Future) -> None:
-        """Decode one image off the loop, encode it in the batcher's next batch; resolve ``fut``, fill the cache.
+    async def _produce(self, encoder: VisionEncoder, h: str, source: bytes | encoder_pb2.Video,
+                       fut: asyncio.Future) -> None:
+        """Decode one image (``bytes``) or video off the loop and encode it through the batcher (an image in its
+        next batch, a video as a tower call of its own); resolve ``fut``, fill the cache.
 
-        The outcome depends only on this image's bytes (or a failure of the tower call it joined), so a request
-        never gets another request's decode error.
+        The outcome depends only on this image's or video's bytes (or a failure of the tower call it joined), so a
+        request never gets another request's decode error.
         """
+        video = not isinstance(source, bytes)
         try:
             try:
-                image, patches = await asyncio.to_thread(_decode_one, encoder, data, self._max_pixels)
+                if video:
+                    item = await asyncio.to_thread(decode_video, encoder.video_processor, source.data,
+                                                   source.fps or None, source.num_frames or None,
+                                                   self._video_limits, self._max_pixels)
+                    job, patches = VideoJob(encoder), item.patches
+                else:
+                    item, patches = await asyncio.to_thread(_decode_one, encoder, source, self._max_pixels)
+                    job = encoder
             except BaseException:
-                self._batcher.withdraw()
+                if not video:
+                    self._batcher.withdraw()
                 raise
-            emb, grid = await self._batcher.submit(encoder, image, patches, announced=True)
+            emb, grid = await self._batcher.submit(job, item, patches, announced=not video)
             self.cache.put(h, emb, grid)
             fut.set_result((emb, grid))
         except BaseException as e:
@@ -253,6 +306,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         finally:
             if self._inflight.get(h) is fut:
                 del self._inflight[h]
+                self._inflight_videos.discard(h)
 
     async def aclose(self) -> None:
         """Cancel encodes still running (their waiters get an error) and wait for them to unwind."""
@@ -293,7 +347,7 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
     metrics = EncoderMetrics()
     batcher = EncodeBatcher(tower, config.batch_wait_ms, config.max_batch_patches, metrics=metrics)
     servicer = EncoderServicer(EmbeddingCache(config.cache_size_mb * MIB), pusher, batcher, config.max_image_pixels,
-                               metrics, config)
+                               metrics, config, VideoLimits(config.max_video_frames, config.max_video_duration_s))
     add_servicer(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

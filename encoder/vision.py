@@ -12,12 +12,15 @@ Qwen3-VL's tower (``Qwen3VLVisionModel``) also returns DeepStack features: the o
 embedding is ``[num_tokens, hidden * (1 + levels)]``, the merged embedding first, then level 0, 1, ... (vLLM's
 layout for Qwen3-VL). Every row still belongs to one image token, so the cache, the wire, chunked prefill and the
 TP fan-out need nothing new; the language model splits the columns (:mod:`epdserve.models.qwen3_vl_lm`).
+
+A video runs through the same tower, fed the video processor's ``pixel_values_videos`` / ``video_grid_thw``
+(transformers' ``get_video_features``, which for Qwen3-VL returns DeepStack levels as for images): one embedding of
+``t*h*w // merge_size**2`` rows in the same column layout.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from dataclasses import dataclass
 from io import BytesIO
@@ -26,13 +29,9 @@ import torch
 from PIL import Image
 
 from epdserve.device import resolve_device, resolve_dtype
+from epdserve.encoder.vision_weights import load_vision_state_dict, vision_class
 
 log = logging.getLogger("epdserve.encoder")
-
-# transformers 5 names the tower ``model.visual``; checkpoints written by older versions (and the hub's
-# Qwen2-VL / Qwen2.5-VL releases) name it ``visual``. transformers 5 itself still saves the older layout.
-_VISUAL_PREFIXES = ("model.visual.", "visual.")
-
 
 @dataclass
 class PreparedImages:
@@ -42,11 +41,13 @@ class PreparedImages:
         pixels: ``[num_patches, channels * temporal_patch * patch**2]`` on the tower's device, in its dtype.
         rows: one ``[t, h, w]`` patch grid per image, in order.
         ready: CUDA: recorded on the preprocessing stream after ``pixels`` was written; None on the CPU.
+        eager: run transformers' plain tower call, never the image CUDA graphs (a video: one-off grids).
     """
 
     pixels: torch.Tensor
     rows: list[list[int]]
     ready: torch.cuda.Event | None
+    eager: bool = False
 
 
 class ImageDecodeError(ValueError):
@@ -80,64 +81,6 @@ def decode_image(data: bytes, max_pixels: int) -> Image.Image:
         raise ImageDecodeError(f"cannot decode image: {type(e).__name__}: {e}") from e
 
 
-def _vision_class(model_type: str) -> type:
-    if model_type == "qwen2_5_vl":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-        return Qwen2_5_VisionTransformerPretrainedModel
-    if model_type == "qwen2_vl":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-
-        return Qwen2VisionTransformerPretrainedModel
-    if model_type == "qwen3_vl":
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
-        return Qwen3VLVisionModel
-    raise ValueError(f"unsupported model_type {model_type!r}; expected 'qwen2_5_vl', 'qwen2_vl' or 'qwen3_vl'")
-
-
-def _safetensors_files(model_path: Path) -> list[Path]:
-    """The safetensors files that hold vision tower tensors (only those shards, for a sharded checkpoint)."""
-    index = model_path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        names = sorted({f for k, f in weight_map.items() if k.startswith(_VISUAL_PREFIXES)})
-        if not names:
-            raise ValueError(f"{index} lists no vision tower tensors ({' or '.join(_VISUAL_PREFIXES)}*)")
-        return [model_path / n for n in names]
-    single = model_path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_path}")
-
-
-def load_vision_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
-    """Read only the vision tower tensors of a checkpoint, with the ``model.visual.``/``visual.`` prefix removed.
-
-    Returns CPU tensors in the checkpoint's dtype.
-
-    Raises:
-        FileNotFoundError: no safetensors file in ``model_path``.
-        ValueError: no vision tensors, or one tensor under both prefixes.
-    """
-    from safetensors import safe_open
-
-    state: dict[str, torch.Tensor] = {}
-    for file in _safetensors_files(Path(model_path)):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                prefix = next((p for p in _VISUAL_PREFIXES if key.startswith(p)), None)
-                if prefix is None:
-                    continue
-                name = key[len(prefix):]
-                if name in state:
-                    raise ValueError(f"vision tensor {name!r} appears twice in {model_path}")
-                state[name] = f.get_tensor(key)
-    if not state:
-        raise ValueError(f"no vision tower tensors in {model_path}")
-    return state
-
-
 class VisionEncoder:
     """Image processor + vision tower of one local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint.
 
@@ -150,6 +93,7 @@ class VisionEncoder:
         merge_size: spatial merge size; an image of grid ``(t, h, w)`` gives ``t*h*w // merge_size**2`` tokens.
         hidden_size: width of the embeddings (the language model's hidden size).
         image_processor: the checkpoint's transformers image processor.
+        video_processor: the checkpoint's transformers video processor (:meth:`preprocess_video`).
         model: the vision tower (transformers module, eval mode, no grad).
         compiled: whether the tower's blocks and merger run through ``torch.compile`` (see ``compile``).
         tower: on CUDA with packed attention and ``cuda_graphs > 0``, the
@@ -201,10 +145,12 @@ class VisionEncoder:
         self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self.device)
         config = AutoConfig.from_pretrained(self.model_path)
         self.model_type: str = config.model_type
-        vision_cls = _vision_class(self.model_type)
+        vision_cls = vision_class(self.model_type)
         # AutoProcessor reads both the transformers-5 layout (processor_config.json) and the older
         # preprocessor_config.json of the released checkpoints; AutoImageProcessor alone does not read the former.
-        self.image_processor = AutoProcessor.from_pretrained(self.model_path).image_processor
+        processor = AutoProcessor.from_pretrained(self.model_path)
+        self.image_processor = processor.image_processor
+        self.video_processor = processor.video_processor
         self.merge_size: int = config.vision_config.spatial_merge_size
         if getattr(self.image_processor, "merge_size", self.merge_size) != self.merge_size:
             raise ValueError(f"image processor merge_size {self.image_processor.merge_size} != vision tower "
@@ -366,19 +312,47 @@ class VisionEncoder:
         return PreparedImages(pixels, rows, ready)
 
     @torch.inference_mode()
-    def run_tower(self, prepared: PreparedImages) -> list[tuple[torch.Tensor, list[int]]]:
-        """Run the vision tower on a :meth:`preprocess` output: the second half of :meth:`encode`. Waits for the
-        preprocessing on the device (not on the host), then for its own result only. One call at a time.
+    def preprocess_video(self, frames, metadata) -> PreparedImages:
+        """Run the video processor on one video's already sampled frames, for :meth:`run_tower` (eagerly).
+
+        Args:
+            frames: ``[T, H, W, 3]`` uint8 RGB numpy array, the frames :func:`epdserve.video.load_video` sampled.
+            metadata: its ``VideoMetadata`` (``frames_indices`` set): the processor's timestamps come from it.
 
         Returns:
-            See :meth:`encode`.
+            ``pixels`` = the processor's ``pixel_values_videos`` in the tower's dtype (cast as transformers'
+            ``get_video_features`` does), one ``rows`` entry = ``video_grid_thw`` ``[t, h, w]``.
+
+        Raises:
+            ValueError: from the video processor (e.g. an aspect ratio over 200).
+        """
+        with self._prep_stream_context():
+            on_gpu = {"device": self.device} if self.device.type == "cuda" else {}
+            # The frames are already the sampled ones: sampling again would thin them out a second time.
+            inputs = self.video_processor(videos=[frames], video_metadata=[metadata], do_sample_frames=False,
+                                          return_tensors="pt", **on_gpu)
+            pixels = inputs["pixel_values_videos"].to(self.device).type(self.dtype)
+            ready = None
+            if self.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
+        return PreparedImages(pixels, inputs["video_grid_thw"].tolist(), ready, eager=True)
+
+    @torch.inference_mode()
+    def run_tower(self, prepared: PreparedImages) -> list[tuple[torch.Tensor, list[int]]]:
+        """Run the vision tower on a :meth:`preprocess` (or :meth:`preprocess_video`) output: the second half of
+        :meth:`encode`. Waits for the preprocessing on the device (not on the host), then for its own result only.
+        One call at a time.
+
+        Returns:
+            See :meth:`encode` (for a video: one ``(embedding, video_grid_thw row)``, all its frames' rows).
         """
         pixels, rows = prepared.pixels, prepared.rows
         if prepared.ready is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(prepared.ready)
             pixels.record_stream(stream)  # made on the preprocessing stream, read on this one
-        if self.tower is not None:
+        if self.tower is not None and not prepared.eager:
             out = self.tower.run(pixels, [tuple(r) for r in rows])
         else:
             result = self.model(pixels, grid_thw=torch.tensor(rows, dtype=torch.int64, device=self.device))
@@ -417,6 +391,20 @@ class VisionEncoder:
         if not images:
             return []
         return self.run_tower(self.preprocess(images))
+
+    def encode_video(self, frames, metadata) -> tuple[torch.Tensor, list[int]]:
+        """One video's embedding: :meth:`preprocess_video` then :meth:`run_tower` (the plain tower: the image CUDA
+        graphs are not used; on CUDA still the packed attention), as transformers' ``get_video_features`` computes
+        it (Qwen3-VL: the tower's ``pooler_output`` and ``deepstack_features`` as columns, as for images).
+
+        Returns:
+            ``(embedding, grid_thw)``: a contiguous CPU ``[t*h*w // merge_size**2, embed_width]`` tensor in the
+            tower's dtype and the processor's ``video_grid_thw`` row ``[t, h, w]``.
+
+        Raises:
+            ValueError: see :meth:`preprocess_video`.
+        """
+        return self.run_tower(self.preprocess_video(frames, metadata))[0]
 
     def _prep_stream_context(self):
         if self.device.type != "cuda":

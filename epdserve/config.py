@@ -25,7 +25,7 @@ def _like(cls: type, name: str, help: str = ""):
 
 @dataclass
 class EncoderConfig:
-    """The encoder server (gRPC): vision tower + image processor + embedding cache."""
+    """The encoder server (gRPC): vision tower + image and video processors + embedding cache."""
 
     model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
     host: str = _f("127.0.0.1", "address to bind the gRPC server to")
@@ -34,7 +34,10 @@ class EncoderConfig:
     dtype: str = _f("auto", "float32, bfloat16, float16, or auto (bfloat16 on cuda, float32 on cpu)")
     cache_size_mb: int = _f(1024, "embedding cache capacity in MiB (LRU by image hash)")
     max_message_mb: int = _f(256, "largest gRPC message accepted or sent, in MiB")
-    max_image_pixels: int = _f(64_000_000, "largest decoded image (width*height) accepted")
+    max_image_pixels: int = _f(64_000_000, "largest decoded image (width*height) accepted; also per video frame")
+    max_video_frames: int = _f(768, "most frames sampled from one video (after the checkpoint's fps sampling or a "
+                                    "request's num_frames); more is an INVALID_ARGUMENT")
+    max_video_duration_s: float = _f(600.0, "longest video accepted, in seconds of playback")
     batch_wait_ms: float = _f(2.0, "how long an image may wait, while the tower is idle, for images of other "
                                    "requests already being decoded to share its tower call, in ms; 0 = run as "
                                    "soon as the tower is free")
@@ -165,6 +168,8 @@ class LaunchConfig:
     prefill_cuda_graph_max_tokens: int = _like(PrefillConfig, "cuda_graph_max_tokens")
     encoder_compile: bool = _like(EncoderConfig, "compile")
     encoder_gpu_jpeg_decode: bool = _like(EncoderConfig, "gpu_jpeg_decode")
+    max_video_frames: int = _like(EncoderConfig, "max_video_frames")
+    max_video_duration_s: float = _like(EncoderConfig, "max_video_duration_s")
 
 
 def _base_type(tp):

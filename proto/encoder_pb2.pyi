@@ -11,18 +11,20 @@ class EncoderLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EncoderLoad(_message.Message):
-    __slots__ = ("num_requests", "num_images_encoding", "cached_embeddings", "cache_bytes", "push_sockets")
+    __slots__ = ("num_requests", "num_images_encoding", "cached_embeddings", "cache_bytes", "push_sockets", "num_videos_encoding")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_IMAGES_ENCODING_FIELD_NUMBER: _ClassVar[int]
     CACHED_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUSH_SOCKETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_VIDEOS_ENCODING_FIELD_NUMBER: _ClassVar[int]
     num_requests: int
     num_images_encoding: int
     cached_embeddings: int
     cache_bytes: int
     push_sockets: int
-    def __init__(self, num_requests: _Optional[int] = ..., num_images_encoding: _Optional[int] = ..., cached_embeddings: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., push_sockets: _Optional[int] = ...) -> None: ...
+    num_videos_encoding: int
+    def __init__(self, num_requests: _Optional[int] = ..., num_images_encoding: _Optional[int] = ..., cached_embeddings: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., push_sockets: _Optional[int] = ..., num_videos_encoding: _Optional[int] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data",)
@@ -30,15 +32,27 @@ class Image(_message.Message):
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
+class Video(_message.Message):
+    __slots__ = ("data", "fps", "num_frames")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    fps: float
+    num_frames: int
+    def __init__(self, data: _Optional[bytes] = ..., fps: _Optional[float] = ..., num_frames: _Optional[int] = ...) -> None: ...
+
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "images", "targets")
+    __slots__ = ("request_id", "images", "targets", "videos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[Image]
     targets: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., targets: _Optional[_Iterable[str]] = ...) -> None: ...
+    videos: _containers.RepeatedCompositeFieldContainer[Video]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., targets: _Optional[_Iterable[str]] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -65,19 +79,21 @@ class ImageResult(_message.Message):
     def __init__(self, image_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., cache_hit: bool = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
-    __slots__ = ("request_id", "images")
+    __slots__ = ("request_id", "images", "videos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[ImageResult]
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageResult, _Mapping]]] = ...) -> None: ...
+    videos: _containers.RepeatedCompositeFieldContainer[ImageResult]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageResult, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[ImageResult, _Mapping]]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_path", "model_type", "device", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "out_hidden_size")
+    __slots__ = ("model_path", "model_type", "device", "dtype", "patch_size", "temporal_patch_size", "spatial_merge_size", "out_hidden_size", "num_deepstack_levels")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +102,7 @@ class GetModelInfoResponse(_message.Message):
     TEMPORAL_PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPATIAL_MERGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     OUT_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEEPSTACK_LEVELS_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_type: str
     device: str
@@ -94,7 +111,8 @@ class GetModelInfoResponse(_message.Message):
     temporal_patch_size: int
     spatial_merge_size: int
     out_hidden_size: int
-    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., out_hidden_size: _Optional[int] = ...) -> None: ...
+    num_deepstack_levels: int
+    def __init__(self, model_path: _Optional[str] = ..., model_type: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., patch_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., out_hidden_size: _Optional[int] = ..., num_deepstack_levels: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class EncoderStub(object):
-    """The encoder stage: runs the vision tower of a Qwen2-VL / Qwen2.5-VL checkpoint with an embedding cache.
+    """The encoder stage: the vision tower of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint with an embedding cache.
+
+    An embedding (of an image or of a whole video) is one tensor [num_tokens, out_hidden_size * (1 +
+    num_deepstack_levels)]: the merged embedding first, then Qwen3-VL's DeepStack levels 0, 1, ... as extra columns
+    (num_deepstack_levels is 0 for Qwen2-VL / Qwen2.5-VL; see GetModelInfoResponse).
     """
 
     def __init__(self, channel):
@@ -58,12 +62,17 @@ class EncoderStub(object):
 
 
 class EncoderServicer(object):
-    """The encoder stage: runs the vision tower of a Qwen2-VL / Qwen2.5-VL checkpoint with an embedding cache.
+    """The encoder stage: the vision tower of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint with an embedding cache.
+
+    An embedding (of an image or of a whole video) is one tensor [num_tokens, out_hidden_size * (1 +
+    num_deepstack_levels)]: the merged embedding first, then Qwen3-VL's DeepStack levels 0, 1, ... as extra columns
+    (num_deepstack_levels is 0 for Qwen2-VL / Qwen2.5-VL; see GetModelInfoResponse).
     """
 
     def Encode(self, request, context):
-        """Encode every image of one request. With `targets`, the embeddings go to every target over ZMQ
-        (one epdserve.wire.messages.ImageEmbeddings message each) before the response, which then carries no tensors.
+        """Encode every image and video of one request. With `targets`, the embeddings go to every target over ZMQ
+        (one epdserve.wire.messages.ImageEmbeddings message each, the images' hashes then the videos' keys) before the
+        response, which then carries no tensors.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,7 +131,11 @@ def add_EncoderServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Encoder(object):
-    """The encoder stage: runs the vision tower of a Qwen2-VL / Qwen2.5-VL checkpoint with an embedding cache.
+    """The encoder stage: the vision tower of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint with an embedding cache.
+
+    An embedding (of an image or of a whole video) is one tensor [num_tokens, out_hidden_size * (1 +
+    num_deepstack_levels)]: the merged embedding first, then Qwen3-VL's DeepStack levels 0, 1, ... as extra columns
+    (num_deepstack_levels is 0 for Qwen2-VL / Qwen2.5-VL; see GetModelInfoResponse).
     """
 
     @staticmethod

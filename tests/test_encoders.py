@@ -403,6 +403,10 @@ def test_launch_passes_the_encoder_flags_its_config_mirrors():
     assert default.gpu_jpeg_decode and default.compile and default.cuda_graphs == LaunchConfig().encoder_cuda_graphs
     off = encoder_config(["--no-encoder-gpu-jpeg-decode", "--no-encoder-compile", "--encoder-cuda-graphs", "0"])
     assert not off.gpu_jpeg_decode and not off.compile and off.cuda_graphs == 0
+    assert (default.max_video_frames, default.max_video_duration_s) == (EncoderConfig().max_video_frames,
+                                                                         EncoderConfig().max_video_duration_s)
+    limits = encoder_config(["--max-video-frames", "12", "--max-video-duration-s", "7.5"])
+    assert limits.max_video_frames == 12 and limits.max_video_duration_s == 7.5
 
 
 def test_an_encoder_still_starting_is_not_reported_as_down(caplog):

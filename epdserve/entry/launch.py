@@ -49,7 +49,9 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
                                 "--port", addr.rsplit(":", 1)[1], "--metrics-port", str(metrics_ports[f"encoder{i}"]),
                                 "--cuda-graphs", str(cfg.encoder_cuda_graphs),
                                 "--compile" if cfg.encoder_compile else "--no-compile",
-                                "--gpu-jpeg-decode" if cfg.encoder_gpu_jpeg_decode else "--no-gpu-jpeg-decode"]
+                                "--gpu-jpeg-decode" if cfg.encoder_gpu_jpeg_decode else "--no-gpu-jpeg-decode",
+                                "--max-video-frames", str(cfg.max_video_frames),
+                                "--max-video-duration-s", repr(cfg.max_video_duration_s)]
                 for i, addr in enumerate(encoders)}
     commands |= {
         # --port 0: no HTTP front (that is for a PD router such as smg); the gateway speaks ZMQ to the stages.

@@ -60,11 +60,14 @@ class GrpcEncoderClient:
         """Wait until the channel connects. Raises ``TimeoutError`` after ``timeout_s`` seconds."""
         await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
 
-    async def encode(self, rid: str, images: list[bytes], targets: list[str]) -> list[EncodedImage]:
-        """See :class:`EncoderClient`."""
+    async def encode(self, rid: str, images: list[bytes], targets: list[str],
+                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]:
+        """See :class:`EncoderClient`. A video's unset ``fps`` / ``num_frames`` travel as proto3's 0 (unset)."""
         grpc = self._grpc
-        req = self._pb2.EncodeRequest(request_id=rid, images=[self._pb2.Image(data=b) for b in images],
-                                      targets=targets)
+        pb2 = self._pb2
+        req = pb2.EncodeRequest(request_id=rid, images=[pb2.Image(data=b) for b in images], targets=targets,
+                                videos=[pb2.Video(data=v.data, fps=v.fps or 0.0, num_frames=v.num_frames or 0)
+                                        for v in videos])
         try:
             resp = await self._stub.Encode(req)
         except grpc.aio.AioRpcError as e:
@@ -76,9 +79,10 @@ class GrpcEncoderClient:
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise StageError(f"encoder {self.addr} unavailable: {detail}", 503) from None
             raise StageError(f"encoder failed ({code.name}): {detail}", 500) from None
-        if len(resp.images) != len(images):
-            raise StageError(f"encoder returned {len(resp.images)} results for {len(images)} images", 500)
-        return [EncodedImage(r.image_hash, r.num_tokens, list(r.grid_thw)) for r in resp.images]
+        if len(resp.images) != len(images) or len(resp.videos) != len(videos):
+            raise StageError(f"encoder returned {len(resp.images)} results for {len(images)} images and "
+                             f"{len(resp.videos)} for {len(videos)} videos", 500)
+        return [EncodedImage(r.image_hash, r.num_tokens, list(r.grid_thw)) for r in (*resp.images, *resp.videos)]
 
     async def serving(self) -> bool:
         """True when the encoder's ``grpc.health.v1`` check says SERVING within 1 s; False otherwise."""

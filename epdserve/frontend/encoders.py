@@ -2,7 +2,9 @@
 hash picks.
 
 Routing is rendezvous (highest-random-weight) hashing (Thaler and Ravishankar, "A name-based mapping scheme for
-rendezvous", 1996): for an image with SHA-256 digest ``d``, every encoder ``e`` gets the score
+rendezvous", 1996): for an image with SHA-256 digest ``d`` (a video: the digest of its
+:func:`~epdserve.hashing.video_key`, so the same file sampled alike goes where its embeddings are cached), every
+encoder ``e`` gets the score
 ``blake2b(e.addr + NUL + d)`` and the image goes to the highest-scoring encoder that is up. A repeated image therefore
 always reaches the same encoder (and its embedding cache), and adding or removing an encoder moves only the
 images whose top choice it is.
@@ -24,9 +26,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from epdserve.hashing import sha256_all
+from epdserve.hashing import sha256_all, video_key
 from epdserve.frontend.media import run_cpu_bound
-from epdserve.frontend.prompt import EncodedImage
+from epdserve.frontend.prompt import EncodedImage, VideoInput
 from epdserve.frontend.errors import StageError
 from epdserve.frontend import logger
 
@@ -42,7 +44,8 @@ class PooledEncoder(Protocol):
 
     addr: str  # the rendezvous name: it must stay the same across gateway restarts
 
-    async def encode(self, rid: str, images: list[bytes], targets: list[str]) -> list[EncodedImage]: ...
+    async def encode(self, rid: str, images: list[bytes], targets: list[str],
+                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]: ...
 
     async def serving(self) -> bool:
         """True when the encoder answers its health check with SERVING (never raises)."""
@@ -80,6 +83,19 @@ def rendezvous_order(digest: bytes, names: Sequence[str]) -> list[int]:
 
 async def _false() -> bool:
     return False
+
+
+def _digests(images: list[bytes], videos: Sequence[VideoInput]) -> list[bytes]:
+    """The routing keys: each image's SHA-256 digest, then each video's key as bytes.
+
+    Raises:
+        StageError: 400 for a video whose key cannot be made (both fps and num_frames, or one not positive).
+    """
+    try:
+        keys = [bytes.fromhex(video_key(v.data, v.fps, v.num_frames)) for v in videos]
+    except ValueError as e:
+        raise StageError(f"bad video sampling: {e}", 400) from None
+    return sha256_all(images) + keys
 
 
 class EncoderPool:
@@ -170,20 +186,25 @@ class EncoderPool:
         if not any(map(connected, waits)):  # all are marked down and probed: one may still come
             raise TimeoutError(f"no encoder of {', '.join(self.names)} is reachable")
 
-    async def encode(self, rid: str, images: list[bytes], targets: list[str]) -> list[EncodedImage]:
-        """See :class:`~epdserve.frontend.encoder_client.EncoderClient`.
+    async def encode(self, rid: str, images: list[bytes], targets: list[str],
+                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]:
+        """See :class:`~epdserve.frontend.encoder_client.EncoderClient`. Each video is routed by its key as an
+        image is by its hash (same failover); one call per encoder carries its images and videos.
 
         Raises:
-            StageError: 503 when no encoder is up (or an image's retry also failed), else the first other error
-                an encoder raised (400, 413, 500).
+            StageError: 503 when no encoder is up (or an image's retry also failed), 400 for a video with both
+                ``fps`` and ``num_frames`` (or one not positive), else the first other error an encoder raised
+                (400, 413, 500).
         """
+        items: list[bytes | VideoInput] = [*images, *videos]
         if len(self.clients) == 1:
-            orders = [[0]] * len(images)
+            orders = [[0]] * len(items)
         else:
-            digests = await run_cpu_bound(sum(map(len, images)), sha256_all, images)
+            digests = await run_cpu_bound(sum(map(len, images)) + sum(len(v.data) for v in videos), _digests,
+                                          images, videos)
             orders = [rendezvous_order(d, self.names) for d in digests]
-        results: list[EncodedImage | None] = [None] * len(images)
-        todo = list(range(len(images)))
+        results: list[EncodedImage | None] = [None] * len(items)
+        todo = list(range(len(items)))
         for attempt in range(2):  # the first try, then one retry of a down encoder's images elsewhere
             groups: dict[int, list[int]] = {}
             for pos in todo:
@@ -191,16 +212,17 @@ class EncoderPool:
                 if enc is None:
                     raise StageError("encoder unavailable: every encoder is down", 503)
                 groups.setdefault(enc, []).append(pos)
-            failed = await self._encode_groups(rid, images, targets, groups, results)
+            failed = await self._encode_groups(rid, items, targets, groups, results)
             if not failed:
                 return results
             todo = sorted(failed)
             logger.info("rid=%s retrying %d images on other encoders", rid, len(todo))
         raise StageError("encoder unavailable: the retry failed too", 503)
 
-    async def _encode_groups(self, rid: str, images: list[bytes], targets: list[str], groups: dict[int, list[int]],
-                             results: list[EncodedImage | None]) -> list[int]:
-        """Run one ``encode`` per group concurrently and fill ``results``; return the positions of down encoders.
+    async def _encode_groups(self, rid: str, items: list[bytes | VideoInput], targets: list[str],
+                             groups: dict[int, list[int]], results: list[EncodedImage | None]) -> list[int]:
+        """Run one ``encode`` per group (positions in ``items``, images first, in order) concurrently and fill
+        ``results``; return the positions of down encoders.
 
         Raises:
             StageError: the first non-503 error, in encoder order, after every call has finished.
@@ -208,8 +230,13 @@ class EncoderPool:
         encs = list(groups)
         calls = []
         for e in encs:
-            logger.debug("rid=%s %d image(s) -> encoder %s", rid, len(groups[e]), self.names[e])
-            call = asyncio.ensure_future(self.clients[e].encode(rid, [images[p] for p in groups[e]], targets))
+            images = [items[p] for p in groups[e] if isinstance(items[p], bytes)]
+            videos = [items[p] for p in groups[e] if not isinstance(items[p], bytes)]
+            logger.debug("rid=%s %d image(s)%s -> encoder %s", rid, len(images),
+                         f", {len(videos)} video(s)" if videos else "", self.names[e])
+            # Without videos the plain call: an encoder client that predates videos still serves images.
+            args = (rid, images, targets, videos) if videos else (rid, images, targets)
+            call = asyncio.ensure_future(self.clients[e].encode(*args))
             self._calls[e].add(call)  # so that marking the encoder down cancels it
             call.add_done_callback(self._calls[e].discard)
             calls.append(call)
