@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import time
 
 import httpx
 import numpy as np
@@ -132,3 +133,234 @@ def test_prompt_ids_and_positions_equal_transformers(request, family, case, kwar
     pos, delta = mrope_positions(len(ids), [(s.offset, s.grid_thw, s.time_interval) for s in prompt.images],
                                  config.vision_config.spatial_merge_size)
     assert torch.equal(pos, want[:, 0]) and delta == int(want_delta)
+
+
+# ---------------------------------------------------------------- prefill and decode against transformers
+
+
+def video_rows(model, inputs) -> torch.Tensor:
+    """transformers' ``get_video_features`` rows of the prompt's videos as the encoder sends them: ``[N,
+    embed_width]``, Qwen3-VL's DeepStack levels as extra columns after the embedding (vLLM's layout)."""
+    def rows(x):
+        return x if torch.is_tensor(x) else torch.cat(list(x))
+
+    with torch.no_grad():
+        out = model.model.get_video_features(pixel_values_videos=inputs["pixel_values_videos"],
+                                             video_grid_thw=inputs["video_grid_thw"])
+    levels = [rows(level) for level in getattr(out, "deepstack_features", None) or []]
+    return torch.cat([rows(out.pooler_output), *levels], dim=-1)
+
+
+def hf_video_inputs(processor, messages, clip: bytes):
+    from epdserve.models.video_layout import frame_sampler
+    from epdserve.video import load_video
+
+    hf, _, _ = to_hf_messages(ChatCompletionRequest.model_validate({"model": "m", "messages": messages}).messages)
+    text = processor.apply_chat_template(hf, add_generation_prompt=True, tokenize=False)
+    frames, meta = load_video(clip, frame_sampler(processor.video_processor))
+    return processor(text=[text], videos=[frames], video_metadata=[meta], do_sample_frames=False,
+                     return_tensors="pt")
+
+
+@pytest.mark.parametrize("family,chunked", [("qwen2_5_vl", False), ("qwen3_vl", False), ("qwen3_vl", True)])
+def test_prefill_and_decode_equal_transformers_generate(request, family, chunked):
+    """The front's prompt and spans, prefilled by the prefill scheduler from transformers' own video rows (one
+    ``ImageEmbeddings`` under the video's key) and decoded by the decode scheduler: the first token's
+    log-probabilities and the greedy tokens equal transformers' forward and ``generate()``. ``chunked``: a chunk
+    boundary falls inside a later temporal patch of a Qwen3-VL video (rows from a nonzero ``embed_offset``)."""
+    from test_schedulers import _decode_sched, _decode_tokens
+
+    from epdserve.engine.model_runner import ModelRunner
+    from epdserve.prefill.scheduler import PrefillScheduler
+    from epdserve.wire.messages import DecodeRequest, ImageEmbeddings, PrefillRequest, SamplingParams
+
+    path, clip, steps, top = _path(request, family), make_clip(**CLIP), 6, 5
+    messages = conversation("one", [clip], None)
+    prompt, media, _ = front_prompt(path, messages, None)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    inputs = hf_video_inputs(AutoProcessor.from_pretrained(path), messages, clip)
+    assert prompt.input_ids == inputs["input_ids"][0].tolist()
+    spans, n = prompt.images, len(prompt.input_ids)
+    chunk = 0
+    if chunked:
+        later = next(s for s in spans if s.embed_offset > 0)
+        chunk = later.offset + later.length // 2  # the first boundary: inside the second temporal patch
+        assert len(spans) > 2 and chunk < n
+
+    def runner():
+        return ModelRunner(path, device=torch.device("cpu"), dtype=torch.float32, num_pages=128, page_size=4,
+                           attention_backend="sdpa")
+
+    prefill = PrefillScheduler(runner(), context_length=4096, max_prefill_tokens=8192, timeout_s=60,
+                               chunked_prefill_size=chunk)
+    dec = _decode_sched(runner())
+    sampling = SamplingParams(temperature=0, max_new_tokens=steps, logprobs=top)
+    _, reg = dec.add_request(DecodeRequest(rid="v", prompt_len=n, sampling=sampling, bootstrap_host="h",
+                                           bootstrap_port=1, bootstrap_room=3), peer=b"g")
+    prefill.add_request(PrefillRequest(rid="v", input_ids=prompt.input_ids, images=spans, sampling=sampling,
+                                       bootstrap_room=3))
+    rows = video_rows(model, inputs)
+    prefill.add_embeddings(ImageEmbeddings(rid="v", image_hashes=[media.videos[0].encoded.image_hash],
+                                           embeddings=[rows]))
+    prefill.register(reg)
+    forwards, sent = 0, []
+    while not sent and forwards < 50:
+        sent, forwards = prefill.step(), forwards + 1
+    ((_, transfer),) = sent
+    assert transfer.error is None
+    assert forwards >= (2 if chunked else 1)
+    dec.add_transfer(transfer)
+    tokens, _ = _decode_tokens(dec, 3)
+
+    with torch.no_grad():
+        want_lp = torch.log_softmax(model(**inputs).logits[0, -1], -1)
+        want = model.generate(**inputs, max_new_tokens=steps, do_sample=False)[0, n:].tolist()
+    got_ids = [int(t) for t, _ in transfer.first_logprob.top]
+    assert got_ids == want_lp.topk(top).indices.tolist()
+    torch.testing.assert_close(torch.tensor([lp for _, lp in transfer.first_logprob.top]), want_lp[got_ids],
+                               atol=1e-4, rtol=1e-4)
+    assert transfer.first_token_id == want[0] and tokens == want
+
+
+# ---------------------------------------------------------------- through the gateway app (fake stages)
+
+
+class VideoEncoder:
+    """test_gateway's fake encoder, also taking videos: each decoded and sized by transformers' video processor
+    (not by the front's plan, which its answer is checked against)."""
+
+    def __init__(self, processor):
+        from test_gateway import FakeEncoder
+
+        self.images = FakeEncoder(processor)
+        self.vp = processor.video_processor
+        self.videos: list[list] = []
+        self.extra_tokens = 0
+
+    async def encode(self, rid, images, targets, videos=()):
+        self.videos.append(list(videos))
+        out = await self.images.encode(rid, images, targets)
+        return out + [await asyncio.to_thread(self._video, v) for v in videos]
+
+    def _video(self, v):
+        from epdserve.frontend.errors import StageError
+        from epdserve.frontend.prompt import EncodedImage
+        from epdserve.models.video_layout import frame_sampler
+        from epdserve.video import VideoError, load_video
+
+        try:
+            frames, meta = load_video(v.data, frame_sampler(self.vp, v.fps, v.num_frames))
+        except VideoError as e:
+            raise StageError(str(e), 400) from None
+        grid = self.vp(videos=[frames], video_metadata=[meta], do_sample_frames=False,
+                       return_tensors="pt")["video_grid_thw"][0].tolist()
+        tokens = grid[0] * grid[1] * grid[2] // self.vp.merge_size**2 + self.extra_tokens
+        return EncodedImage(video_key(v.data, v.fps, v.num_frames), tokens, grid)
+
+    async def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def video_gateway(tiny_model_path):
+    """(base URL, prefill, decode, encoder) of a gateway on fake stages, videos limited to 8 frames and 5 s."""
+    from test_gateway import FakeStage, StageClient, running_gateway
+
+    from epdserve.config import GatewayConfig
+
+    prefill, decode_ = FakeStage("prefill"), FakeStage("decode")
+    config = GatewayConfig(model_path=tiny_model_path, prefill_addr=prefill.addr, decode_addr=decode_.addr,
+                           max_video_frames=8, max_video_duration_s=5.0)
+    encoder = VideoEncoder(AutoProcessor.from_pretrained(tiny_model_path))
+    try:
+        with running_gateway(config, StageClient(config, encoder=encoder)) as base:
+            yield base, prefill, decode_, encoder
+    finally:
+        prefill.stop()
+        decode_.stop()
+
+
+def _post(base, model, content, **kw):
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_completion_tokens": 3, **kw}
+    return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+
+
+def _video_part(data: bytes, mime: str = "video/mp4") -> dict:
+    return {"type": "video_url", "video_url": {"url": data_url(data, mime)}}
+
+
+def _prefill_requests(prefill):
+    from epdserve.wire.messages import PrefillRequest
+
+    return prefill.messages(PrefillRequest)
+
+
+def _good(base, model, prefill, encoder, photo: bytes):
+    """A photo + video request that must succeed; returns its PrefillRequest."""
+    clip = make_clip(**CLIP)
+    before = len(_prefill_requests(prefill))
+    r = _post(base, model, [{"type": "image_url", "image_url": {"url": data_url(photo, "image/jpeg")}},
+                            _video_part(clip), {"type": "text", "text": "and?"}], mm_processor_kwargs={"fps": 2})
+    assert r.status_code == 200, r.text
+    assert [v.data for v in encoder.videos[-1]] == [clip] and encoder.videos[-1][0].fps == 2.0
+    for _ in range(100):
+        if len(_prefill_requests(prefill)) > before:
+            break
+        time.sleep(0.05)
+    req = _prefill_requests(prefill)[-1]
+    assert {s.image_hash for s in req.images if s.video} == {video_key(clip, 2.0)}
+    return req
+
+
+def _audio_only() -> bytes:
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for packet in stream.encode(frame):
+            container.mux(packet)
+    return buf.getvalue()
+
+
+BAD = {  # name: (video part, mm_processor_kwargs, words the 400's message must have)
+    "corrupt": (lambda: _video_part(b"\x00\x00\x00\x18ftypmp42" + bytes(300)), None, "cannot read the video"),
+    "no_video_stream": (lambda: _video_part(_audio_only(), "application/octet-stream"), None, "no video stream"),
+    "too_many_frames": (lambda: _video_part(make_clip(**CLIP)), {"num_frames": 12}, "over the limit of 8"),
+    "too_long": (lambda: _video_part(make_clip(frames=60, fps=10)), {"fps": 0.5}, "over the limit of 5 s"),
+    "not_a_video_type": (lambda: _video_part(make_clip(**CLIP), "text/plain"), None, "expected video/*"),
+    "more_frames_than_the_clip": (lambda: _video_part(make_clip(**CLIP)), {"num_frames": 40}, "cannot sample"),
+    "both_kwargs": (lambda: _video_part(make_clip(**CLIP)), {"fps": 1, "num_frames": 4}, "not both"),
+    "unknown_kwarg": (lambda: _video_part(make_clip(**CLIP)), {"max_pixels": 1000}, "max_pixels"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_video_is_400_before_the_encoder_and_the_gateway_keeps_serving(video_gateway, tiny_model_path,
+                                                                             photo_paths, name):
+    base, prefill, _, encoder = video_gateway
+    part, kwargs, words = BAD[name]
+    calls = len(encoder.videos)
+    r = _post(base, tiny_model_path, [part(), {"type": "text", "text": "what?"}],
+              **({"mm_processor_kwargs": kwargs} if kwargs else {}))
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+    assert len(encoder.videos) == calls  # refused before any encoder saw it
+    _good(base, tiny_model_path, prefill, encoder, photo_paths["chelsea"].read_bytes())
+
+
+def test_video_request_spans_reach_prefill_and_a_wrong_encoder_count_is_500(video_gateway, tiny_model_path,
+                                                                            photo_paths):
+    base, prefill, _, encoder = video_gateway
+    req = _good(base, tiny_model_path, prefill, encoder, photo_paths["chelsea"].read_bytes())
+    kinds = [s.video for s in req.images]
+    assert kinds == [False, True]  # the photo, then the video's one span (Qwen2.5-VL)
+    video = req.images[1]
+    assert video.time_interval != 1.0 and video.embed_offset == 0
+    encoder.extra_tokens = 4  # an encoder serving another checkpoint
+    try:
+        r = _post(base, tiny_model_path, [_video_part(make_clip(**CLIP)), {"type": "text", "text": "?"}])
+        assert r.status_code == 500 and "the gateway expected" in r.json()["error"]["message"]
+    finally:
+        encoder.extra_tokens = 0
+    _good(base, tiny_model_path, prefill, encoder, photo_paths["chelsea"].read_bytes())
