@@ -364,3 +364,40 @@ def test_video_request_spans_reach_prefill_and_a_wrong_encoder_count_is_500(vide
     finally:
         encoder.extra_tokens = 0
     _good(base, tiny_model_path, prefill, encoder, photo_paths["chelsea"].read_bytes())
+
+
+def test_pd_fronts_build_the_same_video_prompt_and_only_prefill_encodes(tiny_model_path, photo_paths):
+    """The decode front (no encoder) lays a photo + video request out from the headers alone, exactly as the
+    prefill front does; the prefill front's encode passes the video (with its sampling) to its encoder."""
+    from types import SimpleNamespace
+
+    from epdserve.decode.http_front import DecodeFrontStages
+    from epdserve.frontend.chat import ChatService
+    from epdserve.prefill.http_front import PrefillFrontStages
+    from epdserve.wire.messages import ServerInfo
+
+    processor = AutoProcessor.from_pretrained(tiny_model_path)
+    encoder = VideoEncoder(processor)
+    info = ServerInfo(role="x", model_path="", context_length=4096, page_size=16, num_pages=64,
+                      embed_endpoints=["tcp://127.0.0.1:1"], bootstrap_host="127.0.0.1", bootstrap_port=2)
+    fronts = {"prefill": PrefillFrontStages(None, SimpleNamespace(info=info), encoder=encoder),
+              "decode": DecodeFrontStages(None, SimpleNamespace(info=info))}
+    clip, photo = make_clip(**CLIP), photo_paths["coffee"].read_bytes()
+    req = ChatCompletionRequest.model_validate({"model": "m", "mm_processor_kwargs": {"num_frames": 4}, "messages": [
+        {"role": "user", "content": [_video_part(clip), {"type": "text", "text": "and"},
+                                     {"type": "image_url", "image_url": {"url": data_url(photo, "image/jpeg")}}]}]})
+    builder = PromptBuilder.from_pretrained(tiny_model_path)
+
+    async def prepare(stages):
+        chat = ChatService(stages, builder, "m", MediaPolicy(max_bytes=10**8))
+        try:
+            return await chat.prepare("r", req)
+        finally:
+            chat.close()
+
+    prepared = {role: asyncio.run(prepare(stages)) for role, stages in fronts.items()}
+    assert prepared["prefill"].prompt.input_ids == prepared["decode"].prompt.input_ids
+    assert prepared["prefill"].prompt.images == prepared["decode"].prompt.images
+    assert [s.video for s in prepared["decode"].prompt.images] == [True, False]  # prompt order: video, photo
+    (sent,) = encoder.videos
+    assert [(v.data, v.fps, v.num_frames) for v in sent] == [(clip, None, 4)]
