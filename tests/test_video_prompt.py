@@ -401,3 +401,30 @@ def test_pd_fronts_build_the_same_video_prompt_and_only_prefill_encodes(tiny_mod
     assert [s.video for s in prepared["decode"].prompt.images] == [True, False]  # prompt order: video, photo
     (sent,) = encoder.videos
     assert [(v.data, v.fps, v.num_frames) for v in sent] == [(clip, None, 4)]
+
+
+def test_mm_sources_name_the_absolute_rows_tp_followers_slice(qwen3_vl_path):
+    """A chunk starting inside a later temporal patch of a Qwen3-VL video: ``prefill_batch`` takes that patch's
+    rows from its ``embed_offset``, and its ``mm_sources`` let a TP follower gather exactly those rows from its own
+    copy (``TPFollower.handle``: ``embeds[rid][hash][start:end]``)."""
+    from epdserve.kvcache.page_pool import PagePool
+    from epdserve.prefill.records import PrefillRecord, RecordState, prefill_batch
+    from epdserve.wire.messages import PrefillRequest, SamplingParams
+
+    messages = conversation("one", [make_clip(**CLIP)], None)
+    prompt, media, _ = front_prompt(qwen3_vl_path, messages, None)
+    key, n = media.videos[0].encoded.image_hash, len(prompt.input_ids)
+    rows = torch.randn(media.videos[0].encoded.num_tokens, 8)
+    pool = PagePool(64, 4)
+    rec = PrefillRecord(rid="r", room=1, state=RecordState.RUNNING, deadline=0.0, embeds={key: rows},
+                        msg=PrefillRequest(rid="r", input_ids=prompt.input_ids, images=prompt.images,
+                                           sampling=SamplingParams(), bootstrap_room=1),
+                        pages=pool.alloc(pool.pages_for(n)))
+    rec.positions = torch.zeros(3, n, dtype=torch.int64)
+    second = prompt.images[1]
+    start = second.offset + 3
+    batch = prefill_batch([rec], [(start, n)], pool)
+    follower = torch.cat([{"r": {key: rows}}[rid][h][s:e] for rid, h, s, e in batch.mm_sources])
+    assert torch.equal(batch.mm_embeds, follower)
+    assert batch.mm_embeds.shape[0] == int(batch.mm_mask.sum()) == rows.shape[0] - second.embed_offset - 3
+    assert torch.equal(batch.mm_embeds[0], rows[second.embed_offset + 3])
