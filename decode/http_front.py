@@ -1,5 +1,6 @@
 """The decode server's HTTP front (``epdserve.frontend.pd``), a child process of the server: image token counts
-come from the image sizes (``ChatService``'s image slots; no encoder here, the prefill leg's server encodes), and
+come from the image sizes and video layouts from the video metadata (``ChatService``'s image and video slots; no
+encoder here, the prefill leg's server encodes), and
 the request goes to the scheduler as a ``DecodeRequest`` with the router's bootstrap fields; its token outputs
 stream back like the gateway's.
 
@@ -9,12 +10,13 @@ stream back like the gateway's.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from epdserve.config import DecodeConfig
 from epdserve.frontend.errors import StageError
 from epdserve.frontend.pd import SchedulerStages, run_front
-from epdserve.frontend.prompt import EncodedImage
+from epdserve.frontend.prompt import EncodedImage, VideoInput
 from epdserve.wire.messages import DecodeRequest, PrefillRequest
 
 
@@ -33,13 +35,14 @@ class DecodeFrontStages(SchedulerStages):
         """Extra ``/get_server_info`` fields: the decode batch limit (what smg's PD admission reads)."""
         return {"max_running_requests": self.config.max_running_requests}
 
-    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None) -> list[EncodedImage]:
+    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None,
+                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]:
         """Not available here (``encodes`` is False).
 
         Raises:
             StageError: 400, always.
         """
-        raise StageError("the decode server takes no images to encode", 400)
+        raise StageError("the decode server takes no images or videos to encode", 400)
 
     def leg(self, prefill_req: PrefillRequest, decode_req: DecodeRequest) -> DecodeRequest:
         """The decode leg: the ``DecodeRequest``."""

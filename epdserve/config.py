@@ -131,6 +131,11 @@ class GatewayConfig:
     decode_addr: str = _f("tcp://127.0.0.1:30002", "decode server ZMQ endpoint")
     api_key: str = _f("", "require 'Authorization: Bearer KEY' when set")
     max_image_bytes: int = _f(20 * 1024 * 1024, "largest image accepted, in bytes (after base64 decoding)")
+    max_video_bytes: int = _f(250 * 1024 * 1024, "largest video accepted, in bytes (after base64 decoding; under "
+                                                 "the encoder's 256 MiB gRPC message)")
+    max_video_frames: int = _f(768, "most frames sampled from one video (after fps/num_frames sampling); a request "
+                                    "over it gets 400")
+    max_video_duration_s: float = _f(600.0, "longest video accepted, in seconds of playback; longer ones get 400")
     allow_remote_images: bool = _f(False, "allow http(s) image URLs (fetched by the gateway)")
     allowed_local_media_path: str = _f("", "allow file:// image URLs under this directory")
     max_tokens_default: int = _f(0, "max completion tokens when the request gives none; 0 = up to the context")
@@ -157,6 +162,9 @@ class LaunchConfig:
     page_size: int = _like(LMServerConfig, "page_size")
     num_pages: int = _like(LMServerConfig, "num_pages", "KV pages per pool (prefill and decode each); 0 = automatic")
     api_key: str = _like(GatewayConfig, "api_key")
+    max_video_bytes: int = _like(GatewayConfig, "max_video_bytes")
+    max_video_frames: int = _like(GatewayConfig, "max_video_frames")
+    max_video_duration_s: float = _like(GatewayConfig, "max_video_duration_s")
     num_encoders: int = _f(1, "encoder processes to start; the gateway routes each image to one by content hash")
     prefill_tp: int = _f(1, "tensor-parallel ranks of the prefill server (one GPU each)")
     decode_tp: int = _f(1, "tensor-parallel ranks of the decode server (one GPU each)")

@@ -12,6 +12,7 @@ from epdserve.config import GatewayConfig
 from epdserve.frontend.admission import Admission
 from epdserve.frontend.chat import ChatService
 from epdserve.frontend.media import MediaPolicy
+from epdserve.video import VideoLimits
 from epdserve.frontend.observability import RequestIds
 from epdserve.frontend.prompt import PromptBuilder
 from epdserve.gateway.stages import GatewayStages
@@ -62,9 +63,11 @@ class Gateway:
             if self.config.allow_remote_images:
                 self._http = httpx.AsyncClient(follow_redirects=True)
             media = MediaPolicy(max_bytes=self.config.max_image_bytes, allow_remote=self.config.allow_remote_images,
-                                local_root=self.config.allowed_local_media_path)
+                                local_root=self.config.allowed_local_media_path,
+                                max_video_bytes=self.config.max_video_bytes)
+            limits = VideoLimits(self.config.max_video_frames, self.config.max_video_duration_s)
             self.chat = ChatService(self.stages, builder, self.model_name, media, self.config.max_tokens_default,
-                                    self._http, self.metrics)
+                                    self._http, self.metrics, limits)
         except Exception as e:
             self.startup_error = e
             logger.error("gateway startup failed: %s", e)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import zmq.asyncio
@@ -20,8 +20,9 @@ from epdserve.config import GatewayConfig
 from epdserve.frontend.encoder_client import EncoderClient, GrpcEncoderClient
 from epdserve.frontend.encoders import EncoderPool, parse_encoder_addrs
 from epdserve.frontend.errors import StageError
-from epdserve.frontend.prompt import EncodedImage
+from epdserve.frontend.prompt import EncodedImage, VideoInput
 from epdserve.frontend.scheduler_client import OutputRoute, SchedulerClient
+from epdserve.frontend.video_slots import encoder_videos
 from epdserve.gateway.liveness import StageLiveness
 from epdserve.wire.messages import DecodeRequest, PrefillRequest, ServerInfo, TokenOutput
 
@@ -159,8 +160,9 @@ class GatewayStages:
         else:
             self.decode_info = info
 
-    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None) -> list[EncodedImage]:
-        """Encode ``images`` for ``rid``; the embeddings go straight to every prefill TP rank.
+    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None,
+                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]:
+        """Encode ``images`` and ``videos`` for ``rid``; the embeddings go straight to every prefill TP rank.
 
         Args:
             deadline: ``time.monotonic()`` value after which the encode is cancelled (None: no deadline).
@@ -172,7 +174,8 @@ class GatewayStages:
         if (why := self.unavailable()) is not None:
             raise StageError(why, 503)
         prefill_down = self.liveness["prefill"].went_down() if "prefill" in self.liveness else None
-        work = asyncio.ensure_future(self.encoder.encode(rid, images, list(self.prefill_info.embed_endpoints)))
+        work = asyncio.ensure_future(self.encoder.encode(rid, images, list(self.prefill_info.embed_endpoints),
+                                                         **encoder_videos(videos)))
         waits = {work} if prefill_down is None else {work, prefill_down}
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:

@@ -1,5 +1,5 @@
-"""The prefill server's HTTP front (``epdserve.frontend.pd``), a child process of the server: images go to the
-encoders of ``--encoder-urls`` (content-hash routing and failover, ``EncoderPool``) with this server's TP-rank
+"""The prefill server's HTTP front (``epdserve.frontend.pd``), a child process of the server: images and videos go
+to the encoders of ``--encoder-urls`` (content-hash routing and failover, ``EncoderPool``) with this server's TP-rank
 embedding endpoints as targets, and the prompt goes to the scheduler as ``PrefillRequest(reply=True)``; the
 scheduler's one reply (first token or error) ends the leg.
 
@@ -9,6 +9,7 @@ scheduler's one reply (first token or error) ends the leg.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from epdserve.config import PrefillConfig
@@ -16,8 +17,9 @@ from epdserve.frontend.encoder_client import EncoderClient, GrpcEncoderClient
 from epdserve.frontend.encoders import EncoderPool, parse_encoder_addrs
 from epdserve.frontend.errors import StageError
 from epdserve.frontend.pd import SchedulerStages, run_front
-from epdserve.frontend.prompt import EncodedImage
+from epdserve.frontend.prompt import EncodedImage, VideoInput
 from epdserve.frontend.scheduler_client import SchedulerClient
+from epdserve.frontend.video_slots import encoder_videos
 from epdserve.wire.messages import DecodeRequest, PrefillRequest
 
 
@@ -60,15 +62,17 @@ class PrefillFrontStages(SchedulerStages):
             self.encoder = pool
             pool.start(600.0)
 
-    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None) -> list[EncodedImage]:
-        """Encode ``images``; the embeddings go to every TP rank of this server.
+    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None,
+                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]:
+        """Encode ``images`` and ``videos``; the embeddings go to every TP rank of this server.
 
         Raises:
             StageError: 400 when no ``--encoder-urls`` were given; else the encoder's (see ``EncoderClient``).
         """
         if self.encoder is None:
-            raise StageError("this prefill server has no --encoder-urls, so it cannot take images", 400)
-        return await self.encoder.encode(rid, images, list(self.scheduler.info.embed_endpoints))
+            raise StageError("this prefill server has no --encoder-urls, so it cannot take images or videos", 400)
+        return await self.encoder.encode(rid, images, list(self.scheduler.info.embed_endpoints),
+                                         **encoder_videos(videos))
 
     def leg(self, prefill_req: PrefillRequest, decode_req: DecodeRequest) -> PrefillRequest:
         """The prefill leg: the ``PrefillRequest``."""

@@ -55,7 +55,8 @@ class PrefillRecord:
 
 def prefill_batch(reqs: list[PrefillRecord], chunks: list[tuple[int, int]], pool: PagePool) -> ForwardBatch:
     """The forward batch computing tokens ``[s, e)`` of each request's prompt (``chunks``, one per request of
-    ``reqs``), its image tokens taken from the request's embeddings. Built on the host: the runner moves what it
+    ``reqs``), its image and video tokens taken from the request's embeddings (a span's token ``offset + i`` is row
+    ``embed_offset + i`` of its item's embedding). Built on the host: the runner moves what it
     needs (a CUDA graph takes it in one pinned copy).
 
     Raises:
@@ -72,8 +73,11 @@ def prefill_batch(reqs: list[PrefillRecord], chunks: list[tuple[int, int]], pool
             a, b = max(s, span.offset), min(e, span.offset + span.length)
             if a < b:
                 m[a - s:b - s] = True
-                mm.append(got[span.image_hash][a - span.offset:b - span.offset])
-                sources.append((req.msg.rid, span.image_hash, a - span.offset, b - span.offset))
+                # Rows of the whole image's or video's embedding: a video span starts at its embed_offset. TP
+                # followers slice their own copy by these same absolute rows.
+                lo, hi = span.embed_offset + a - span.offset, span.embed_offset + b - span.offset
+                mm.append(got[span.image_hash][lo:hi])
+                sources.append((req.msg.rid, span.image_hash, lo, hi))
         mask.append(m)
     return ForwardBatch(
         is_decode=False,

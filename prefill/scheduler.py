@@ -277,11 +277,13 @@ class PrefillScheduler:
         if n >= self.context_length:
             return f"prompt of {n} tokens does not fit the context length {self.context_length}"
         for span in msg.images:
-            ids = msg.input_ids[span.offset:span.offset + span.length]
-            t, h, w = span.grid_thw
-            m = self.cfg.spatial_merge_size
-            if span.offset < 0 or len(ids) != span.length or any(i != self.cfg.image_token_id for i in ids):
-                return f"image span {span.offset}+{span.length} does not cover image tokens"
+            ids, (t, h, w) = msg.input_ids[span.offset:span.offset + span.length], span.grid_thw
+            m, kind = self.cfg.spatial_merge_size, "video" if span.video else "image"
+            token = self.cfg.video_token_id if span.video else self.cfg.image_token_id
+            if span.offset < 0 or len(ids) != span.length or any(i != token for i in ids):
+                return f"{kind} span {span.offset}+{span.length} does not cover {kind} tokens"
+            if span.embed_offset and not span.video:
+                return "an image span with an embedding offset"
             if t * h * w != span.length * m * m:
                 return f"image grid {span.grid_thw} does not give {span.length} tokens"
         if any(not 0 <= i < self.cfg.vocab_size for i in msg.input_ids):
@@ -319,11 +321,16 @@ class PrefillScheduler:
             log.debug("rid=%s admitted (%d of %d tokens cached)", rid, req.cached, req.n)
 
     def _check_embeds(self, req: _Req) -> str | None:
+        # One embedding per image or video, [rows, embed_width]; a video's spans (a Qwen3-VL one's per temporal
+        # patch) take rows embed_offset .. embed_offset + length of it, together all of them.
+        rows: dict[str, int] = {}
         for span in req.msg.images:
-            emb = req.embeds[span.image_hash]
-            if emb.dim() != 2 or emb.shape != (span.length, self.cfg.embed_width):
-                return f"embedding of image {span.image_hash[:12]} has shape {tuple(emb.shape)}, " \
-                       f"expected ({span.length}, {self.cfg.embed_width})"
+            rows[span.image_hash] = max(rows.get(span.image_hash, 0), span.embed_offset + span.length)
+        for key, n in rows.items():
+            emb = req.embeds[key]
+            if emb.dim() != 2 or emb.shape != (n, self.cfg.embed_width):
+                return f"embedding of image or video {key[:12]} has shape {tuple(emb.shape)}, " \
+                       f"expected ({n}, {self.cfg.embed_width})"
         return None
 
     def _allocate(self, req: _Req) -> bool:
@@ -333,7 +340,7 @@ class PrefillScheduler:
             for span in msg.images:
                 req.key[span.offset:span.offset + span.length] = [image_pad_id(span.image_hash)] * span.length
             req.positions, req.mrope_delta = mrope_positions(
-                req.n, [(s.offset, s.grid_thw) for s in msg.images], self.cfg.spatial_merge_size)
+                req.n, [(s.offset, s.grid_thw, s.time_interval) for s in msg.images], self.cfg.spatial_merge_size)
         # At least one token must be computed to get logits, so never match the whole prompt.
         match = self.radix.match_prefix(req.key[:((req.n - 1) // ps) * ps])
         need = self.pool.pages_for(req.n) - len(match.pages)

@@ -257,7 +257,7 @@ def test_prompt_ids_match_hf_processor(names, processor, builder, photo_paths):
     content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}} for _ in names]
     content.append({"type": "text", "text": "Describe this image."})
     messages = [ChatMessage.model_validate({"role": "user", "content": content})]
-    hf, urls = to_hf_messages(messages)
+    hf, urls, _ = to_hf_messages(messages)
     assert len(urls) == len(names)
     prompt = builder.build(hf, [_encoded(processor, im) for im in images])
 
@@ -283,7 +283,7 @@ def test_prompt_multi_turn_matches_hf_processor(processor, builder, photo_paths)
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}},
                                      {"type": "text", "text": "And this one?"}]},
     ]]
-    hf, _ = to_hf_messages(messages)
+    hf, _, _ = to_hf_messages(messages)
     prompt = builder.build(hf, [_encoded(processor, im) for im in images])
     text = processor.apply_chat_template(hf, add_generation_prompt=True, tokenize=False)
     assert prompt.input_ids == list(processor(text=[text], images=images)["input_ids"][0])
@@ -296,7 +296,7 @@ def test_to_hf_messages():
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": "data:x"}]},
         {"role": "assistant", "content": None},
     ]]
-    hf, urls = to_hf_messages(messages)
+    hf, urls, _ = to_hf_messages(messages)
     assert hf == [{"role": "system", "content": "sys"},
                   {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}]},
                   {"role": "assistant", "content": ""}]

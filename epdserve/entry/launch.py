@@ -65,7 +65,9 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
         "gateway": [*exe, "gateway", "--model-path", model_path, "--served-model-name", cfg.served_model_name,
                     "--host", cfg.host, "--port", str(cfg.port), "--encoder-addr", ",".join(encoders),
                     "--prefill-addr", f"tcp://{_LOCAL}:{pre}", "--decode-addr", f"tcp://{_LOCAL}:{dec}",
-                    "--api-key", cfg.api_key],
+                    "--api-key", cfg.api_key, "--max-video-bytes", str(cfg.max_video_bytes),
+                    "--max-video-frames", str(cfg.max_video_frames),
+                    "--max-video-duration-s", str(cfg.max_video_duration_s)],
     }
     gateway_host = _LOCAL if cfg.host in ("0.0.0.0", "::") else cfg.host
     metrics = {"gateway": f"http://{gateway_host}:{cfg.port}/metrics"}

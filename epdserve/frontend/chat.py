@@ -22,8 +22,9 @@ import httpx
 from epdserve.frontend.detokenizer import IncrementalDetokenizer, special_ids
 from epdserve.frontend.logprobs import TokenBytes, logprob_content
 from epdserve.frontend.image_slots import image_slots
-from epdserve.frontend.media import MediaError, MediaPolicy, load_image, run_cpu_bound
-from epdserve.frontend.prompt import EncodedImage, Prompt, PromptBuilder, PromptError, to_hf_messages
+from epdserve.frontend.media import MediaPolicy, run_cpu_bound
+from epdserve.frontend.prompt import EncodedImage, Prompt, PromptBuilder, PromptError, VideoInput, to_hf_messages
+from epdserve.frontend.request_media import check_encoded, fetch_media
 from epdserve.frontend.errors import APIError, GenerationFailed, StageError
 from epdserve.frontend.protocol import (
     AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChoiceLogprobs,
@@ -32,6 +33,7 @@ from epdserve.frontend.protocol import (
 from epdserve.frontend.stages import Stages
 from epdserve.wire.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenLogprob, TokenOutput
 from epdserve.metrics import GatewayMetrics, RequestTrace
+from epdserve.video import VideoLimits
 from epdserve.frontend import logger
 
 
@@ -57,14 +59,16 @@ class ChatService:
         stages: started (or starting) :class:`~epdserve.frontend.stages.Stages`.
         builder: the prompt builder; its calls are serialized on one worker thread (see :class:`PromptBuilder`).
         model_name: the served model name put in responses.
-        media: image URL policy.
+        media: image and video URL policy.
         max_tokens_default: completion budget when the request gives none (0 = up to the context length).
         metrics: the gateway's metrics (a fresh one by default).
+        video_limits: bounds of a request's videos (duration, sampled frames).
     """
 
     def __init__(self, stages: Stages, builder: PromptBuilder, model_name: str, media: MediaPolicy,
                  max_tokens_default: int = 0, http: httpx.AsyncClient | None = None,
-                 metrics: GatewayMetrics | None = None):
+                 metrics: GatewayMetrics | None = None, video_limits: VideoLimits = VideoLimits()):
+        self.video_limits = video_limits
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.stages = stages
         self.builder = builder
@@ -84,38 +88,38 @@ class ChatService:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def prepare(self, rid: str, req: ChatCompletionRequest, deadline: float | None = None) -> PreparedChat:
-        """Fetch and encode images, build the prompt, check lengths and build the stage requests; an image request
-        is sent to the stages before the encoder answers where they take it so (``stages.sends_before_encoded``),
-        and the encoder's answer is checked against the image slots.
+        """Fetch and encode images and videos, build the prompt, check lengths and build the stage requests; an
+        image or video request is sent to the stages before the encoder answers where they take it so
+        (``stages.sends_before_encoded``), and the encoder's answer is checked against the image and video slots.
+        A video is planned from its metadata (:mod:`epdserve.frontend.video_slots`) before any encoder sees it.
 
         Args:
             deadline: ``time.monotonic()`` value after which the request ends with 504 (None: none); it is kept in
                 the result for :meth:`complete` and :meth:`stream`.
 
         Raises:
-            APIError: 400/413 for bad images or prompts, the encoder's status for encoder failures, 500 when the
-                encoder counts an image's tokens differently, 503 when the stages are not ready or a stage goes
-                down, 504 past ``deadline``. The stages have dropped the request whenever this raises.
+            APIError: 400/413 for bad images, videos or prompts, the encoder's status for encoder failures, 500
+                when the encoder counts an image's or video's tokens differently, 503 when the stages are not ready
+                or a stage goes down, 504 past ``deadline``. The stages have dropped the request whenever this raises.
         """
         bias = self._logit_bias(req.logit_bias)  # before any image goes to an encoder
         trace = self.metrics.trace()
-        hf_messages, urls = to_hf_messages(req.messages)
-        logger.debug("rid=%s received (%d images)", rid, len(urls))
-        try:
-            images = list(await asyncio.gather(*(load_image(u, self.media, self.http) for u in urls)))
-        except MediaError as e:
-            raise APIError(e.status, e.message, param="messages") from None
+        hf_messages, urls, video_urls = to_hf_messages(req.messages)
+        logger.debug("rid=%s received (%d images, %d videos)", rid, len(urls), len(video_urls))
+        media = await fetch_media(urls, video_urls, req.mm_processor_kwargs, self.media, self.http,
+                                  self.builder.processor, self.video_limits)
+        images, videos = media.images, media.videos
         # The chat template and the text's tokens do not depend on the images: they run while the encoder works.
         pieces = asyncio.get_running_loop().run_in_executor(self._executor, self.builder.tokenize_template,
-                                                            hf_messages)
-        encoding = (asyncio.ensure_future(self._encode(trace, rid, images, deadline))
-                    if images and self.stages.encodes else None)
+                                                            hf_messages, [v.placeholder for v in videos])
+        encoding = (asyncio.ensure_future(self._encode(trace, rid, images, [v.input for v in videos], deadline))
+                    if (images or videos) and self.stages.encodes else None)
         try:
             # Each image's hash, token count and grid follow from its bytes and header, as the encoder's processor
             # computes them: the prompt is built and sent to prefill and decode while the encoder still works, so
             # prefill starts when the embeddings land instead of after a round trip through this gateway.
             slots = [await run_cpu_bound(len(b), image_slots, self._image_processor, b) for b in images]
-            prompt = self.builder.splice(await pieces, slots)
+            prompt = self.builder.splice(await pieces, slots, videos)
             max_new = self._max_new_tokens(req.requested_max_tokens(), len(prompt.input_ids), "messages",
                                            "max_completion_tokens")
             sampling = self._sampling(req, max_new, bias)
@@ -123,7 +127,7 @@ class ChatService:
             if encoding is not None:
                 if self.stages.sends_before_encoded:
                     self.stages.send(prefill, decode)
-                _check_encoded(await encoding, slots)
+                check_encoded(await encoding, slots + [v.encoded for v in videos])
                 logger.debug("rid=%s encoder answered", rid)
         except BaseException as e:
             pieces.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
@@ -138,15 +142,15 @@ class ChatService:
             if isinstance(e, PromptError):
                 raise APIError(400, str(e), param="messages") from None
             raise
-        logger.debug("rid=%s prompt_tokens=%d images=%d max_new_tokens=%d", rid, len(prompt.input_ids),
-                     len(images), max_new)
+        logger.debug("rid=%s prompt_tokens=%d images=%d videos=%d max_new_tokens=%d", rid, len(prompt.input_ids),
+                     len(images), len(videos), max_new)
         return PreparedChat(rid, req, prompt, prefill, decode, trace, deadline)
 
-    async def _encode(self, trace: RequestTrace, rid: str, images: list[bytes],
+    async def _encode(self, trace: RequestTrace, rid: str, images: list[bytes], videos: list[VideoInput],
                       deadline: float | None) -> list[EncodedImage]:
         # A coroutine of its own, so the encoder call is only created once the task runs: a request that fails
         # (and cancels the task) before then leaves no never-awaited coroutine behind.
-        return await trace.encode(self.stages.encode(rid, images, deadline))
+        return await trace.encode(self.stages.encode(rid, images, deadline, videos))
 
     @staticmethod
     def _sampling(req: ChatCompletionRequest, max_new: int, bias: list[list]) -> SamplingParams:
@@ -388,17 +392,6 @@ class ChatService:
         are authoritative; ours are the fallback when a stage leaves them at 0."""
         return Usage.of(final.prompt_tokens or len(chat.prompt.input_ids), final.completion_tokens or n_tokens,
                         final.cached_tokens)
-
-
-def _check_encoded(encoded: list[EncodedImage], expected: list[EncodedImage]) -> None:
-    """Raise StageError 500 unless the encoder reported each image as the gateway predicted it (same hash, token
-    count and grid): the prompt sent ahead of the embeddings was built from the prediction."""
-    for i, (got, want) in enumerate(zip(encoded, expected)):
-        if got != want:
-            raise StageError(f"the encoder reported image {i} as {got.num_tokens} tokens of grid {got.grid_thw} "
-                             f"(hash {got.image_hash[:12]}), the gateway expected {want.num_tokens} tokens of grid "
-                             f"{want.grid_thw} (hash {want.image_hash[:12]}): are the encoder and the gateway "
-                             "serving the same checkpoint?", 500)
 
 
 def _detokenize(detok: IncrementalDetokenizer, out: TokenOutput) -> tuple[str, TokenOutput]:

@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -50,7 +50,7 @@ from epdserve.frontend.media import MediaPolicy
 from epdserve.frontend.native import native_router
 from epdserve.frontend.openai import openai_router
 from epdserve.frontend.process import die_with_parent
-from epdserve.frontend.prompt import EncodedImage, PromptBuilder
+from epdserve.frontend.prompt import EncodedImage, PromptBuilder, VideoInput
 from epdserve.frontend.scheduler_client import SchedulerClient
 from epdserve.frontend.serving import Call, RequestPath
 from epdserve.wire.messages import DecodeRequest, Load, PrefillRequest, TokenOutput, input_ids_digest
@@ -149,7 +149,8 @@ class SchedulerStages(abc.ABC):
         """See ``Stages.bootstrap``."""
 
     @abc.abstractmethod
-    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None) -> list[EncodedImage]:
+    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None,
+                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]:
         """See ``Stages.encode``."""
 
     @abc.abstractmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 def _is_none(value: object) -> bool:
@@ -60,7 +60,41 @@ class ImagePart(BaseModel):
         return {"url": v} if isinstance(v, str) else v
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(BaseModel):
+    """``{"url": ...}`` of a ``video_url`` part (vLLM's and SGLang's name): a ``data:video/...;base64`` URL, or
+    ``http(s)://`` / ``file://`` where the server allows them."""
+
+    url: str
+
+
+class VideoPart(BaseModel):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+    @field_validator("video_url", mode="before")
+    @classmethod
+    def _bare_url(cls, v):
+        return {"url": v} if isinstance(v, str) else v
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+
+
+class MMProcessorKwargs(BaseModel):
+    """A request's ``mm_processor_kwargs`` (vLLM's name): how its videos are sampled, at ``fps`` frames per second
+    of playback or as ``num_frames`` frames spread over the clip (the video processor's ``sample_frames``); neither:
+    the checkpoint's default (:func:`epdserve.models.video_layout.frame_sampler`). Any other key is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fps: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    num_frames: int | None = Field(default=None, ge=1, le=_INT64_MAX)
+
+    @model_validator(mode="after")
+    def _one_sampling(self) -> MMProcessorKwargs:
+        if self.fps is not None and self.num_frames is not None:
+            raise ValueError("give fps or num_frames, not both")
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -107,6 +141,7 @@ class ChatCompletionRequest(BaseModel):
     logit_bias: _LogitBias = None
     response_format: dict | None = None
     tools: list | None = None
+    mm_processor_kwargs: MMProcessorKwargs | None = None
 
     def unsupported(self) -> str | None:
         """A message naming the first requested feature the gateway does not implement (or a field that needs

@@ -7,10 +7,10 @@ prefill front's (``prefill/http_front.py``: encoders, and its own scheduler) and
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from epdserve.frontend.prompt import EncodedImage
+from epdserve.frontend.prompt import EncodedImage, VideoInput
 from epdserve.wire.messages import DecodeRequest, PrefillRequest, TokenOutput
 
 
@@ -21,9 +21,9 @@ class Stages(Protocol):
     :meth:`generate`, and its :class:`~epdserve.frontend.lifetime.RequestLifetime` ends it with :meth:`release`.
 
     Attributes:
-        encodes: whether images go to an encoder through :meth:`encode`. False: this side needs only the image
-            slots (which :class:`~epdserve.frontend.chat.ChatService` computes from the image headers), as on a
-            decode front, whose prefill peer encodes.
+        encodes: whether images and videos go to an encoder through :meth:`encode`. False: this side needs only
+            the image and video slots (which :class:`~epdserve.frontend.chat.ChatService` computes from the file
+            headers), as on a decode front, whose prefill peer encodes.
         sends_before_encoded: whether an image request is sent as soon as its prompt exists, before the encoder
             answers (the gateway: prefill holds it until the embeddings land). False: it goes out in
             :meth:`generate` (a PD front binds the router's bootstrap fields after preparing).
@@ -52,11 +52,14 @@ class Stages(Protocol):
         """Why not every kind of request can be served now (``GET /health``'s 503 reason), or None."""
         ...
 
-    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None) -> list[EncodedImage]:
-        """Encode ``images`` (image file bytes) for ``rid``; the embeddings go to the prefill server's TP ranks.
+    async def encode(self, rid: str, images: list[bytes], deadline: float | None = None,
+                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]:
+        """Encode ``images`` (image file bytes) and ``videos`` for ``rid``; the embeddings go to the prefill
+        server's TP ranks. One :class:`EncodedImage` per image, then per video (see
+        :class:`~epdserve.frontend.encoder_client.EncoderClient`).
 
         Raises:
-            StageError: 400 for an image the encoder rejects (or a side that takes no images), 413 for one too
+            StageError: 400 for an image or video the encoder rejects (or a side that takes none), 413 for one too
                 large, 503 when no encoder (or the prefill server) is up, 504 past ``deadline``
                 (``time.monotonic()`` value), 500 otherwise.
         """
