@@ -163,6 +163,7 @@ class LaunchConfig:
     num_pages: int = _like(LMServerConfig, "num_pages", "KV pages per pool (prefill and decode each); 0 = automatic")
     api_key: str = _like(GatewayConfig, "api_key")
     max_video_bytes: int = _like(GatewayConfig, "max_video_bytes")
+    # One pair of video limits for the gateway (400 before encoding) and every encoder (its own check).
     max_video_frames: int = _like(GatewayConfig, "max_video_frames")
     max_video_duration_s: float = _like(GatewayConfig, "max_video_duration_s")
     num_encoders: int = _f(1, "encoder processes to start; the gateway routes each image to one by content hash")
@@ -176,8 +177,6 @@ class LaunchConfig:
     prefill_cuda_graph_max_tokens: int = _like(PrefillConfig, "cuda_graph_max_tokens")
     encoder_compile: bool = _like(EncoderConfig, "compile")
     encoder_gpu_jpeg_decode: bool = _like(EncoderConfig, "gpu_jpeg_decode")
-    max_video_frames: int = _like(EncoderConfig, "max_video_frames")
-    max_video_duration_s: float = _like(EncoderConfig, "max_video_duration_s")
 
 
 def _base_type(tp):
