@@ -1,10 +1,11 @@
 """Qwen3-VL through the whole pipeline against transformers' generate() on the same tiny checkpoint.
 
 Greedy output through `epdserve launch` must equal ``generate(do_sample=False)`` token for token (text, one photo,
-two photos, a multi-turn chat; streaming and not), with two encoders (content-hash routing) and with prefill and
-decode at TP=2 (gloo), and behind smg. DeepStack features cross the encode -> prefill boundary as extra embedding
-columns (encoder/vision.py): a model that dropped them, or added them to the wrong rows, would not match. A
-radix-cache hit that covers the image reuses its KV (which holds the DeepStack sums) and must still match.
+two photos, a multi-turn chat, a generated video alone and after a photo; streaming and not), with two encoders
+(content-hash routing) and with prefill and decode at TP=2 (gloo), and behind smg. DeepStack features cross the
+encode -> prefill boundary as extra embedding columns (encoder/vision.py): a model that dropped them, or added them
+to the wrong rows, would not match. A radix-cache hit that covers the image reuses its KV (which holds the
+DeepStack sums) and must still match.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from conftest import launched
 from smg_cluster import smg_executable, start_cluster
 from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve
+from test_video_e2e import check_video_case
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,13 @@ def test_greedy_parity_with_transformers(q3_server, references, tiny_qwen3_vl_pa
     assert _stream_text(url, tiny_qwen3_vl_path, messages) == (ref_text, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("case", ["video", "video_photo"])
+def test_video_parity_with_transformers(q3_server, hf3e, tiny_qwen3_vl_path, photo_paths, case):
+    """A generated clip (timestamp text, one token run per temporal patch, DeepStack rows), alone and after a
+    photo."""
+    check_video_case(q3_server[0], tiny_qwen3_vl_path, hf3e, case, photo_paths["rocket"].read_bytes())
+
+
 def test_radix_hit_over_the_image_matches_transformers(q3_server, hf3e, tiny_qwen3_vl_path, photo_paths):
     """A second question about the same photo reuses the first one's KV through the image (no DeepStack rows are
     needed for cached tokens) and still equals transformers."""
@@ -94,7 +103,7 @@ def test_radix_hit_over_the_image_matches_transformers(q3_server, hf3e, tiny_qwe
 
 
 @pytest.mark.skipif(smg_executable() is None, reason="smg is not installed")
-def test_behind_smg_matches_transformers(references, tiny_qwen3_vl_path, photo_paths, tmp_path_factory):
+def test_behind_smg_matches_transformers(references, hf3e, tiny_qwen3_vl_path, photo_paths, tmp_path_factory):
     cluster = start_cluster(tiny_qwen3_vl_path, tmp_path_factory.mktemp("smg-q3"), encoders=1, prefills=1,
                             decodes=1, policy="cache_aware")
     try:
@@ -103,5 +112,6 @@ def test_behind_smg_matches_transformers(references, tiny_qwen3_vl_path, photo_p
             resp = _chat(cluster.url, tiny_qwen3_vl_path, _openai_messages(_resolve(case, photo_paths)))
             assert resp["choices"][0]["token_ids"] == ref_ids, case
             assert resp["choices"][0]["message"]["content"] == ref_text, case
+        check_video_case(cluster.url, tiny_qwen3_vl_path, hf3e, "video_photo", photo_paths["rocket"].read_bytes())
     finally:
         cluster.stop()

@@ -33,15 +33,8 @@ CLIP = dict(frames=24, fps=8, size=(112, 84))  # 3 s; 6 frames at 2 fps: 3 tempo
 KWARGS = [None, {"fps": 4.0}, {"num_frames": 4}]
 
 
-@pytest.fixture(scope="module")
-def qwen3_vl_path(tmp_path_factory):
-    from epdserve.models.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("q3v-video-prompt"), arch="qwen3_vl"))
-
-
 def _path(request, family: str) -> str:
-    name = {"qwen2_vl": "tiny_qwen2_vl_path", "qwen2_5_vl": "tiny_model_path", "qwen3_vl": "qwen3_vl_path"}[family]
+    name = {"qwen2_vl": "tiny_qwen2_vl_path", "qwen2_5_vl": "tiny_model_path", "qwen3_vl": "tiny_qwen3_vl_path"}[family]
     return request.getfixturevalue(name)
 
 

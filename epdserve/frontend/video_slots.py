@@ -38,8 +38,9 @@ def video_slot(processor: Any, video: VideoInput, limits: VideoLimits = VideoLim
         layout = plan_video(processor.video_processor, metadata, video.fps, video.num_frames)
     except VideoError as e:
         raise StageError(str(e), 400) from None
-    except ValueError as e:  # the processor's own refusals (sampling, size)
-        raise StageError(f"cannot sample the video: {e}", 400) from None
+    except (ValueError, ZeroDivisionError) as e:  # the processor's own refusals (sampling, size); a clip too short
+        # to give one temporal patch at the sampling rate (a still image sent as a video) divides by zero there
+        raise StageError(f"cannot sample the video ({type(e).__name__}: {e})", 400) from None
     if len(layout.frames_indices) > limits.max_frames:
         raise StageError(f"{len(layout.frames_indices)} frames sampled from the video, over the limit of "
                          f"{limits.max_frames} (lower fps or num_frames in mm_processor_kwargs)", 400)
