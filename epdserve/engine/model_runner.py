@@ -92,12 +92,11 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self.model, self.backend, vocab_size=cfg.vocab_size,
                                           max_bs=cuda_graph_max_bs, scratch_page=num_pages, page_size=page_size)
         self.prefill_graphs = None
-        # Qwen3-VL: the graphs' static buffers have no DeepStack rows yet, so its prefills run eagerly.
-        if prefill_graph_max_tokens > 0 and self.backend.uses_flashinfer and self.model.supports_prefill_graphs:
+        if prefill_graph_max_tokens > 0 and self.backend.uses_flashinfer:
             from epdserve.engine.prefill_graph import PrefillGraphRunner
 
             self.prefill_graphs = PrefillGraphRunner(
-                self.model, self.backend, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                self.model, self.backend, hidden_size=cfg.embed_width, vocab_size=cfg.vocab_size,
                 max_tokens=prefill_graph_max_tokens, scratch_page=num_pages, page_size=page_size, dtype=dtype)
 
     def _auto_pages(self, mem_fraction: float) -> int:

@@ -49,7 +49,8 @@ class PrefillGraphRunner:
         model: the LM (its prefill ``forward(batch, out=...)`` with aligned ``mm_embeds`` and ``last_rows`` must
             make no host-device copy).
         backend: the model's attention backend; gets one graph-mode prefill wrapper per token count.
-        hidden_size: columns of the embedding buffer.
+        hidden_size: columns of the embedding buffer: the model's ``embed_width`` (Qwen3-VL's rows carry the
+            DeepStack levels as extra columns, which the model splits into aligned views, graph-safe).
         vocab_size: columns of the logits.
         max_tokens: most new tokens of a replayed prefill; longer ones run eagerly.
         scratch_page: a KV page no request owns; padding rows write their KV there.

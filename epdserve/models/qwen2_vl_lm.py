@@ -219,7 +219,6 @@ class Qwen2VLLanguageModel(nn.Module):
     """
 
     _attention_cls: type[Attention] = Attention  # a subclass's decoder layers may use another attention
-    supports_prefill_graphs = True  # the prefill CUDA graphs (epdserve.engine.prefill_graph) replay this forward
 
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend | None = None, tp: TPGroup | None = None):
         super().__init__()

@@ -17,9 +17,10 @@ paged attention and fused-op switch this module reuses:
   (``mm_embeds`` ``[N, hidden * (1 + L)]``, vLLM's layout); :meth:`Qwen3VLLanguageModel.forward` splits them.
 
 CUDA: the fused flashinfer ops apply as for Qwen2 (q/k norms run as flashinfer ``rmsnorm`` over ``[T * heads,
-head_dim]``). Decode batches carry no image rows, so decode CUDA graphs apply unchanged; the prefill CUDA graphs
-(:mod:`epdserve.engine.prefill_graph`) do not carry DeepStack rows yet, so ``supports_prefill_graphs``
-is False and Qwen3-VL prefills run eagerly.
+head_dim]``). Decode batches carry no image rows, so decode CUDA graphs apply unchanged. The prefill CUDA graphs
+(:mod:`epdserve.engine.prefill_graph`) hold aligned rows of ``embed_width`` columns, so the DeepStack levels come
+in as aligned views and are added with ``torch.where`` (no data-dependent shape). An eager packed prefill finds
+the image rows once per forward (one host sync) and adds every level with ``index_add_``.
 """
 
 from __future__ import annotations
@@ -59,19 +60,22 @@ class Qwen3Attention(Attention):
         return self.o_proj(out.reshape(-1, self.hq * self.d))
 
 
-def add_deepstack(hidden: torch.Tensor, mask: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+def add_deepstack(hidden: torch.Tensor, mask: torch.Tensor, features: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """``hidden`` ``[T, hidden]`` with ``features`` added to the rows where ``mask`` (``[T]`` bool) is True.
 
     ``features`` is ``[N, hidden]`` with ``N == mask.sum()`` (packed, rows in order) or ``[T, hidden]`` (aligned;
-    rows outside the mask ignored, no data-dependent shape), any float dtype (cast to ``hidden``'s). The sum per
-    row is the one of transformers' ``Qwen3VLTextModel._deepstack_process`` (``hidden[mask] + features``), so the
-    result is bit-identical. Returns a new tensor for aligned features; packed ones are written into ``hidden``.
+    rows outside the mask ignored, no data-dependent shape), any float dtype (cast to ``hidden``'s). ``rows``
+    (int64 ``[N]``, ``mask.nonzero()``) spares a packed add the host sync of finding them. The sum per row is the
+    one of transformers' ``Qwen3VLTextModel._deepstack_process`` (``hidden[mask] + features``, one rounding per
+    element), so the result is bit-identical. Returns a new tensor for aligned features; packed ones are added
+    into ``hidden``.
     """
     features = features.to(hidden.dtype)
     if features.shape[0] == hidden.shape[0]:
         return torch.where(mask[:, None], hidden + features, hidden)
-    hidden[mask] = hidden[mask] + features
-    return hidden
+    rows = mask.nonzero().squeeze(1) if rows is None else rows
+    return hidden.index_add_(0, rows, features)
 
 
 class Qwen3VLLanguageModel(Qwen2VLLanguageModel):
@@ -88,7 +92,6 @@ class Qwen3VLLanguageModel(Qwen2VLLanguageModel):
     """
 
     _attention_cls = Qwen3Attention
-    supports_prefill_graphs = False  # the prefill CUDA graphs do not carry deepstack_embeds yet
 
     def forward(self, batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``batch`` and return float32 logits ``[B, vocab]`` at each request's last new token, as
@@ -105,6 +108,8 @@ class Qwen3VLLanguageModel(Qwen2VLLanguageModel):
             raise RuntimeError(f"{type(self).__name__}.attn is not set")
         batch = self._split_columns(batch)
         deepstack = self._deepstack(batch)
+        packed = len(deepstack) and deepstack.shape[1] != batch.mm_mask.shape[0]
+        rows = batch.mm_mask.nonzero().squeeze(1) if packed else None  # one host sync for every level
         x = self._embed(batch)
         rope = self._rope(batch, x)
         residual = None
@@ -113,7 +118,7 @@ class Qwen3VLLanguageModel(Qwen2VLLanguageModel):
             if i < len(deepstack):
                 # The layer's output is x + residual; fold it into one tensor so the features add to the sum,
                 # then let the next layer start as the first one does (residual None).
-                x, residual = add_deepstack(x + residual, batch.mm_mask, deepstack[i]), None
+                x, residual = add_deepstack(x + residual, batch.mm_mask, deepstack[i], rows), None
         return self._logits(batch, x, residual, out)
 
     def _split_columns(self, batch: ForwardBatch) -> ForwardBatch:
