@@ -396,7 +396,7 @@ def test_pd_fronts_build_the_same_video_prompt_and_only_prefill_encodes(tiny_mod
     assert [(v.data, v.fps, v.num_frames) for v in sent] == [(clip, None, 4)]
 
 
-def test_mm_sources_name_the_absolute_rows_tp_followers_slice(qwen3_vl_path):
+def test_mm_sources_name_the_absolute_rows_tp_followers_slice(tiny_qwen3_vl_path):
     """A chunk starting inside a later temporal patch of a Qwen3-VL video: ``prefill_batch`` takes that patch's
     rows from its ``embed_offset``, and its ``mm_sources`` let a TP follower gather exactly those rows from its own
     copy (``TPFollower.handle``: ``embeds[rid][hash][start:end]``)."""
@@ -405,7 +405,7 @@ def test_mm_sources_name_the_absolute_rows_tp_followers_slice(qwen3_vl_path):
     from epdserve.wire.messages import PrefillRequest, SamplingParams
 
     messages = conversation("one", [make_clip(**CLIP)], None)
-    prompt, media, _ = front_prompt(qwen3_vl_path, messages, None)
+    prompt, media, _ = front_prompt(tiny_qwen3_vl_path, messages, None)
     key, n = media.videos[0].encoded.image_hash, len(prompt.input_ids)
     rows = torch.randn(media.videos[0].encoded.num_tokens, 8)
     pool = PagePool(64, 4)
