@@ -370,6 +370,8 @@ class VisionEncoder:
             done.record()
             done.synchronize()
             out = host
+        if len(rows) == 1:  # the buffer is this item's alone (a lone image, a video: 57 MB for an 8 s Qwen3-VL clip)
+            return [(out, rows[0])]
         # clone: each cached embedding owns its memory instead of pinning the whole batch.
         return [(emb.clone(), row) for emb, row in zip(torch.split(out, sizes), rows)]
 

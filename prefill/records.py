@@ -87,7 +87,8 @@ def prefill_batch(reqs: list[PrefillRecord], chunks: list[tuple[int, int]], pool
         q_lens=[e - s for s, e in chunks],
         kv_lens=[e for _, e in chunks],
         page_table=[r.pages for r in reqs],
-        mm_embeds=torch.cat(mm) if mm else None,
+        # One piece (one image or video in the chunk) goes as a view: a Qwen3-VL video's rows are tens of MB.
+        mm_embeds=(mm[0] if len(mm) == 1 else torch.cat(mm)) if mm else None,
         mm_mask=torch.cat(mask) if mm else None,
         mm_sources=sources if mm else None,
     )

@@ -37,12 +37,13 @@ def tiny_qwen2_vl_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def gpu_test_models(tmp_path_factory) -> list[str]:
-    """Checkpoints the GPU tests run on: the ``small`` random checkpoint, and every directory listed in
-    ``EPDSERVE_GPU_TEST_MODELS`` (comma-separated; e.g. the ``qwen2.5-vl-3b`` preset written by ``epdserve
-    make-tiny-model --preset``). Only GPU tests ask for it."""
+    """Checkpoints the GPU tests run on: the ``small`` random Qwen2.5-VL and Qwen3-VL checkpoints, and every
+    directory listed in ``EPDSERVE_GPU_TEST_MODELS`` (comma-separated; e.g. the ``qwen2.5-vl-3b`` preset written by
+    ``epdserve make-tiny-model --preset``). Only GPU tests ask for it."""
     from epdserve.models.tiny import make_tiny_model
 
-    paths = [str(make_tiny_model(tmp_path_factory.mktemp("small"), size="small"))]
+    paths = [str(make_tiny_model(tmp_path_factory.mktemp("small"), size="small")),
+             str(make_tiny_model(tmp_path_factory.mktemp("small-qwen3-vl"), arch="qwen3_vl", size="small"))]
     return paths + [p for p in os.environ.get("EPDSERVE_GPU_TEST_MODELS", "").split(",") if p]
 
 
