@@ -53,7 +53,7 @@ def test_prefill_graph_replay_matches_eager(gpu_test_models):
         eager = ModelRunner(path, **kw)
         graphed = ModelRunner(path, prefill_graph_max_tokens=2048, **kw)
         assert eager.prefill_graphs is None and graphed.prefill_graphs is not None
-        hidden = eager.config.hidden_size
+        hidden = eager.config.embed_width  # Qwen3-VL: the DeepStack levels as extra columns
         vocab = min(eager.config.vocab_size, 1000)
         gen = torch.Generator().manual_seed(0)
         cases = [(5, 0, False), (16, 0, False), (17, 0, True), (300, 0, True), (350, 100, True), (1000, 999, False),
