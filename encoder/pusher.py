@@ -64,16 +64,17 @@ class EmbeddingPusher:
         """
         return [self._socket(e) for e in endpoints]
 
-    async def push(self, endpoints: list[str], frames: list[bytes | memoryview]) -> None:
-        """Send the same multipart message to every endpoint, concurrently; return once all have taken it.
+    async def push(self, endpoints: list[str], messages: list[list[bytes | memoryview]]) -> None:
+        """Send ``messages[i]`` (a multipart message) to ``endpoints[i]``, concurrently; return once all have taken
+        theirs.
 
         Raises:
             RequestError: INVALID_ARGUMENT for a malformed endpoint, UNAVAILABLE for one that accepted nothing
                 within the timeout (the others may have received the message).
         """
-        socks = list(zip(endpoints, self.connect(endpoints)))
+        socks = list(zip(endpoints, self.connect(endpoints), messages, strict=True))
 
-        async def one(endpoint: str, sock: zmq.asyncio.Socket) -> None:
+        async def one(endpoint: str, sock: zmq.asyncio.Socket, frames: list[bytes | memoryview]) -> None:
             try:
                 await asyncio.wait_for(sock.send_multipart(frames, copy=False), self._timeout_s)
             except TimeoutError as e:
@@ -81,7 +82,7 @@ class EmbeddingPusher:
                                    f"target {endpoint!r} accepted no embeddings within {self._timeout_s:g} s",
                                    logging.WARNING) from e
 
-        results = await asyncio.gather(*(one(e, s) for e, s in socks), return_exceptions=True)
+        results = await asyncio.gather(*(one(*target) for target in socks), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 raise r

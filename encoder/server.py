@@ -36,11 +36,11 @@ from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.cache import EmbeddingCache
 from epdserve.encoder.grpc_codec import SERVICE_NAME, MalformedRequest, RequestError, add_servicer, tensor_to_proto
 from epdserve.encoder.info import model_info, server_info
+from epdserve.encoder.outbox import EmbeddingOutbox
 from epdserve.encoder.pusher import EmbeddingPusher
 from epdserve.encoder.video import VideoJob, decode_video
 from epdserve.encoder.vision import ImageDecodeError, VisionEncoder
 from epdserve.logging_setup import request_context
-from epdserve.wire.messages import ImageEmbeddings, encode
 from epdserve.encoder.metrics import EncoderMetrics
 from epdserve.metrics import start_metrics_server
 from epdserve.models.paths import resolve_model_path
@@ -107,6 +107,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self._inflight_videos: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self.num_requests = 0  # Encode calls in progress
+        self._outbox = EmbeddingOutbox(pusher, cache, self.metrics, self._tasks)
 
     @property
     def batcher(self) -> EncodeBatcher:
@@ -198,11 +199,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             self._batcher.withdraw()
         labels = [f"image {i}" for i in range(num_images)] + [f"video {j}" for j in range(len(request.videos))]
         results = await self._embeddings(keys, labels, out, pending)
+        embeddings = [results[h][0] for h in keys]
         if targets:
-            msg = ImageEmbeddings(rid=rid, image_hashes=keys, embeddings=[results[h][0] for h in keys])
-            frames = encode(msg)
-            await self._pusher.push(targets, frames)
-            self.metrics.on_pushed(sum(memoryview(f).nbytes for f in frames), len(targets))
+            on_host = await self._outbox.push(encoder.device, rid, request.share_host_id, keys, embeddings, targets)
+        else:
+            on_host = await asyncio.to_thread(self._outbox.on_host, embeddings)
+        self._outbox.keep(keys, results, on_host)
+        if not targets:
+            results = {h: (emb, *results[h][1:]) for h, emb in zip(keys, on_host)}
         response = encoder_pb2.EncodeResponse(request_id=rid)
         for pos, h in enumerate(keys):
             emb, grid, hit = results[h]
@@ -295,8 +299,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                     self._batcher.withdraw()
                 raise
             emb, grid = await self._batcher.submit(job, item, patches, announced=not video)
-            self.cache.put(h, emb, grid)
             fut.set_result((emb, grid))
+            if not emb.is_cuda:  # on the GPU the requests cache it once pushed (EmbeddingOutbox.keep)
+                self.cache.put(h, emb, grid)
         except BaseException as e:
             err = e if isinstance(e, Exception) else RuntimeError("encoding was cancelled (server stopping)")
             if not fut.done():

@@ -114,5 +114,6 @@ class VideoJob:
             raise VideoError(f"the video processor refused the video: {e}") from None
 
     def run_tower(self, prepared: Any) -> list[tuple[torch.Tensor, list[int]]]:
-        """``[(embedding [t*h*w // merge**2, embed_width] CPU, grid_thw)]`` of the video (``run_tower``)."""
+        """``[(embedding [t*h*w // merge**2, embed_width] on the tower's device, grid_thw)]`` of the video
+        (``run_tower``)."""
         return self._encoder.run_tower(prepared)

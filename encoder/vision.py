@@ -328,6 +328,11 @@ class VisionEncoder:
         """
         with self._prep_stream_context():
             on_gpu = {"device": self.device} if self.device.type == "cuda" else {}
+            if on_gpu:
+                # One contiguous copy to the GPU, channels-first there: given the channels-last array, the
+                # processor copies it on the host first, on this process's one CPU thread (the same result either
+                # way: the processor takes [T, 3, H, W] tensors as they are).
+                frames = torch.from_numpy(frames).to(self.device).permute(0, 3, 1, 2)
             # The frames are already the sampled ones: sampling again would thin them out a second time.
             inputs = self.video_processor(videos=[frames], video_metadata=[metadata], do_sample_frames=False,
                                           return_tensors="pt", **on_gpu)
@@ -360,19 +365,17 @@ class VisionEncoder:
             if self.num_deepstack:  # [tokens, hidden * (1 + levels)]: one copy to the host below
                 out = torch.cat([out, *result.deepstack_features], dim=-1)
         sizes = [self.num_tokens(row) for row in rows]
-        # One device-to-host copy for the batch (the cache and the wire need host memory). On CUDA it goes to
-        # pinned memory and waits on an event: a plain .to("cpu") would also wait for whatever the
-        # preprocessing thread has queued since.
         if out.is_cuda:
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            host.copy_(out, non_blocking=True)
+            # Left on the GPU: a prefill server on this machine takes it from here (CUDA IPC), and the host copy
+            # for the cache is made off the request's path. Waited for on an event, as the callers read it from
+            # other threads and streams (a stream sync would also wait for what preprocessing queued since).
             done = torch.cuda.Event()
             done.record()
             done.synchronize()
-            out = host
+            return [(out, rows[0])] if len(rows) == 1 else list(zip(torch.split(out, sizes), rows))
         if len(rows) == 1:  # the buffer is this item's alone (a lone image, a video: 57 MB for an 8 s Qwen3-VL clip)
             return [(out, rows[0])]
-        # clone: each cached embedding owns its memory instead of pinning the whole batch.
+        # clone: each cached embedding owns its memory instead of keeping the whole batch's alive.
         return [(emb.clone(), row) for emb, row in zip(torch.split(out, sizes), rows)]
 
     def encode(self, images: list[Image.Image]) -> list[tuple[torch.Tensor, list[int]]]:
@@ -385,8 +388,9 @@ class VisionEncoder:
             images: decoded RGB images (see :func:`decode_image`).
 
         Returns:
-            One ``(embedding, grid_thw)`` per image, in order: ``embedding`` is a contiguous CPU tensor
-            ``[num_tokens_i, embed_width]`` in the tower's dtype (Qwen3-VL: the DeepStack levels as extra columns,
+            One ``(embedding, grid_thw)`` per image, in order: ``embedding`` is ``[num_tokens_i, embed_width]`` in
+            the tower's dtype on the tower's device (on CUDA, the images of one batch are row slices of one
+            tensor) (Qwen3-VL: the DeepStack levels as extra columns,
             see the module docstring), ``grid_thw`` the processor's ``[t, h, w]`` row. An empty list gives an
             empty list.
         """
@@ -400,8 +404,8 @@ class VisionEncoder:
         it (Qwen3-VL: the tower's ``pooler_output`` and ``deepstack_features`` as columns, as for images).
 
         Returns:
-            ``(embedding, grid_thw)``: a contiguous CPU ``[t*h*w // merge_size**2, embed_width]`` tensor in the
-            tower's dtype and the processor's ``video_grid_thw`` row ``[t, h, w]``.
+            ``(embedding, grid_thw)``: a contiguous ``[t*h*w // merge_size**2, embed_width]`` tensor in the
+            tower's dtype on the tower's device and the processor's ``video_grid_thw`` row ``[t, h, w]``.
 
         Raises:
             ValueError: see :meth:`preprocess_video`.

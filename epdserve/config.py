@@ -76,7 +76,8 @@ class LMServerConfig:
     kv_transfer: str = _f("auto", "prefill->decode KV path: 'zmq' (through host memory and ZeroMQ), 'shared' "
                                   "(decode maps the prefill KV pool when both run on this machine and copies pages "
                                   "device to device: CUDA IPC, or /dev/shm on CPU; zmq otherwise), or 'auto' "
-                                  "(shared on CUDA, zmq on CPU)")
+                                  "(shared on CUDA, zmq on CPU). On a CUDA prefill server, anything but 'zmq' also "
+                                  "takes embeddings from an encoder on this machine through GPU memory (CUDA IPC)")
     tp: int = _f(1, "tensor-parallel ranks: this process is rank 0 and starts ranks 1..tp-1 (one GPU each)")
     base_gpu_id: int = _f(0, "TP rank r runs on cuda:(base_gpu_id + r) (when the device is cuda or auto)")
 

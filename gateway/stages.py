@@ -17,12 +17,11 @@ from typing import Any
 import zmq.asyncio
 
 from epdserve.config import GatewayConfig
-from epdserve.frontend.encoder_client import EncoderClient, GrpcEncoderClient
+from epdserve.frontend.encoder_client import EncoderClient, GrpcEncoderClient, encode_options
 from epdserve.frontend.encoders import EncoderPool, parse_encoder_addrs
 from epdserve.frontend.errors import StageError
 from epdserve.frontend.prompt import EncodedImage, VideoInput
 from epdserve.frontend.scheduler_client import OutputRoute, SchedulerClient
-from epdserve.frontend.video_slots import encoder_videos
 from epdserve.gateway.liveness import StageLiveness
 from epdserve.wire.messages import DecodeRequest, PrefillRequest, ServerInfo, TokenOutput
 
@@ -174,8 +173,9 @@ class GatewayStages:
         if (why := self.unavailable()) is not None:
             raise StageError(why, 503)
         prefill_down = self.liveness["prefill"].went_down() if "prefill" in self.liveness else None
-        work = asyncio.ensure_future(self.encoder.encode(rid, images, list(self.prefill_info.embed_endpoints),
-                                                         **encoder_videos(videos)))
+        info = self.prefill_info
+        work = asyncio.ensure_future(self.encoder.encode(rid, images, list(info.embed_endpoints),
+                                                         **encode_options(videos, info.embed_host_id)))
         waits = {work} if prefill_down is None else {work, prefill_down}
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:

@@ -13,13 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from epdserve.config import PrefillConfig
-from epdserve.frontend.encoder_client import EncoderClient, GrpcEncoderClient
+from epdserve.frontend.encoder_client import EncoderClient, GrpcEncoderClient, encode_options
 from epdserve.frontend.encoders import EncoderPool, parse_encoder_addrs
 from epdserve.frontend.errors import StageError
 from epdserve.frontend.pd import SchedulerStages, run_front
 from epdserve.frontend.prompt import EncodedImage, VideoInput
 from epdserve.frontend.scheduler_client import SchedulerClient
-from epdserve.frontend.video_slots import encoder_videos
 from epdserve.wire.messages import DecodeRequest, PrefillRequest
 
 
@@ -71,8 +70,9 @@ class PrefillFrontStages(SchedulerStages):
         """
         if self.encoder is None:
             raise StageError("this prefill server has no --encoder-urls, so it cannot take images or videos", 400)
-        return await self.encoder.encode(rid, images, list(self.scheduler.info.embed_endpoints),
-                                         **encoder_videos(videos))
+        info = self.scheduler.info
+        return await self.encoder.encode(rid, images, list(info.embed_endpoints),
+                                         **encode_options(videos, info.embed_host_id))
 
     def leg(self, prefill_req: PrefillRequest, decode_req: DecodeRequest) -> PrefillRequest:
         """The prefill leg: the ``PrefillRequest``."""

@@ -23,6 +23,8 @@ from epdserve.wire import transport
 from epdserve.config import PrefillConfig
 from epdserve.device import resolve_device
 from epdserve.engine.server import StageServer, kv_shared, serve_with_front
+from epdserve.kvcache.kv_share import host_id, shares_kv
+from epdserve.wire.device_share import take_embeddings
 from epdserve.prefill.embed_gate import EmbeddingGate
 from epdserve.wire.messages import AbortRequest, ImageEmbeddings, KVAck, KVRegister, PrefillRequest, ServerInfo
 from epdserve.metrics import PrefillMetrics
@@ -45,7 +47,8 @@ def serve(config: PrefillConfig) -> int:
 
 
 def _serve(config: PrefillConfig) -> int:
-    share = kv_shared(config, resolve_device(config.device))
+    device = resolve_device(config.device)
+    share = kv_shared(config, device)
     model_path, runner, context_length = runner_from_config(config, share_kv=share)
     metrics = PrefillMetrics()
     sched = PrefillScheduler(runner, context_length=context_length,
@@ -56,7 +59,9 @@ def _serve(config: PrefillConfig) -> int:
                       page_size=runner.page_size, num_pages=runner.num_pages,
                       embed_endpoints=[f"tcp://{config.host}:{config.embed_port}",
                                        *(tp.embed_endpoints if tp else [])],
-                      bootstrap_host=config.host, bootstrap_port=config.bootstrap_port)
+                      bootstrap_host=config.host, bootstrap_port=config.bootstrap_port,
+                      embed_host_id=host_id() if shares_kv(config.kv_transfer, device) and device.type == "cuda"
+                      else "")
     return _PrefillServer(config, runner, sched, metrics, info, tp=tp, share=share).run()
 
 
@@ -94,7 +99,7 @@ class _PrefillServer(StageServer):
     def tick(self) -> None:
         sched, gate, tp = self.sched, self.gate, self.tp
         while (msg := transport.recv(self.embeds)) is not None:
-            if isinstance(msg, ImageEmbeddings):
+            if isinstance(msg, ImageEmbeddings) and (msg := take_embeddings(msg, self.runner.device)) is not None:
                 gate.add_local(msg)
         for receipt in tp.receipts() if tp else ():
             gate.add_receipt(receipt)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x65pdserve/proto/encoder.proto\x12\x0b\x65pdserve.v1\"\x14\n\x12\x45ncoderLoadRequest\"\xa3\x01\n\x0b\x45ncoderLoad\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x05\x12\x1b\n\x13num_images_encoding\x18\x02 \x01(\x05\x12\x19\n\x11\x63\x61\x63hed_embeddings\x18\x03 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x04 \x01(\x03\x12\x14\n\x0cpush_sockets\x18\x05 \x01(\x05\x12\x1b\n\x13num_videos_encoding\x18\x06 \x01(\x05\"\x15\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"6\n\x05Video\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\x12\x12\n\nnum_frames\x18\x03 \x01(\x05\"|\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06images\x18\x02 \x03(\x0b\x32\x12.epdserve.v1.Image\x12\x0f\n\x07targets\x18\x03 \x03(\t\x12\"\n\x06videos\x18\x04 \x03(\x0b\x32\x12.epdserve.v1.Video\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x82\x01\n\x0bImageResult\x12\x12\n\nimage_hash\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x10\n\x08grid_thw\x18\x03 \x03(\x05\x12\x11\n\tcache_hit\x18\x04 \x01(\x08\x12&\n\tembedding\x18\x05 \x01(\x0b\x32\x13.epdserve.v1.Tensor\"x\n\x0e\x45ncodeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06images\x18\x02 \x03(\x0b\x32\x18.epdserve.v1.ImageResult\x12(\n\x06videos\x18\x03 \x03(\x0b\x32\x18.epdserve.v1.ImageResult\"\x15\n\x13GetModelInfoRequest\"\xe1\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\npatch_size\x18\x05 \x01(\x05\x12\x1b\n\x13temporal_patch_size\x18\x06 \x01(\x05\x12\x1a\n\x12spatial_merge_size\x18\x07 \x01(\x05\x12\x17\n\x0fout_hidden_size\x18\x08 \x01(\x05\x12\x1c\n\x14num_deepstack_levels\x18\t \x01(\x05\"\x16\n\x14GetServerInfoRequest\"\xf3\x02\n\x15GetServerInfoResponse\x12<\n\x05\x66lags\x18\x01 \x03(\x0b\x32-.epdserve.v1.GetServerInfoResponse.FlagsEntry\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x14\n\x0cmetrics_port\x18\x04 \x01(\x05\x12\x15\n\rcache_entries\x18\x05 \x01(\x03\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x06 \x01(\x03\x12\x1c\n\x14\x63\x61\x63he_capacity_bytes\x18\x07 \x01(\x03\x12\x12\n\ncache_hits\x18\x08 \x01(\x03\x12\x14\n\x0c\x63\x61\x63he_misses\x18\t \x01(\x03\x12\x13\n\x0btower_calls\x18\n \x01(\x03\x12\x15\n\rqueued_images\x18\x0b \x01(\x05\x12\x18\n\x10running_requests\x18\x0c \x01(\x05\x1a,\n\nFlagsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xbf\x02\n\x07\x45ncoder\x12\x41\n\x06\x45ncode\x12\x1a.epdserve.v1.EncodeRequest\x1a\x1b.epdserve.v1.EncodeResponse\x12S\n\x0cGetModelInfo\x12 .epdserve.v1.GetModelInfoRequest\x1a!.epdserve.v1.GetModelInfoResponse\x12V\n\rGetServerInfo\x12!.epdserve.v1.GetServerInfoRequest\x1a\".epdserve.v1.GetServerInfoResponse\x12\x44\n\x07GetLoad\x12\x1f.epdserve.v1.EncoderLoadRequest\x1a\x18.epdserve.v1.EncoderLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x65pdserve/proto/encoder.proto\x12\x0b\x65pdserve.v1\"\x14\n\x12\x45ncoderLoadRequest\"\xa3\x01\n\x0b\x45ncoderLoad\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x05\x12\x1b\n\x13num_images_encoding\x18\x02 \x01(\x05\x12\x19\n\x11\x63\x61\x63hed_embeddings\x18\x03 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x04 \x01(\x03\x12\x14\n\x0cpush_sockets\x18\x05 \x01(\x05\x12\x1b\n\x13num_videos_encoding\x18\x06 \x01(\x05\"\x15\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"6\n\x05Video\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\x12\x12\n\nnum_frames\x18\x03 \x01(\x05\"\x93\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06images\x18\x02 \x03(\x0b\x32\x12.epdserve.v1.Image\x12\x0f\n\x07targets\x18\x03 \x03(\t\x12\"\n\x06videos\x18\x04 \x03(\x0b\x32\x12.epdserve.v1.Video\x12\x15\n\rshare_host_id\x18\x05 \x01(\t\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x82\x01\n\x0bImageResult\x12\x12\n\nimage_hash\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x10\n\x08grid_thw\x18\x03 \x03(\x05\x12\x11\n\tcache_hit\x18\x04 \x01(\x08\x12&\n\tembedding\x18\x05 \x01(\x0b\x32\x13.epdserve.v1.Tensor\"x\n\x0e\x45ncodeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06images\x18\x02 \x03(\x0b\x32\x18.epdserve.v1.ImageResult\x12(\n\x06videos\x18\x03 \x03(\x0b\x32\x18.epdserve.v1.ImageResult\"\x15\n\x13GetModelInfoRequest\"\xe1\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\npatch_size\x18\x05 \x01(\x05\x12\x1b\n\x13temporal_patch_size\x18\x06 \x01(\x05\x12\x1a\n\x12spatial_merge_size\x18\x07 \x01(\x05\x12\x17\n\x0fout_hidden_size\x18\x08 \x01(\x05\x12\x1c\n\x14num_deepstack_levels\x18\t \x01(\x05\"\x16\n\x14GetServerInfoRequest\"\xf3\x02\n\x15GetServerInfoResponse\x12<\n\x05\x66lags\x18\x01 \x03(\x0b\x32-.epdserve.v1.GetServerInfoResponse.FlagsEntry\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x14\n\x0cmetrics_port\x18\x04 \x01(\x05\x12\x15\n\rcache_entries\x18\x05 \x01(\x03\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x06 \x01(\x03\x12\x1c\n\x14\x63\x61\x63he_capacity_bytes\x18\x07 \x01(\x03\x12\x12\n\ncache_hits\x18\x08 \x01(\x03\x12\x14\n\x0c\x63\x61\x63he_misses\x18\t \x01(\x03\x12\x13\n\x0btower_calls\x18\n \x01(\x03\x12\x15\n\rqueued_images\x18\x0b \x01(\x05\x12\x18\n\x10running_requests\x18\x0c \x01(\x05\x1a,\n\nFlagsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xbf\x02\n\x07\x45ncoder\x12\x41\n\x06\x45ncode\x12\x1a.epdserve.v1.EncodeRequest\x1a\x1b.epdserve.v1.EncodeResponse\x12S\n\x0cGetModelInfo\x12 .epdserve.v1.GetModelInfoRequest\x1a!.epdserve.v1.GetModelInfoResponse\x12V\n\rGetServerInfo\x12!.epdserve.v1.GetServerInfoRequest\x1a\".epdserve.v1.GetServerInfoResponse\x12\x44\n\x07GetLoad\x12\x1f.epdserve.v1.EncoderLoadRequest\x1a\x18.epdserve.v1.EncoderLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,24 +41,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IMAGE']._serialized_end=254
   _globals['_VIDEO']._serialized_start=256
   _globals['_VIDEO']._serialized_end=310
-  _globals['_ENCODEREQUEST']._serialized_start=312
-  _globals['_ENCODEREQUEST']._serialized_end=436
-  _globals['_TENSOR']._serialized_start=438
-  _globals['_TENSOR']._serialized_end=490
-  _globals['_IMAGERESULT']._serialized_start=493
-  _globals['_IMAGERESULT']._serialized_end=623
-  _globals['_ENCODERESPONSE']._serialized_start=625
-  _globals['_ENCODERESPONSE']._serialized_end=745
-  _globals['_GETMODELINFOREQUEST']._serialized_start=747
-  _globals['_GETMODELINFOREQUEST']._serialized_end=768
-  _globals['_GETMODELINFORESPONSE']._serialized_start=771
-  _globals['_GETMODELINFORESPONSE']._serialized_end=996
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=998
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1020
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1023
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=1394
-  _globals['_GETSERVERINFORESPONSE_FLAGSENTRY']._serialized_start=1350
-  _globals['_GETSERVERINFORESPONSE_FLAGSENTRY']._serialized_end=1394
-  _globals['_ENCODER']._serialized_start=1397
-  _globals['_ENCODER']._serialized_end=1716
+  _globals['_ENCODEREQUEST']._serialized_start=313
+  _globals['_ENCODEREQUEST']._serialized_end=460
+  _globals['_TENSOR']._serialized_start=462
+  _globals['_TENSOR']._serialized_end=514
+  _globals['_IMAGERESULT']._serialized_start=517
+  _globals['_IMAGERESULT']._serialized_end=647
+  _globals['_ENCODERESPONSE']._serialized_start=649
+  _globals['_ENCODERESPONSE']._serialized_end=769
+  _globals['_GETMODELINFOREQUEST']._serialized_start=771
+  _globals['_GETMODELINFOREQUEST']._serialized_end=792
+  _globals['_GETMODELINFORESPONSE']._serialized_start=795
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1020
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1022
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1044
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1047
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=1418
+  _globals['_GETSERVERINFORESPONSE_FLAGSENTRY']._serialized_start=1374
+  _globals['_GETSERVERINFORESPONSE_FLAGSENTRY']._serialized_end=1418
+  _globals['_ENCODER']._serialized_start=1421
+  _globals['_ENCODER']._serialized_end=1740
 # @@protoc_insertion_point(module_scope)

@@ -43,16 +43,18 @@ class Video(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., fps: _Optional[float] = ..., num_frames: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "images", "targets", "videos")
+    __slots__ = ("request_id", "images", "targets", "videos", "share_host_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     VIDEOS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[Image]
     targets: _containers.RepeatedScalarFieldContainer[str]
     videos: _containers.RepeatedCompositeFieldContainer[Video]
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., targets: _Optional[_Iterable[str]] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ...) -> None: ...
+    share_host_id: str
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., targets: _Optional[_Iterable[str]] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ..., share_host_id: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

@@ -31,6 +31,7 @@ from epdserve.wire import transport
 from epdserve.config import DecodeConfig, PrefillConfig, add_config_args, config_from_args
 from epdserve.engine.distributed import TPGroup, rank_device
 from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.wire.device_share import take_embeddings
 from epdserve.wire.messages import ImageEmbeddings
 from epdserve.wire.tp_messages import (
     TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings, TPShutdown, TPWriteKV,
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             poller.poll(1000)
             while embeds is not None and (msg := transport.recv(embeds)) is not None:
-                if isinstance(msg, ImageEmbeddings):
+                if isinstance(msg, ImageEmbeddings) and (msg := take_embeddings(msg, runner.device)) is not None:
                     follower.add_embeddings(msg)
             while (msg := transport.recv(ctrl)) is not None:
                 if not follower.handle(msg):

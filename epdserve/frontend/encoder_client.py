@@ -14,12 +14,19 @@ from epdserve.frontend.prompt import EncodedImage, VideoInput
 _GRPC_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
+def encode_options(videos: Sequence[VideoInput] = (), share_host_id: str = "") -> dict:
+    """The optional keywords of an :meth:`EncoderClient.encode` call, each only when set, so that an image request
+    also reaches an encoder client that predates them (a test's fake)."""
+    return {k: v for k, v in (("videos", list(videos)), ("share_host_id", share_host_id)) if v}
+
+
 class EncoderClient(Protocol):
     """What the gateway needs from an encoder (the gRPC client below, or a fake in tests)."""
 
     async def encode(self, rid: str, images: list[bytes], targets: list[str],
-                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]:
-        """Encode ``images`` and ``videos`` and push their embeddings for ``rid`` to every endpoint in ``targets``.
+                     videos: Sequence[VideoInput] = (), share_host_id: str = "") -> list[EncodedImage]:
+        """Encode ``images`` and ``videos`` and push their embeddings for ``rid`` to every endpoint in ``targets``
+        (through GPU memory when ``share_host_id``, the targets' ``ServerInfo.embed_host_id``, is the encoder's).
 
         Returns one :class:`EncodedImage` per image, then one per video (hash = :func:`epdserve.hashing.video_key`,
         ``num_tokens`` all of the video's rows, ``grid_thw`` ``[t, h, w]``), in request order.
@@ -61,13 +68,13 @@ class GrpcEncoderClient:
         await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
 
     async def encode(self, rid: str, images: list[bytes], targets: list[str],
-                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]:
+                     videos: Sequence[VideoInput] = (), share_host_id: str = "") -> list[EncodedImage]:
         """See :class:`EncoderClient`. A video's unset ``fps`` / ``num_frames`` travel as proto3's 0 (unset)."""
         grpc = self._grpc
         pb2 = self._pb2
         req = pb2.EncodeRequest(request_id=rid, images=[pb2.Image(data=b) for b in images], targets=targets,
                                 videos=[pb2.Video(data=v.data, fps=v.fps or 0.0, num_frames=v.num_frames or 0)
-                                        for v in videos])
+                                        for v in videos], share_host_id=share_host_id)
         try:
             resp = await self._stub.Encode(req)
         except grpc.aio.AioRpcError as e:

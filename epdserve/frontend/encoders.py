@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from epdserve.hashing import sha256_all, video_key
 from epdserve.frontend.media import run_cpu_bound
+from epdserve.frontend.encoder_client import encode_options
 from epdserve.frontend.prompt import EncodedImage, VideoInput
 from epdserve.frontend.errors import StageError
 from epdserve.frontend import logger
@@ -45,7 +46,7 @@ class PooledEncoder(Protocol):
     addr: str  # the rendezvous name: it must stay the same across gateway restarts
 
     async def encode(self, rid: str, images: list[bytes], targets: list[str],
-                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]: ...
+                     videos: Sequence[VideoInput] = (), share_host_id: str = "") -> list[EncodedImage]: ...
 
     async def serving(self) -> bool:
         """True when the encoder answers its health check with SERVING (never raises)."""
@@ -187,7 +188,7 @@ class EncoderPool:
             raise TimeoutError(f"no encoder of {', '.join(self.names)} is reachable")
 
     async def encode(self, rid: str, images: list[bytes], targets: list[str],
-                     videos: Sequence[VideoInput] = ()) -> list[EncodedImage]:
+                     videos: Sequence[VideoInput] = (), share_host_id: str = "") -> list[EncodedImage]:
         """See :class:`~epdserve.frontend.encoder_client.EncoderClient`. Each video is routed by its key as an
         image is by its hash (same failover); one call per encoder carries its images and videos.
 
@@ -212,7 +213,7 @@ class EncoderPool:
                 if enc is None:
                     raise StageError("encoder unavailable: every encoder is down", 503)
                 groups.setdefault(enc, []).append(pos)
-            failed = await self._encode_groups(rid, items, targets, groups, results)
+            failed = await self._encode_groups(rid, items, targets, groups, results, share_host_id)
             if not failed:
                 return results
             todo = sorted(failed)
@@ -220,7 +221,8 @@ class EncoderPool:
         raise StageError("encoder unavailable: the retry failed too", 503)
 
     async def _encode_groups(self, rid: str, items: list[bytes | VideoInput], targets: list[str],
-                             groups: dict[int, list[int]], results: list[EncodedImage | None]) -> list[int]:
+                             groups: dict[int, list[int]], results: list[EncodedImage | None],
+                             share_host_id: str) -> list[int]:
         """Run one ``encode`` per group (positions in ``items``, images first, in order) concurrently and fill
         ``results``; return the positions of down encoders.
 
@@ -234,9 +236,8 @@ class EncoderPool:
             videos = [items[p] for p in groups[e] if not isinstance(items[p], bytes)]
             logger.debug("rid=%s %d image(s)%s -> encoder %s", rid, len(images),
                          f", {len(videos)} video(s)" if videos else "", self.names[e])
-            # Without videos the plain call: an encoder client that predates videos still serves images.
-            args = (rid, images, targets, videos) if videos else (rid, images, targets)
-            call = asyncio.ensure_future(self.clients[e].encode(*args))
+            options = encode_options(videos, share_host_id)
+            call = asyncio.ensure_future(self.clients[e].encode(rid, images, targets, **options))
             self._calls[e].add(call)  # so that marking the encoder down cancels it
             call.add_done_callback(self._calls[e].discard)
             calls.append(call)

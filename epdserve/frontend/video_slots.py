@@ -9,7 +9,6 @@ video this front cannot read or that is over a limit is refused here, before any
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from epdserve.frontend.errors import StageError
@@ -49,9 +48,3 @@ def video_slot(processor: Any, video: VideoInput, limits: VideoLimits = VideoLim
     encoded = EncodedImage(video_key(video.data, video.fps, video.num_frames), t * h * w // merge**2,
                            list(layout.grid_thw))
     return VideoSlot(video, encoded, layout, video_placeholder(processor, layout))
-
-
-def encoder_videos(videos: Sequence[VideoInput]) -> dict[str, list[VideoInput]]:
-    """The ``videos`` keyword of an ``EncoderClient.encode`` call: empty without videos, so an image or text
-    request also reaches an encoder client that predates videos (a test's fake, a pool without them)."""
-    return {"videos": list(videos)} if videos else {}

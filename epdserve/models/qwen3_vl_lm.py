@@ -16,11 +16,12 @@ paged attention and fused-op switch this module reuses:
   ``Qwen3VLTextModel._deepstack_process`` does. The encoder sends the levels as extra columns of each image row
   (``mm_embeds`` ``[N, hidden * (1 + L)]``, vLLM's layout); :meth:`Qwen3VLLanguageModel.forward` splits them.
 
-CUDA: the fused flashinfer ops apply as for Qwen2 (q/k norms run as flashinfer ``rmsnorm`` over ``[T * heads,
-head_dim]``). Decode batches carry no image rows, so decode CUDA graphs apply unchanged. The prefill CUDA graphs
-(:mod:`epdserve.engine.prefill_graph`) hold aligned rows of ``embed_width`` columns, so the DeepStack levels come
-in as aligned views and are added with ``torch.where`` (no data-dependent shape). An eager packed prefill finds
-the image rows once per forward (one host sync) and adds every level with ``index_add_``.
+CUDA: the fused ops apply as for Qwen2 (flashinfer), and q/k norms with RoPE run as one Triton kernel
+(:mod:`epdserve.models.qk_norm_rope`). Decode batches carry no image rows, so decode CUDA graphs apply
+unchanged. The prefill CUDA graphs (:mod:`epdserve.engine.prefill_graph`) hold aligned rows of ``embed_width``
+columns, so the DeepStack levels come in as aligned views and are added with ``torch.where`` (no data-dependent
+shape). An eager packed prefill finds the image rows once per forward (one host sync) and adds every level with
+``index_add_``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.models.config import ModelConfig
+from epdserve.models.qk_norm_rope import qk_norm_rope
 from epdserve.models.qwen2_vl_lm import Attention, Qwen2VLLanguageModel, RMSNorm, _flashinfer, _Rope, _rotate
 
 
@@ -46,7 +48,14 @@ class Qwen3Attention(Attention):
 
     def forward(self, x: torch.Tensor, rope: _Rope, attn) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``."""
-        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        qkv = self.qkv_proj(x)
+        if rope.table is not None and self.q_norm.fused:  # CUDA: norms and RoPE in one kernel
+            q, k = qk_norm_rope(qkv, self.hq, self.hkv, self.d, self.q_norm.weight, self.k_norm.weight,
+                                self.q_norm.eps, rope.table)
+            v = qkv[:, (self.hq + self.hkv) * self.d:]
+            out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d))
+            return self.o_proj(out.reshape(-1, self.hq * self.d))
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         # One row per head: the norm is over head_dim (what flashinfer's 2-D rmsnorm takes, too).
         q = self.q_norm(q.reshape(-1, self.d)).view(-1, self.hq * self.d)
         k = self.k_norm(k.reshape(-1, self.d)).view(-1, self.hkv * self.d)

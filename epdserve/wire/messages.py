@@ -117,7 +117,10 @@ class ServerInfoRequest:
 
 @dataclass
 class ServerInfo:
-    """prefill/decode -> client. ``embed_endpoints`` has one ZMQ endpoint per TP rank (prefill only)."""
+    """prefill/decode -> client. ``embed_endpoints`` has one ZMQ endpoint per TP rank (prefill only);
+    ``embed_host_id`` (prefill on CUDA, ``--kv-transfer`` not ``zmq``) names its machine
+    (:func:`epdserve.kvcache.kv_share.host_id`): an encoder on the same one hands it embeddings through GPU
+    memory."""
 
     role: str
     model_path: str
@@ -127,6 +130,7 @@ class ServerInfo:
     embed_endpoints: list[str] = field(default_factory=list)
     bootstrap_host: str = ""
     bootstrap_port: int = 0
+    embed_host_id: str = ""
 
 
 @dataclass
@@ -156,15 +160,33 @@ class Load:
 
 
 @dataclass
-class ImageEmbeddings:
-    """encoder -> prefill (every TP rank): vision tower output for the images of ``rid``.
+class SharedTensor:
+    """A CUDA tensor left in the sender's GPU memory for ONE receiver on the same machine (no data, a handle).
 
-    ``embeddings[i]`` is float ``[num_tokens_i, hidden_size]`` for image ``image_hashes[i]``.
+    ``cuda_ipc`` is the 8 values of torch's ``UntypedStorage._share_cuda_()`` (device index, cudaIpcMemHandle
+    bytes, storage size and offset in bytes, ref-counter handle and offset, event handle, event-sync flag) of a
+    storage that holds exactly the tensor, contiguous from byte 0; ``dtype`` is its dtype name, ``shape`` its
+    shape. The receiver takes it exactly once (:func:`epdserve.wire.device_share.take`), which hands the memory
+    back to the sender.
+    """
+
+    cuda_ipc: list
+    dtype: str
+    shape: list[int]
+
+
+@dataclass
+class ImageEmbeddings:
+    """encoder -> prefill (every TP rank): vision tower output for the images and videos of ``rid``.
+
+    ``embeddings[i]`` is ``[num_tokens_i, embed_width]`` in the tower's dtype for item ``image_hashes[i]``:
+    its bytes (a ``torch.Tensor``), or, when the encoder and this rank share a machine and a GPU driver, a
+    :class:`SharedTensor` in the encoder's GPU memory that the receiving rank copies out on arrival.
     """
 
     rid: str
     image_hashes: list[str]
-    embeddings: list[torch.Tensor]
+    embeddings: list[torch.Tensor | SharedTensor]
 
 
 @dataclass
@@ -276,7 +298,7 @@ def input_ids_digest(input_ids: list[int]) -> str:
 _CODEC = Codec((
     SamplingParams, TokenLogprob, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest, ServerInfoRequest,
     ServerInfo, LoadRequest, Load,
-    ImageEmbeddings, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput, TokenOutputBatch,
+    SharedTensor, ImageEmbeddings, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput, TokenOutputBatch,
     TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt,
 ))
 KINDS = _CODEC.kinds  # every kind the stages exchange, by class name

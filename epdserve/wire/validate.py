@@ -31,6 +31,7 @@ _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253})$")
 _TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253}):(\d{1,5})$")
 _HEX = re.compile(r"^[0-9a-fA-F]{15,128}$")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FLOAT_DTYPE_NAMES = tuple(str(t).removeprefix("torch.") for t in _FLOAT_DTYPES)
 _MAX_RID = 512  # characters; gateway ids are ~41
 
 
@@ -142,8 +143,13 @@ def _check_decode(msg: messages.DecodeRequest) -> str | None:
 def _check_embeddings(msg: messages.ImageEmbeddings) -> str | None:
     if len(msg.image_hashes) != len(msg.embeddings):
         return "image hashes and embeddings differ in number"
-    if any(e.dim() != 2 or e.dtype not in _FLOAT_DTYPES for e in msg.embeddings):
-        return "an embedding is not a 2-D float tensor"
+    for e in msg.embeddings:
+        if isinstance(e, messages.SharedTensor):
+            if len(e.cuda_ipc) != 8 or len(e.shape) != 2 or e.dtype not in _FLOAT_DTYPE_NAMES \
+                    or not _ints_fit(e.shape, 0):
+                return "a shared embedding is not a 2-D float tensor with an 8-field CUDA IPC handle"
+        elif e.dim() != 2 or e.dtype not in _FLOAT_DTYPES:
+            return "an embedding is not a 2-D float tensor"
     return None
 
 
