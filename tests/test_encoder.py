@@ -30,6 +30,7 @@ from epdserve.encoder.grpc_codec import tensor_from_proto, tensor_to_proto
 from epdserve.encoder.pusher import EmbeddingPusher
 from epdserve.encoder.server import EncoderServicer, serve
 from epdserve.encoder.vision import VisionEncoder, decode_image
+from epdserve.kvcache.kv_share import host_id
 from epdserve.wire.messages import ImageEmbeddings, decode
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
 
@@ -182,7 +183,9 @@ def test_targets_push_to_every_tp_rank(stub, photos):
             s.bind("tcp://127.0.0.1:*")
         endpoints = [s.getsockopt_string(zmq.LAST_ENDPOINT) for s in pulls]
         datas = [photos["astronaut"], photos["coffee"]]
-        response = stub.Encode(_request("push-1", datas, endpoints), timeout=60)
+        request = _request("push-1", datas, endpoints)
+        request.share_host_id = host_id()  # this machine, but a CPU tower: the embeddings still go as bytes
+        response = stub.Encode(request, timeout=60)
         assert [r.HasField("embedding") for r in response.images] == [False, False]
         msgs = []
         for s in pulls:

@@ -433,3 +433,26 @@ def test_an_encoder_still_starting_is_not_reported_as_down(caplog):
     assert [lvl for lvl, _ in lines] == [logging.INFO, logging.INFO, logging.WARNING], lines
     assert "a:1 is not serving yet" in lines[0][1] and lines[1][1] == "encoder a:1 is serving"
     assert "a:1 is down" in lines[2][1]
+
+
+class SharingEncoder(FakeEncoder):
+    """A pooled encoder that also takes the targets' machine (``share_host_id``)."""
+
+    async def encode(self, rid, images, targets, share_host_id=""):
+        self.shared_with = share_host_id
+        return await super().encode(rid, images, targets)
+
+
+def test_share_host_id_reaches_the_encoder_only_when_set():
+    # The prefill server's machine travels to the encoder (for the GPU-memory hand-off) when it is known, and an
+    # encoder client that predates it still gets the plain call.
+    async def run():
+        sharing, plain = SharingEncoder("a:1"), FakeEncoder("b:2")
+        for enc, host in ((sharing, "boot/host"), (plain, "")):
+            pool = EncoderPool([enc])
+            out = await pool.encode("r1", [b"img"], TARGETS, share_host_id=host)
+            assert [o.image_hash for o in out] == [_sha(b"img")]
+            await pool.close()
+        assert sharing.shared_with == "boot/host" and plain.calls[0][0] == "r1"
+
+    asyncio.run(run())
