@@ -33,6 +33,10 @@ class ForwardBatch:
             tokens, ``L`` = the vision tower's ``deepstack_visual_indexes`` count; level ``i`` is added to the image
             rows' hidden states after decoder layer ``i``. Required with ``mm_embeds`` by a Qwen3-VL model, ignored
             (and None) for Qwen2-VL / Qwen2.5-VL.
+        state_slots: hybrid models (Qwen3.5): per request, its :class:`~epdserve.kvcache.state_pool.StatePool`
+            slot. The linear-attention layers start from the slot's state and leave the new state there, so an
+            extend continues the state of the request's earlier extends (chunked prefill) and a fresh request must
+            get a zeroed slot (``StatePool.alloc`` zeroes it). None for models without linear-attention layers.
     """
 
     is_decode: bool
@@ -47,6 +51,7 @@ class ForwardBatch:
     mm_sources: list[tuple[str, str, int, int]] | None = None
     last_rows: torch.Tensor | None = None
     deepstack_embeds: torch.Tensor | None = None
+    state_slots: list[int] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -11,6 +11,7 @@ from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
 from epdserve.kvcache.kv_share import export_pool, new_shm_path
+from epdserve.kvcache.state_pool import StatePool
 from epdserve.wire.messages import KVPoolHandle
 from epdserve.models import language_model_class
 from epdserve.models.config import ModelConfig
@@ -18,6 +19,7 @@ from epdserve.models.parallel import head_shard
 from epdserve.models.weights import iter_lm_weights
 
 _CPU_DEFAULT_PAGES = 4096
+DEFAULT_STATE_SLOTS = 64  # hybrid models: requests whose linear-attention states fit at once
 
 
 class ModelRunner:
@@ -42,7 +44,7 @@ class ModelRunner:
     def __init__(self, model_path: str, *, device: torch.device, dtype: torch.dtype, num_pages: int,
                  page_size: int, attention_backend: str = "auto", mem_fraction: float = 0.5,
                  cuda_graph_max_bs: int = 0, prefill_graph_max_tokens: int = 0, share_kv: bool = False,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, num_state_slots: int = DEFAULT_STATE_SLOTS):
         """Load config and LM weights (vision weights are skipped), then size and allocate the KV pool.
 
         ``num_pages == 0`` sizes the pool automatically: on CUDA ``mem_fraction`` of the free memory left after
@@ -55,6 +57,11 @@ class ModelRunner:
         :mod:`epdserve.engine.cuda_graph`), and ``prefill_graph_max_tokens > 0`` one-request prefill graphs up to that
         many new tokens (:mod:`epdserve.engine.prefill_graph`); the graphs need the flashinfer backend and are skipped
         otherwise.
+
+        Hybrid models (Qwen3.5, ``config.is_hybrid``): the KV pool holds the attention layers only
+        (``config.num_kv_layers``) and ``state_pool`` (:class:`StatePool`, ``num_state_slots`` slots plus a scratch
+        one) holds the linear-attention layers' conv and recurrent states; every batch names its requests' slots
+        (``ForwardBatch.state_slots``). No CUDA graphs are captured for them yet. Otherwise ``state_pool`` is None.
 
         ``share_kv`` makes the KV pool mappable by other processes of this machine (:meth:`kv_handle`): on CUDA
         every pool is; on the CPU the pool is then allocated in a /dev/shm file.
@@ -78,13 +85,18 @@ class ModelRunner:
             num_pages = self.tp.min_int(self._auto_pages(mem_fraction))
         self.num_pages = num_pages
         self.share_kv = share_kv
-        self.kv_pool = KVPool(num_layers=cfg.num_layers, num_pages=num_pages + 1, page_size=page_size,
+        self.kv_pool = KVPool(num_layers=cfg.num_kv_layers, num_pages=num_pages + 1, page_size=page_size,
                               num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
                               device=self.device,
                               shm_path=new_shm_path() if share_kv and self.device.type == "cpu" else "")
         self.backend = make_backend(attention_backend, self.kv_pool, self.heads.num_heads)
         self.model.attn = self.backend
         self.model.use_fused_ops(self.backend.uses_flashinfer)
+        self.state_pool = self._state_pool(num_state_slots) if cfg.is_hybrid else None
+        if self.state_pool is not None:
+            # The graph runners know nothing of state slots yet: a captured forward would bake in one batch's.
+            self.model.states = self.state_pool
+            cuda_graph_max_bs = prefill_graph_max_tokens = 0
         self.graphs = None
         if cuda_graph_max_bs > 0 and self.backend.uses_flashinfer:
             from epdserve.engine.cuda_graph import CudaGraphRunner
@@ -99,12 +111,20 @@ class ModelRunner:
                 self.model, self.backend, hidden_size=cfg.embed_width, vocab_size=cfg.vocab_size,
                 max_tokens=prefill_graph_max_tokens, scratch_page=num_pages, page_size=page_size, dtype=dtype)
 
+    def _state_pool(self, num_slots: int) -> StatePool:
+        """The linear-attention states of a hybrid model: conv ``[conv_dim, kernel]`` in the model dtype,
+        recurrent ``[value_heads, key_dim, value_dim]`` in float32 (see :class:`StatePool`)."""
+        cfg = self.config
+        return StatePool(num_slots, len(cfg.linear_layers), (cfg.linear_conv_dim, cfg.linear_conv_kernel_dim),
+                         (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                         self.dtype, self.device)
+
     def _auto_pages(self, mem_fraction: float) -> int:
         if self.device.type != "cuda":
             return _CPU_DEFAULT_PAGES
         free, _ = torch.cuda.mem_get_info(self.device)
         cfg = self.config
-        per_page = KVPool.bytes_per_page(num_layers=cfg.num_layers, page_size=self.page_size,
+        per_page = KVPool.bytes_per_page(num_layers=cfg.num_kv_layers, page_size=self.page_size,
                                          num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim,
                                          dtype=self.dtype)
         pages = int(free * mem_fraction) // per_page
@@ -212,8 +232,10 @@ class ModelRunner:
         positions = torch.arange(n + 1).expand(3, -1)
         slots = torch.arange(n + 1)
         ids = torch.zeros(n + 1, dtype=torch.int64)
-        self.forward(ForwardBatch(False, ids[:n], positions[:, :n], slots[:n], [n], [n], [pages]))
-        self.forward(ForwardBatch(True, ids[n:], positions[:, n:], slots[n:], [1], [n + 1], [pages]))
+        state = None if self.state_pool is None else [self.state_pool.scratch_slot]
+        self.forward(ForwardBatch(False, ids[:n], positions[:, :n], slots[:n], [n], [n], [pages], state_slots=state))
+        self.forward(ForwardBatch(True, ids[n:], positions[:, n:], slots[n:], [1], [n + 1], [pages],
+                                  state_slots=state))
 
 
 def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
