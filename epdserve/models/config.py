@@ -171,21 +171,11 @@ class ModelConfig:
                 raise ValueError(f"{cfg_file} has no {key!r} (neither in text_config nor at top level)")
             return value
 
-        rope = dict(get("rope_scaling") or {})
-        rope.update(get("rope_parameters") or {})
-        mrope_section = tuple(int(s) for s in rope.get("mrope_section",
-                                                        _DEFAULT_MROPE_SECTION.get(model_type, (16, 24, 24))))
-        rope_theta = float(rope.get("rope_theta", get("rope_theta", _DEFAULT_ROPE_THETA.get(model_type, 1e6))))
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         head_dim = hidden // heads
         if model_type in _DEFAULT_HEAD_DIM:
             head_dim = int(get("head_dim") or _DEFAULT_HEAD_DIM[model_type])
-        partial = float(rope.get("partial_rotary_factor", get("partial_rotary_factor",
-                                                               _DEFAULT_PARTIAL_ROTARY.get(model_type, 1.0))))
-        rotary_dim = int(head_dim * partial)
-        if len(mrope_section) != 3 or sum(mrope_section) != rotary_dim // 2:
-            raise ValueError(f"mrope_section {list(mrope_section)} must have 3 parts summing to rotary_dim/2 = "
-                             f"{rotary_dim // 2}")
+        mrope_section, rope_theta, rotary_dim = _rope_fields(model_type, get, head_dim)
         hybrid = _hybrid_fields(model_type, get, int(need("num_hidden_layers")))
 
         eos = set(_ids(get("eos_token_id")))
@@ -217,6 +207,26 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             **hybrid,
         )
+
+
+def _rope_fields(model_type: str, get, head_dim: int) -> tuple[tuple[int, int, int], float, int]:
+    """``(mrope_section, rope_theta, rotary_dim)`` from ``rope_scaling`` / ``rope_parameters`` (``get`` looks a
+    text key up) with the model type's defaults; ``rotary_dim = int(head_dim * partial_rotary_factor)``.
+
+    Raises:
+        ValueError: ``mrope_section`` not 3 parts summing to ``rotary_dim / 2``.
+    """
+    rope = dict(get("rope_scaling") or {})
+    rope.update(get("rope_parameters") or {})
+    section = tuple(int(s) for s in rope.get("mrope_section", _DEFAULT_MROPE_SECTION.get(model_type, (16, 24, 24))))
+    theta = float(rope.get("rope_theta", get("rope_theta", _DEFAULT_ROPE_THETA.get(model_type, 1e6))))
+    partial = float(rope.get("partial_rotary_factor", get("partial_rotary_factor",
+                                                           _DEFAULT_PARTIAL_ROTARY.get(model_type, 1.0))))
+    rotary_dim = int(head_dim * partial)
+    if len(section) != 3 or sum(section) != rotary_dim // 2:
+        raise ValueError(f"mrope_section {list(section)} must have 3 parts summing to rotary_dim/2 = "
+                         f"{rotary_dim // 2}")
+    return section, theta, rotary_dim  # type: ignore[return-value]
 
 
 def _hybrid_fields(model_type: str, get, num_layers: int) -> dict[str, Any]:
