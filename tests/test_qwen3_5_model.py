@@ -107,6 +107,15 @@ def test_config_checkpoint_and_pools(hf35, runner35, tiny_qwen3_5_path):
     assert pool.bytes_per_slot == 3 * (c.linear_conv_dim * 4 * 4 + 4 * 32 * 32 * 4)
 
 
+def test_checkpoint_names_map_to_the_lm():
+    from epdserve.models.weights import lm_name
+
+    assert lm_name("model.language_model.layers.0.linear_attn.A_log") == "layers.0.linear_attn.A_log"
+    assert lm_name("model.language_model.layers.0.linear_attn.conv1d.weight") == "layers.0.linear_attn.conv1d.weight"
+    assert lm_name("mtp.layers.0.mlp.gate_proj.weight") is None  # the released checkpoints' MTP head
+    assert lm_name("model.visual.blocks.0.attn.qkv.weight") is None
+
+
 def test_config_derives_layer_types_from_the_interval(tmp_path, tiny_qwen3_5_path):
     import json
     import shutil

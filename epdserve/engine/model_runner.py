@@ -23,13 +23,15 @@ DEFAULT_STATE_SLOTS = 64  # hybrid models: requests whose linear-attention state
 
 
 class ModelRunner:
-    """Loads a Qwen2-VL / Qwen2.5-VL / Qwen3-VL language model and runs :class:`ForwardBatch` es over its paged KV
-    cache.
+    """Loads a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 language model and runs :class:`ForwardBatch` es over its
+    paged KV cache (and, for Qwen3.5, its state pool).
 
     Attributes: ``config`` (:class:`ModelConfig`), ``num_pages``, ``page_size``, ``device``, ``dtype``,
     ``kv_pool`` (:class:`KVPool`), ``model`` (the LM of :func:`~epdserve.models.language_model_class`:
     :class:`~epdserve.models.qwen2_vl_lm.Qwen2VLLanguageModel` or
-    :class:`~epdserve.models.qwen3_vl_lm.Qwen3VLLanguageModel`), ``backend``, ``tp``
+    :class:`~epdserve.models.qwen3_vl_lm.Qwen3VLLanguageModel` or
+    :class:`~epdserve.models.qwen3_5_lm.Qwen3_5LanguageModel`), ``state_pool`` (hybrid models' :class:`StatePool`,
+    else None), ``backend``, ``tp``
     (:class:`TPGroup`), ``heads`` (this rank's :class:`~epdserve.models.parallel.HeadShard`), ``failed`` (always
     None here; a TP server's rank-0 runner sets it when a rank is lost).
 
