@@ -20,7 +20,7 @@ from epdserve.proto import encoder_pb2, encoder_pb2_grpc
 from epdserve.video import VideoError, VideoLimits, probe_video
 from epdserve.wire.messages import ImageEmbeddings, decode
 from test_encoder import _CHANNEL_OPTIONS, ServerThread
-from test_video import all_frames, make_clip
+from test_video import all_frames, audio_only, make_clip
 
 av = pytest.importorskip("av")
 
@@ -154,18 +154,6 @@ def _no_frames() -> bytes:
     return buf.getvalue()
 
 
-def _audio_only() -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="wav") as container:
-        stream = container.add_stream("pcm_s16le", rate=8000)
-        frame = av.AudioFrame.from_ndarray(torch.zeros(1, 800, dtype=torch.int16).numpy(), format="s16",
-                                           layout="mono")
-        frame.sample_rate = 8000
-        for packet in stream.encode(frame):
-            container.mux(packet)
-    return buf.getvalue()
-
-
 # Where the families differ, transformers' own processors do: Qwen2-VL's sample_frames divides by zero on a still
 # image at 2 fps and refuses more frames than the clip has; Qwen3-VL's samples one frame of the image (its resize
 # then refuses fewer frames than temporal_patch_size) and repeats frames to reach num_frames.
@@ -174,7 +162,7 @@ BAD = {
     "png": ((_png(), None, None), {"qwen2_5_vl": "the video (1 frame(s) at 25 fps) is too short for one frame",
                                    "qwen3_vl": "the video processor refuses 1 frame(s) of 96x64"}),
     "empty mp4": ((_no_frames(), None, None), "cannot read the video"),
-    "audio only": ((_audio_only(), None, None), "the file has no video stream"),
+    "audio only": ((audio_only(), None, None), "the file has no video stream"),
     "too many frames": ((CLIP, 8.0, None), f"24 frames sampled from the video, over the limit of {MAX_FRAMES}"),
     "too long": ((make_clip(frames=48, fps=8), None, None),
                  f"the video lasts 6.0 s, over the limit of {MAX_DURATION_S:g} s"),

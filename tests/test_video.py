@@ -89,7 +89,8 @@ def test_truncated_file_is_a_video_error():
         load_video(data[: len(data) // 3], lambda metadata: list(range(metadata.total_num_frames)))
 
 
-def test_audio_only_file_has_no_video_stream():
+def audio_only() -> bytes:
+    """A WAV file: a container PyAV opens, with an audio stream and no video stream."""
     buf = io.BytesIO()
     with av.open(buf, "w", format="wav") as container:
         stream = container.add_stream("pcm_s16le", rate=8000)
@@ -97,8 +98,12 @@ def test_audio_only_file_has_no_video_stream():
         frame.sample_rate = 8000
         for packet in stream.encode(frame):
             container.mux(packet)
+    return buf.getvalue()
+
+
+def test_audio_only_file_has_no_video_stream():
     with pytest.raises(VideoError, match="no video stream"):
-        probe_video(buf.getvalue())
+        probe_video(audio_only())
 
 
 def test_limits_on_duration_and_sampled_frames():

@@ -112,3 +112,21 @@ def test_bad_videos_are_400_and_the_server_keeps_serving(tiny_model_path, hf25, 
     with launched(tiny_model_path, tmp_path_factory.mktemp("video-limits"), "--max-video-duration-s", "20") as (
             url, _):
         check_bad_videos(url, tiny_model_path, hf25, photo_paths["rocket"].read_bytes())
+
+
+def test_repeated_video_hits_the_radix_cache(server, hf25, tiny_model_path):
+    """The same clip again: its tokens come from the radix cache (key: the video's content hash and sampling) and
+    the answer is unchanged; another sampling of the same file is a different key and misses."""
+    url, _ = server
+    clip = make_clip(frames=20, fps=10, size=(96, 64), seed=3)
+    messages = video_messages("video", clip)
+    messages[0]["content"][1]["text"] += " Then say what colours you see, and where they are in the frame."
+    first, second = (_chat(url, tiny_model_path, messages) for _ in range(2))
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    pad = hf25[1].config.video_token_id
+    ids = second["prompt_token_ids"]
+    video_end = max(i for i, t in enumerate(ids) if t == pad) + 1
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < video_end
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= video_end
+    other = _chat(url, tiny_model_path, messages, mm_processor_kwargs={"num_frames": 4})
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < min(i for i, t in enumerate(ids) if t == pad) + 1

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from test_video import make_clip
+from test_video import audio_only, make_clip
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from epdserve.frontend.image_slots import image_slots
@@ -305,20 +305,9 @@ def _good(base, model, prefill, encoder, photo: bytes):
     return req
 
 
-def _audio_only() -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="wav") as container:
-        stream = container.add_stream("pcm_s16le", rate=8000)
-        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
-        frame.sample_rate = 8000
-        for packet in stream.encode(frame):
-            container.mux(packet)
-    return buf.getvalue()
-
-
 BAD = {  # name: (video part, mm_processor_kwargs, words the 400's message must have)
     "corrupt": (lambda: _video_part(b"\x00\x00\x00\x18ftypmp42" + bytes(300)), None, "cannot read the video"),
-    "no_video_stream": (lambda: _video_part(_audio_only(), "application/octet-stream"), None, "no video stream"),
+    "no_video_stream": (lambda: _video_part(audio_only(), "application/octet-stream"), None, "no video stream"),
     "too_many_frames": (lambda: _video_part(make_clip(**CLIP)), {"num_frames": 12}, "over the limit of 8"),
     "too_long": (lambda: _video_part(make_clip(frames=60, fps=10)), {"fps": 0.5}, "over the limit of 5 s"),
     "not_a_video_type": (lambda: _video_part(make_clip(**CLIP), "text/plain"), None, "expected video/*"),

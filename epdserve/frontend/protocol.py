@@ -49,15 +49,16 @@ class TextPart(BaseModel):
     text: str
 
 
+def _url_object(v):
+    # Some clients send the URL as a bare string; accept it as the object form.
+    return {"url": v} if isinstance(v, str) else v
+
+
 class ImagePart(BaseModel):
     type: Literal["image_url"]
     image_url: ImageURL
 
-    @field_validator("image_url", mode="before")
-    @classmethod
-    def _bare_url(cls, v):
-        # Some clients send the URL as a bare string; accept it as the object form.
-        return {"url": v} if isinstance(v, str) else v
+    _bare_url = field_validator("image_url", mode="before")(_url_object)
 
 
 class VideoURL(BaseModel):
@@ -71,10 +72,7 @@ class VideoPart(BaseModel):
     type: Literal["video_url"]
     video_url: VideoURL
 
-    @field_validator("video_url", mode="before")
-    @classmethod
-    def _bare_url(cls, v):
-        return {"url": v} if isinstance(v, str) else v
+    _bare_url = field_validator("video_url", mode="before")(_url_object)
 
 
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
