@@ -146,10 +146,11 @@ def test_state_pool_alloc_free_and_errors():
     assert again == a and not pool.conv[0][again].any() and not pool.recurrent[0][again].any()
 
 
-def test_model_refuses_tp_and_batches_without_slots(runner35, tiny_qwen3_5_path):
+def test_model_refuses_unsplittable_heads_and_batches_without_slots(runner35, tiny_qwen3_5_path):
     cfg = ModelConfig.load(tiny_qwen3_5_path)
-    with pytest.raises(ValueError, match="one TP rank"):
-        Qwen3_5LanguageModel(cfg, tp=dataclasses.replace(TPGroup.single(), size=2))
+    with torch.device("meta"):  # 4 ranks: attention heads split, but not the 2 DeltaNet key heads
+        with pytest.raises(ValueError, match="linear-attention key heads of 2 cannot be split over 4 TP ranks"):
+            Qwen3_5LanguageModel(cfg, tp=dataclasses.replace(TPGroup.single(), size=4))
     seq = Seq(torch.arange(10, 15), [], [0, 1], PAGE)
     with pytest.raises(ValueError, match="state slot"):
         runner35.forward(make_batch([seq.extend_part(5)]))
@@ -224,3 +225,21 @@ def test_a_reused_slot_starts_from_zeros(runner35, prompts):
         torch.testing.assert_close(run(runner35, [again], [again.seq.extend_part(len(ids))]), first, atol=0, rtol=0)
     finally:
         again.close()
+
+
+def test_a_fresh_request_ignores_what_its_slot_holds(runner35, prompts):
+    """A first extend starts from the zero state even over a dirty slot (TP ranks other than 0 never see the
+    allocation, so they cannot rely on alloc() zeroing it)."""
+    pages = Pages(256, seed=4)
+    ids = prompts[0]
+    req = Req(runner35, ids, pages)
+    try:
+        clean = run(runner35, [req], [req.seq.extend_part(len(ids))])
+        pool = runner35.state_pool
+        for conv, rec in zip(pool.conv, pool.recurrent):
+            conv[req.slot].normal_()
+            rec[req.slot].normal_()
+        req.seq = Seq(ids, [], req.seq.pages, PAGE)
+        torch.testing.assert_close(run(runner35, [req], [req.seq.extend_part(len(ids))]), clean, atol=0, rtol=0)
+    finally:
+        req.close()

@@ -22,8 +22,16 @@ What differs from the Qwen2/Qwen3 decoders of :mod:`epdserve.models.qwen2_vl_lm`
   (state: the last ``kernel`` inputs) -> L2-normed q, k; ``beta = sigmoid(in_proj_b x)``, decay
   ``g = -exp(A_log) * softplus(in_proj_a x + dt_bias)``; the gated delta rule with the slot's recurrent state.
 
-TP: one rank only (raises for more). Images: ``mm_embeds`` rows are spliced in as for Qwen2 (untested: Qwen3.5's
-vision side comes later). No flashinfer fused ops and no CUDA graphs yet (the runner builds none for this model).
+TP (Megatron-style, as Qwen2's layers): attention heads as in :func:`~epdserve.models.parallel.head_shard`; each
+DeltaNet layer's key and value heads split evenly over the ranks (rank ``r`` keeps key heads ``[r*hk/n, ...)``
+and value heads ``[r*hv/n, ...)``, which are exactly the value heads those key heads serve), so ``in_proj_qkv``
+and the conv channels keep this rank's q, k and v heads part by part, ``in_proj_z/a/b``, ``A_log`` and
+``dt_bias`` its value heads, and ``out_proj`` is row-parallel; the state pool of a rank holds its heads only
+(:func:`deltanet_local_shapes`). Images: ``mm_embeds`` rows are spliced in as for Qwen2 (Qwen3.5 has no
+DeepStack). No flashinfer fused ops and no CUDA graphs yet (the runner builds none for this model).
+
+A request's first extend (``kv_len == q_len``: no prefix before it) starts from the zero state whatever its slot
+holds, as a fresh transformers cache does, so a slot need not be zeroed on every TP rank at allocation.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.state_pool import StatePool
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                      VocabParallelEmbedding)
+                                      VocabParallelEmbedding, head_shard, split_evenly)
 from epdserve.models.qwen2_vl_lm import MLP, Qwen2VLLanguageModel, _rotate, mrope_cos_sin
 
 
@@ -47,6 +55,76 @@ def _ref():
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     return modeling_qwen3_5
+
+
+def deltanet_heads(cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int, int]:
+    """``(key_start, key_heads, value_start, value_heads)`` of TP rank ``tp.rank``'s DeltaNet heads.
+
+    Raises:
+        ValueError: the key or value heads do not split evenly over ``tp.size`` ranks.
+    """
+    k0, hk = split_evenly(cfg.linear_num_key_heads, tp, "linear-attention key heads")
+    v0, hv = split_evenly(cfg.linear_num_value_heads, tp, "linear-attention value heads")
+    return k0, hk, v0, hv
+
+
+def deltanet_parts(cfg: ModelConfig, tp: TPGroup) -> list[tuple[int, int, int]]:
+    """This rank's ``(full, start, length)`` slices of the fused q|k|v channels of ``in_proj_qkv`` and the conv
+    (the :class:`~epdserve.models.parallel.ColumnParallelLinear` part format): its key heads of q and k, its value
+    heads of v."""
+    k0, hk, v0, hv = deltanet_heads(cfg, tp)
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qk = (cfg.linear_num_key_heads * dk, k0 * dk, hk * dk)
+    return [qk, qk, (cfg.linear_num_value_heads * dv, v0 * dv, hv * dv)]
+
+
+def deltanet_local_shapes(cfg: ModelConfig, tp: TPGroup) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """One request's per-layer state shapes on TP rank ``tp.rank``: conv ``(local_conv_dim, kernel)`` and
+    recurrent ``(local_value_heads, key_dim, value_dim)``."""
+    _, _, _, hv = deltanet_heads(cfg, tp)
+    conv = sum(length for _, _, length in deltanet_parts(cfg, tp))
+    return (conv, cfg.linear_conv_kernel_dim), (hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+
+
+def _take_parts(tensor: torch.Tensor, parts: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Rows ``[start, start + length)`` of each consecutive ``full``-row block of ``tensor``, concatenated."""
+    rows, offset = [], 0
+    for full, start, length in parts:
+        rows.append(tensor[offset + start:offset + start + length])
+        offset += full
+    if offset != tensor.shape[0]:
+        raise ValueError(f"checkpoint shape {tuple(tensor.shape)} has {tensor.shape[0]} rows, expected {offset}")
+    return torch.cat(rows)
+
+
+class PartsLinear(nn.Module):
+    """A bias-free linear layer stored in the checkpoint as one tensor ``[sum(full), in]`` of consecutive parts
+    (``in_proj_qkv``: q|k|v) of which this rank keeps the ``parts`` slices; ``[T, in]`` -> ``[T, sum(length)]``."""
+
+    def __init__(self, in_features: int, parts: list[tuple[int, int, int]]):
+        super().__init__()
+        self.parts = parts
+        self.weight = nn.Parameter(torch.empty(sum(p[2] for p in parts), in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
+        """Keep this rank's rows of the whole checkpoint ``tensor``. Raises ValueError on a shape mismatch."""
+        rows = _take_parts(tensor, self.parts)
+        if rows.shape != param.shape:
+            raise ValueError(f"checkpoint shape {tuple(tensor.shape)} does not give {tuple(param.shape)}")
+        param.data.copy_(rows)
+
+
+class PartsConv1d(PartsLinear):
+    """The depthwise causal conv's weight ``[channels, 1, kernel]`` (only the weight: the kernels take it), its
+    channels sliced like :class:`PartsLinear` rows."""
+
+    def __init__(self, parts: list[tuple[int, int, int]], kernel: int):
+        nn.Module.__init__(self)
+        self.parts = parts
+        self.weight = nn.Parameter(torch.empty(sum(p[2] for p in parts), 1, kernel))
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -85,13 +163,15 @@ class GatedAttention(nn.Module):
     """``Qwen3_5Attention`` over the paged KV: q (with its gate), k, v in one projection; q/k norms; partial
     interleaved M-RoPE; output gated by ``sigmoid(gate)``. ``kv_layer``: this layer's KV-pool layer."""
 
-    def __init__(self, cfg: ModelConfig, kv_layer: int):
+    def __init__(self, cfg: ModelConfig, kv_layer: int, tp: TPGroup):
         super().__init__()
-        self.kv_layer, self.hq, self.hkv, self.d = kv_layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.rot = cfg.rotary_dim
-        q, kv = 2 * self.hq * self.d, self.hkv * self.d
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [(q, 0, q), (kv, 0, kv), (kv, 0, kv)], bias=False)
-        self.o_proj = RowParallelLinear(self.hq * self.d, cfg.hidden_size, TPGroup.single())
+        heads = head_shard(cfg.num_heads, cfg.num_kv_heads, tp)
+        self.kv_layer, self.hq, self.hkv, self.d = kv_layer, heads.num_heads, heads.num_kv_heads, cfg.head_dim
+        self.rot, d = cfg.rotary_dim, cfg.head_dim
+        q = (2 * cfg.num_heads * d, 2 * heads.q_start * d, 2 * self.hq * d)  # per head [query | gate]
+        kv = (cfg.num_kv_heads * d, heads.kv_start * d, self.hkv * d)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp)
         self.q_norm = ZeroCenteredRMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.d, cfg.rms_norm_eps)
 
@@ -113,22 +193,29 @@ class GatedDeltaNet(nn.Module):
     """``Qwen3_5GatedDeltaNet`` over a :class:`StatePool` (parameter names as in the checkpoint). ``state_layer``:
     this layer's index among the pool's layers."""
 
-    def __init__(self, cfg: ModelConfig, state_layer: int):
+    def __init__(self, cfg: ModelConfig, state_layer: int, tp: TPGroup):
         super().__init__()
         self.state_layer = state_layer
-        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        _, self.hk, self.v0, self.hv = deltanet_heads(cfg, tp)
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.kernel = cfg.linear_conv_kernel_dim
-        conv_dim = cfg.linear_conv_dim
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.kernel, groups=conv_dim, bias=False)
+        parts, hv_all, dv = deltanet_parts(cfg, tp), cfg.linear_num_value_heads, self.dv
+        self.conv1d = PartsConv1d(parts, self.kernel)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.hv * self.dv, cfg.hidden_size, bias=False)
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, self.hv * self.dv, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        self.out_proj = RowParallelLinear(hv_all * dv, cfg.hidden_size, tp)
+        self.in_proj_qkv = PartsLinear(cfg.hidden_size, parts)
+        self.in_proj_z = ColumnParallelLinear(cfg.hidden_size, [(hv_all * dv, self.v0 * dv, self.hv * dv)], False)
+        self.in_proj_b = ColumnParallelLinear(cfg.hidden_size, [(hv_all, self.v0, self.hv)], bias=False)
+        self.in_proj_a = ColumnParallelLinear(cfg.hidden_size, [(hv_all, self.v0, self.hv)], bias=False)
+
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
+        """``A_log`` / ``dt_bias`` (``[value_heads]`` in the checkpoint): keep this rank's value heads. Raises
+        ValueError on a shape mismatch."""
+        if tensor.shape != (param.shape[0] * self.out_proj.tp.size,):
+            raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != ({param.shape[0] * self.out_proj.tp.size},)")
+        param.data.copy_(tensor[self.v0:self.v0 + self.hv])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, slots: torch.Tensor, pool: StatePool) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``; reads and writes the states of ``slots`` (int64 ``[B]``)."""
@@ -173,6 +260,9 @@ class GatedDeltaNet(nn.Module):
         the delta rule is ``torch_chunk_gated_delta_rule`` from the slot's state, or, for one token continuing a
         state, ``torch_recurrent_gated_delta_rule`` (transformers' choice for ``seq_len == 1`` with a cache)."""
         ref, layer, t = _ref(), self.state_layer, mixed.shape[0]
+        if not continued:  # a fresh request: transformers' empty cache (the slot may hold a previous request's)
+            pool.conv[layer][slot] = 0
+            pool.recurrent[layer][slot] = 0
         full = torch.cat([pool.conv[layer][slot], mixed.T[None].to(pool.dtype)], dim=-1)  # [1, C, K + t]
         pool.conv[layer][slot] = full[..., -self.kernel:]
         out = ref.causal_conv1d_fn(full, self.conv1d.weight.squeeze(1), None, activation="silu")[..., -t:]
@@ -188,14 +278,14 @@ class HybridDecoderLayer(nn.Module):
     """``Qwen3_5DecoderLayer``: ``h = x + mixer(norm(x))``, ``out = h + mlp(norm(h))``; the mixer is
     :class:`GatedDeltaNet` (``linear_attn``) or :class:`GatedAttention` (``self_attn``)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
         super().__init__()
         self.is_linear = cfg.layer_types[layer_id] == "linear_attention"
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg, cfg.linear_layers.index(layer_id))
+            self.linear_attn = GatedDeltaNet(cfg, cfg.linear_layers.index(layer_id), tp)
         else:
-            self.self_attn = GatedAttention(cfg, cfg.attention_layers.index(layer_id))
-        self.mlp = MLP(cfg, TPGroup.single())
+            self.self_attn = GatedAttention(cfg, cfg.attention_layers.index(layer_id), tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -216,20 +306,21 @@ class Qwen3_5LanguageModel(nn.Module):
     :meth:`forward`), plus ``states`` (a :class:`StatePool` with ``len(cfg.linear_layers)`` layers, set by the
     runner like ``attn``; plain attributes, not submodules).
 
+    ``tp`` (default: one rank): this process's TP group (see the module docstring for the split).
+
     Raises:
-        ValueError: ``tp.size > 1`` (not implemented yet) or a config without ``layer_types``.
+        ValueError: a config without ``layer_types``, or heads / DeltaNet heads / the intermediate size that do
+            not split over ``tp.size`` ranks.
     """
 
     def __init__(self, cfg: ModelConfig, attn=None, tp: TPGroup | None = None):
         super().__init__()
-        if tp is not None and tp.size > 1:
-            raise ValueError("Qwen3.5 runs on one TP rank for now (tensor parallelism is not implemented)")
         if not cfg.layer_types:
             raise ValueError("Qwen3_5LanguageModel needs a config with layer_types (model_type qwen3_5)")
-        tp = TPGroup.single()
+        tp = tp or TPGroup.single()
         self.config, self.attn, self.states, self.fused_ops = cfg, attn, None, False
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
