@@ -11,6 +11,7 @@ from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
 from epdserve.kvcache.kv_share import export_pool, new_shm_path
+from epdserve.engine import state_io
 from epdserve.kvcache.state_pool import StatePool
 from epdserve.wire.messages import KVPoolHandle
 from epdserve.models import language_model_class
@@ -114,12 +115,15 @@ class ModelRunner:
                 max_tokens=prefill_graph_max_tokens, scratch_page=num_pages, page_size=page_size, dtype=dtype)
 
     def _state_pool(self, num_slots: int) -> StatePool:
-        """The linear-attention states of a hybrid model: conv ``[conv_dim, kernel]`` in the model dtype,
-        recurrent ``[value_heads, key_dim, value_dim]`` in float32 (see :class:`StatePool`)."""
+        """The linear-attention states of a hybrid model, this rank's heads: conv ``[conv_dim, kernel]`` in the
+        model dtype, recurrent ``[value_heads, key_dim, value_dim]`` in float32 (see :class:`StatePool`); in
+        /dev/shm files with ``share_kv`` on the CPU, like the KV pool."""
+        from epdserve.models.qwen3_5_lm import deltanet_local_shapes
+
         cfg = self.config
-        return StatePool(num_slots, len(cfg.linear_layers), (cfg.linear_conv_dim, cfg.linear_conv_kernel_dim),
-                         (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-                         self.dtype, self.device)
+        conv, rec = deltanet_local_shapes(cfg, self.tp)
+        shm = (new_shm_path(), new_shm_path()) if self.share_kv and self.device.type == "cpu" else ("", "")
+        return StatePool(num_slots, len(cfg.linear_layers), conv, rec, self.dtype, self.device, shm_paths=shm)
 
     def _auto_pages(self, mem_fraction: float) -> int:
         if self.device.type != "cuda":
@@ -200,6 +204,37 @@ class ModelRunner:
                 kv = kv[:, :, :, self.heads.kv_start:self.heads.kv_start + self.heads.num_kv_heads]
             self.kv_pool.write_all(slots.to(self.device), kv)
 
+    def read_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hybrid models: state slot ``slot``'s whole linear-attention state on the CPU, ``(conv [layers,
+        conv_dim, kernel], recurrent [layers, value_heads, key_dim, value_dim])``, every DeltaNet head (the
+        :class:`~epdserve.wire.state_messages.StateHandoff` payload; :mod:`epdserve.engine.state_io`). With TP
+        every rank calls it."""
+        return state_io.read_state(self.state_pool, slot, self.config, self.tp)
+
+    def write_state(self, slot: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Hybrid models: store a received whole state into ``slot`` (with TP every rank calls it; rank 0's is
+        broadcast).
+
+        Raises:
+            ValueError: wrong shapes.
+        """
+        state_io.write_state(self.state_pool, slot, conv, recurrent, self.config, self.tp)
+
+    def state_handles(self) -> list[KVPoolHandle] | None:
+        """Hybrid models with ``share_kv``: the handles of the state pool's conv and recurrent buffers (mapped
+        like the KV pool's); else None."""
+        if not self.share_kv or self.state_pool is None:
+            return None
+        pool = self.state_pool
+        return [export_pool(pool.conv_buffer, pool.shm_paths[0]), export_pool(pool.recurrent_buffer,
+                                                                              pool.shm_paths[1])]
+
+    def copy_state_from(self, peer_conv: torch.Tensor, peer_recurrent: torch.Tensor, src_slot: int,
+                        dst_slot: int) -> None:
+        """Hybrid models: copy a mapped prefill state pool's slot into ``dst_slot`` (see
+        :func:`~epdserve.engine.state_io.copy_state`; raises ValueError on a mismatch)."""
+        state_io.copy_state(self.state_pool, peer_conv, peer_recurrent, src_slot, dst_slot)
+
     def close(self) -> None:
         """Release what the runner holds outside this process (nothing for one rank; TP runners stop their
         ranks)."""
@@ -256,6 +291,8 @@ def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
     runner = ModelRunner(model_path, device=tp.device, dtype=resolve_dtype(cfg.dtype, tp.device),
                          num_pages=cfg.num_pages, page_size=cfg.page_size, attention_backend=cfg.attention_backend,
                          mem_fraction=cfg.mem_fraction, cuda_graph_max_bs=cuda_graph_max_bs,
-                         prefill_graph_max_tokens=getattr(cfg, "cuda_graph_max_tokens", 0), share_kv=share_kv, tp=tp)
+                         prefill_graph_max_tokens=getattr(cfg, "cuda_graph_max_tokens", 0), share_kv=share_kv, tp=tp,
+                         # decode: one state slot per running request; prefill: the default
+                         num_state_slots=getattr(cfg, "max_running_requests", DEFAULT_STATE_SLOTS))
     runner.warmup()
     return runner

@@ -7,7 +7,21 @@ schedulers own) because a slot is one integer per request and must be zeroed whe
 
 from __future__ import annotations
 
+import os
+import weakref
+
 import torch
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, shm_path: str) -> torch.Tensor:
+    """A zeroed tensor; on the CPU with ``shm_path``, living in that new /dev/shm file (removed with the pool), so
+    another process of this machine can map it (:func:`epdserve.kvcache.kv_share.open_pool`)."""
+    if not shm_path:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for n in shape:
+        numel *= n
+    return torch.from_file(shm_path, shared=True, size=numel, dtype=dtype).view(shape)  # a new file reads as 0
 
 
 class StatePool:
@@ -22,6 +36,10 @@ class StatePool:
       reference delta rule computes and returns its state in float32, as the FLA kernels keep it); for Qwen3.5
       ``(value_heads, key_dim, value_dim)``.
 
+    Both live in one buffer each, ``conv_buffer`` ``[layers, num_slots + 1, *conv_shape]`` and ``recurrent_buffer``
+    (``conv[layer]`` is a view of ``conv_buffer[layer]``), so a hand-off gathers a slot of every layer with one index
+    op and another process can map them (``shm_paths``, CPU; CUDA buffers export an IPC handle).
+
     ``conv[layer][slot]`` / ``recurrent[layer][slot]`` are a request's. Slot ``num_slots`` (``scratch_slot``) is never
     handed out: CUDA-graph padding rows (future) and warm-up forwards write there. All slots start zeroed and
     :meth:`alloc` zeroes the slot it returns, so a request always starts from the zero state a fresh transformers
@@ -29,8 +47,10 @@ class StatePool:
     """
 
     def __init__(self, num_slots: int, layers: int, conv_shape: tuple[int, ...], recurrent_shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device | str, recurrent_dtype: torch.dtype = torch.float32):
-        """Allocate ``layers * (num_slots + 1)`` conv and recurrent states on ``device``.
+                 dtype: torch.dtype, device: torch.device | str, recurrent_dtype: torch.dtype = torch.float32,
+                 shm_paths: tuple[str, str] = ("", "")):
+        """Allocate ``layers * (num_slots + 1)`` conv and recurrent states on ``device`` (on the CPU with
+        ``shm_paths``, in those two new /dev/shm files: conv, recurrent).
 
         Raises:
             ValueError: ``num_slots`` or ``layers`` not positive.
@@ -42,9 +62,15 @@ class StatePool:
         self.conv_shape, self.recurrent_shape = tuple(conv_shape), tuple(recurrent_shape)
         self.dtype, self.recurrent_dtype, self.device = dtype, recurrent_dtype, torch.device(device)
         self.scratch_slot = num_slots
-        self.conv = [torch.zeros((num_slots + 1, *conv_shape), dtype=dtype, device=device) for _ in range(layers)]
-        self.recurrent = [torch.zeros((num_slots + 1, *recurrent_shape), dtype=recurrent_dtype, device=device)
-                          for _ in range(layers)]
+        self.shm_paths = shm_paths if self.device.type == "cpu" and all(shm_paths) else ("", "")
+        self.conv_buffer = _zeros((layers, num_slots + 1, *conv_shape), dtype, self.device, self.shm_paths[0])
+        self.recurrent_buffer = _zeros((layers, num_slots + 1, *recurrent_shape), recurrent_dtype, self.device,
+                                       self.shm_paths[1])
+        for path in self.shm_paths:
+            if path:
+                weakref.finalize(self, os.unlink, path)
+        self.conv = list(self.conv_buffer.unbind(0))
+        self.recurrent = list(self.recurrent_buffer.unbind(0))
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
         self._used: set[int] = set()
 
@@ -52,6 +78,11 @@ class StatePool:
     def num_free(self) -> int:
         """Slots :meth:`alloc` can still hand out."""
         return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Slots handed out and not freed."""
+        return len(self._used)
 
     @property
     def bytes_per_slot(self) -> int:
