@@ -175,6 +175,7 @@ class LaunchConfig:
     kv_transfer: str = _like(LMServerConfig, "kv_transfer")
     encoder_cuda_graphs: int = _like(EncoderConfig, "cuda_graphs")
     prefill_cuda_graph_max_tokens: int = _like(PrefillConfig, "cuda_graph_max_tokens")
+    prefill_chunked_prefill_size: int = _like(PrefillConfig, "chunked_prefill_size")
     encoder_compile: bool = _like(EncoderConfig, "compile")
     encoder_gpu_jpeg_decode: bool = _like(EncoderConfig, "gpu_jpeg_decode")
 

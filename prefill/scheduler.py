@@ -20,6 +20,7 @@ import torch
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.radix_cache import RadixCache
 from epdserve.kvcache.kv_share import host_id
+from epdserve.kvcache.state_slots import StateSlots
 from epdserve.wire.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest
 from epdserve.metrics import PrefillMetrics
 from epdserve.engine.model_runner import ModelRunner
@@ -67,6 +68,9 @@ class PrefillScheduler:
         # first served), RUNNING ones in admission order and FINISHED ones in finishing order.
         self.reqs: dict[int | str, _Req] = {}
         self.pool_handle = runner.kv_handle()  # None: this pool is not shared, KV goes through host memory
+        # Hybrid models: a state slot per request from admission to the release of its pages. Their radix cache
+        # never matches: a prefix hit would come without the DeltaNet state at the prefix's end.
+        self.states = StateSlots(runner)
         self.host_id = host_id()
         self.metrics = metrics if metrics is not None else PrefillMetrics()
 
@@ -174,7 +178,8 @@ class PrefillScheduler:
         return Load(role="prefill", num_running_reqs=sum(r.state is _State.RUNNING for r in recs),
                     num_waiting_reqs=sum(r.state is _State.WAITING for r in recs),
                     kv_pages_used=used, kv_pages_total=self.pool.num_pages, kv_pages_cached=self.radix.num_pages,
-                    rooms=rooms, embeddings=len(self.embeds))
+                    rooms=rooms, embeddings=len(self.embeds), state_slots_used=self.states.used,
+                    state_slots_total=self.states.total)
 
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -342,12 +347,12 @@ class PrefillScheduler:
             req.positions, req.mrope_delta = mrope_positions(
                 req.n, [(s.offset, s.grid_thw, s.time_interval) for s in msg.images], self.cfg.spatial_merge_size)
         # At least one token must be computed to get logits, so never match the whole prompt.
-        match = self.radix.match_prefix(req.key[:((req.n - 1) // ps) * ps])
+        match = self.radix.match_prefix(req.key[:((req.n - 1) // ps) * ps] if not self.states.enabled else [])
         need = self.pool.pages_for(req.n) - len(match.pages)
         self.radix.lock(match.node)  # protect the match from the eviction below
         if need > self.pool.num_free:
             self.pool.free(self.radix.evict(need - self.pool.num_free))
-        if need > self.pool.num_free:
+        if need > self.pool.num_free or not self.states.acquire(req.room):
             self.radix.unlock(match.node)
             return False
         req.node, req.cached, req.computed = match.node, match.length, match.length
@@ -367,6 +372,7 @@ class PrefillScheduler:
             budget -= take
         dev = self.runner.device
         batch = prefill_batch(batch_reqs, chunks, self.pool)
+        batch.state_slots = self.states.slots([r.room for r in batch_reqs])
         # With DEBUG logs, CUDA events time the forward on the GPU: the stage timeline then tells host from GPU.
         timed = log.isEnabledFor(logging.DEBUG) and dev.type == "cuda"
         if timed:
@@ -419,7 +425,8 @@ class PrefillScheduler:
         return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
                           cached_tokens=req.cached, mrope_position_delta=req.mrope_delta, pool=self.pool_handle,
                           kv_pages=req.pages[:self.pool.pages_for(req.n)], input_digest=req.msg.input_digest,
-                          lend_until=time.time() + self.timeout_s, first_logprob=req.first_logprob)
+                          lend_until=time.time() + self.timeout_s, first_logprob=req.first_logprob,
+                          state=self.states.shared_handoff(req.room))
 
     def _host_transfer(self, req: _Req) -> KVTransfer:
         """Gather a prefilled request's KV into host memory, free its pages, and return the transfer."""
@@ -427,13 +434,16 @@ class PrefillScheduler:
         transfer = KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
                               cached_tokens=req.cached, mrope_position_delta=req.mrope_delta,
                               kv=self.runner.read_kv(slots), input_digest=req.msg.input_digest,
-                              first_logprob=req.first_logprob)
+                              first_logprob=req.first_logprob, state=self.states.host_handoff(req.room))
         self._release(req, insert=True)
         return transfer
 
     def _release(self, req: _Req, *, insert: bool) -> None:
         """Give a request's pages back: full pages into the radix cache (if its KV is complete), the rest to
-        the pool; then unlock its matched prefix."""
+        the pool; then unlock its matched prefix. Its state slot (hybrid models) goes back too, and nothing goes
+        into the radix cache: a hybrid model's radix cache never matches (see ``__init__``)."""
+        self.states.release(req.room)
+        insert = insert and not self.states.enabled
         ps = self.runner.page_size
         n_matched = req.cached // ps
         if insert:

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from epdserve.wire.codec import Codec, WireError, tensor_bytes, tensor_from_bytes  # noqa: F401  (the wire's names)
+from epdserve.wire.state_messages import StateHandoff
 from epdserve.wire.tp_messages import (
-    TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings, TPShutdown, TPWriteKV,
+    TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown, TPWriteKV,
+    TPWriteState,
 )
 
 
@@ -142,7 +144,8 @@ class Load:
     Counts are requests or KV pages. ``kv_pages_used`` includes ``kv_pages_cached`` (prefill: pages held only by
     the radix cache, evictable; 0 on decode). ``rooms`` counts bootstrap rooms with state (prefill: decode
     registrations and finished KV waiting for one; decode: requests waiting for their KV). ``embeddings``
-    counts requests whose image embeddings the prefill server holds.
+    counts requests whose image embeddings the prefill server holds. ``state_slots_used`` / ``state_slots_total``:
+    hybrid models' linear-attention state slots (one per request holding a state; 0 / 0 for other models).
     """
 
     role: str
@@ -153,6 +156,8 @@ class Load:
     kv_pages_cached: int = 0
     rooms: int = 0
     embeddings: int = 0
+    state_slots_used: int = 0
+    state_slots_total: int = 0
 
 
 @dataclass
@@ -237,6 +242,7 @@ class KVTransfer:
     input_digest: str = ""  # the PrefillRequest's digest of the ids this KV was computed from
     lend_until: float = 0.0
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    state: StateHandoff | None = None  # hybrid models (Qwen3.5): the DeltaNet state, on either path
 
 
 @dataclass
@@ -276,8 +282,9 @@ def input_ids_digest(input_ids: list[int]) -> str:
 _CODEC = Codec((
     SamplingParams, TokenLogprob, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest, ServerInfoRequest,
     ServerInfo, LoadRequest, Load,
-    ImageEmbeddings, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput, TokenOutputBatch,
-    TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt,
+    ImageEmbeddings, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput, TokenOutputBatch, StateHandoff,
+    TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt, TPReadState,
+    TPWriteState,
 ))
 KINDS = _CODEC.kinds  # every kind the stages exchange, by class name
 encode = _CODEC.encode  # see Codec.encode: a registered dataclass -> [header, *tensor frames]
