@@ -99,6 +99,9 @@ class PrefillConfig(LMServerConfig):
     cuda_graph_max_tokens: int = _f(2048, "longest one-request prefill forward (new tokens) replayed from a CUDA "
                                           "graph (flashinfer backend); longer ones and batches of several requests "
                                           "run eagerly; 0 = every prefill eagerly")
+    state_snapshot_slots: int = _f(32, "hybrid models (Qwen3.5): linear-attention state snapshots the radix cache "
+                                       "keeps at chunk ends (LRU), so a prefix hit also has the state at its end; "
+                                       "each takes one request's state memory; 0 = no prefix hits")
     metrics_port: int = _f(30301, "HTTP port of /metrics (Prometheus text format); 0 = a free port")
 
 

@@ -21,6 +21,7 @@ from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.radix_cache import RadixCache
 from epdserve.kvcache.kv_share import host_id
 from epdserve.kvcache.state_slots import StateSlots
+from epdserve.kvcache.state_snapshots import StateSnapshots
 from epdserve.wire.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest
 from epdserve.metrics import PrefillMetrics
 from epdserve.engine.model_runner import ModelRunner
@@ -51,10 +52,12 @@ class PrefillScheduler:
             al., OSDI 2024, and SGLang's ``--chunked-prefill-size``); 0 = no bound but ``max_prefill_tokens``.
         timeout_s: seconds a request waits for embeddings, or its KV waits for a decode registration.
         metrics: where to record (the server's; a fresh one by default).
+        state_snapshot_slots: hybrid models: linear-attention state snapshots kept for radix hits (0: a hybrid
+            model's radix cache never matches).
     """
 
     def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float,
-                 chunked_prefill_size: int = 0, metrics: PrefillMetrics | None = None):
+                 chunked_prefill_size: int = 0, metrics: PrefillMetrics | None = None, state_snapshot_slots: int = 0):
         self.runner = runner
         self.cfg = runner.config
         self.pool = PagePool(runner.num_pages, runner.page_size)
@@ -68,9 +71,12 @@ class PrefillScheduler:
         # first served), RUNNING ones in admission order and FINISHED ones in finishing order.
         self.reqs: dict[int | str, _Req] = {}
         self.pool_handle = runner.kv_handle()  # None: this pool is not shared, KV goes through host memory
-        # Hybrid models: a state slot per request from admission to the release of its pages. Their radix cache
-        # never matches: a prefix hit would come without the DeltaNet state at the prefix's end.
+        # Hybrid models: a state slot per request from admission to the release of its pages. A radix hit needs
+        # the DeltaNet state at the prefix's end too: it is cut back to the longest prefix with a state snapshot
+        # (none without snapshot slots: then nothing matches).
         self.states = StateSlots(runner)
+        if self.states.enabled:
+            self.states.snapshots = StateSnapshots(runner, state_snapshot_slots, runner.page_size)
         self.host_id = host_id()
         self.metrics = metrics if metrics is not None else PrefillMetrics()
 
@@ -179,7 +185,7 @@ class PrefillScheduler:
                     num_waiting_reqs=sum(r.state is _State.WAITING for r in recs),
                     kv_pages_used=used, kv_pages_total=self.pool.num_pages, kv_pages_cached=self.radix.num_pages,
                     rooms=rooms, embeddings=len(self.embeds), state_slots_used=self.states.used,
-                    state_slots_total=self.states.total)
+                    state_slots_total=self.states.total, state_slots_cached=self.states.cached)
 
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -347,7 +353,12 @@ class PrefillScheduler:
             req.positions, req.mrope_delta = mrope_positions(
                 req.n, [(s.offset, s.grid_thw, s.time_interval) for s in msg.images], self.cfg.spatial_merge_size)
         # At least one token must be computed to get logits, so never match the whole prompt.
-        match = self.radix.match_prefix(req.key[:((req.n - 1) // ps) * ps] if not self.states.enabled else [])
+        match = self.radix.match_prefix(req.key[:((req.n - 1) // ps) * ps])
+        snapshot = None
+        if self.states.enabled:  # only as far as a state snapshot reaches (see __init__)
+            length, snapshot = self.states.snapshots.longest(req.key, match.length)
+            if length < match.length:
+                match = self.radix.match_prefix(req.key[:length])
         need = self.pool.pages_for(req.n) - len(match.pages)
         self.radix.lock(match.node)  # protect the match from the eviction below
         if need > self.pool.num_free:
@@ -355,6 +366,13 @@ class PrefillScheduler:
         if need > self.pool.num_free or not self.states.acquire(req.room):
             self.radix.unlock(match.node)
             return False
+        if snapshot is not None and match.length:  # acquire() may have evicted it: copied only now, if still held
+            length, snapshot = self.states.snapshots.longest(req.key, match.length)
+            if length != match.length:
+                self.radix.unlock(match.node)
+                self.states.release(req.room)
+                return self._allocate(req)  # the snapshot went to make room: match again (no hit is left)
+            self.runner.copy_state(snapshot, self.states.slot(req.room))
         req.node, req.cached, req.computed = match.node, match.length, match.length
         req.pages = match.pages + self.pool.alloc(need)
         return True
@@ -367,6 +385,10 @@ class PrefillScheduler:
             if budget <= 0:
                 break
             take = min(req.n - req.computed, budget, self.chunk)
+            if self.states.enabled:  # end a chunk at the prompt's last page boundary: a snapshot is taken there
+                last = ((req.n - 1) // self.runner.page_size) * self.runner.page_size
+                if req.computed < last < req.computed + take:
+                    take = last - req.computed
             batch_reqs.append(req)
             chunks.append((req.computed, req.computed + take))
             budget -= take
@@ -387,6 +409,8 @@ class PrefillScheduler:
         done = [i for i, (req, (_, e)) in enumerate(zip(batch_reqs, chunks)) if e == req.n]
         for req, (_, e) in zip(batch_reqs, chunks):
             req.computed = e
+            if self.states.enabled and e < req.n and e % self.runner.page_size == 0:
+                self.states.snapshots.save(req.key[:e], self.states.slot(req.room))
         if not done:
             return
         reqs = [batch_reqs[i] for i in done]
@@ -440,10 +464,8 @@ class PrefillScheduler:
 
     def _release(self, req: _Req, *, insert: bool) -> None:
         """Give a request's pages back: full pages into the radix cache (if its KV is complete), the rest to
-        the pool; then unlock its matched prefix. Its state slot (hybrid models) goes back too, and nothing goes
-        into the radix cache: a hybrid model's radix cache never matches (see ``__init__``)."""
+        the pool; then unlock its matched prefix. Its state slot (hybrid models) goes back too."""
         self.states.release(req.room)
-        insert = insert and not self.states.enabled
         ps = self.runner.page_size
         n_matched = req.cached // ps
         if insert:

@@ -3,12 +3,13 @@ generate() on the same tiny checkpoint (issue 33).
 
 Greedy output through `epdserve launch` must equal ``generate(do_sample=False)`` token for token: text, one photo,
 two photos, a multi-turn chat, a prompt several times longer than ``--chunked-prefill-size``, a generated video
-alone and after a photo; streaming and not. Three launches: the host KV path (``--kv-transfer zmq``) with small
-prefill chunks, the shared path (``--kv-transfer shared``: decode maps prefill's KV pool and state pool), and
-prefill and decode at TP=2 (gloo; DeltaNet heads split over the ranks) with small chunks. A request's DeltaNet
+alone and after a photo; streaming and not. Three launches, each with small prefill chunks: the host KV path
+(``--kv-transfer zmq``), the shared path (``--kv-transfer shared``: decode maps prefill's KV pool and state pool),
+and prefill and decode at TP=2 (gloo; DeltaNet heads split over the ranks). A request's DeltaNet
 state (conv + recurrent, every linear-attention layer) must cross the prefill -> decode boundary on each: a lost or
-misplaced state would not match. A hybrid model's radix cache never matches (a hit would lack the state), and an
-aborted stream and a killed decode server leave every state slot and KV page back at baseline.
+misplaced state would not match. A radix hit on a hybrid model restores the DeltaNet state snapshot taken at a
+chunk end (a second request sharing the long prefix, the next turn of a chat) and still matches. An aborted stream
+and a killed decode server leave every state slot and KV page back at baseline.
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ from conftest import launch_metrics_urls, launched
 from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve
 from test_video_e2e import check_video_case
 
-CHUNK = 32  # --prefill-chunked-prefill-size of the zmq and tp2 launches
+CHUNK = 32  # --prefill-chunked-prefill-size of every launch
+PAGE = 16  # the default --page-size
 _ITEMS = " ".join(f"Item {i} is a {c} box on the {s} shelf." for i, (c, s) in
                   enumerate(zip(["red", "green", "blue", "black"] * 4, ["top", "middle", "low", "left"] * 4)))
 LONG = [("user", ["Read this slowly. " + _ITEMS])]
+# Share LONG's text (another question after it; the next turn of its chat): radix hits on a state snapshot.
+OTHER_QUESTION = [("user", ["Read this slowly. " + _ITEMS + " Which box is on the top shelf?"])]
+NEXT_TURN = [*LONG, ("assistant", ["Sixteen boxes."]), ("user", ["Which one is black?"])]
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +54,16 @@ def references(hf35, photo_paths):
     """Per case, transformers' ``(prompt ids, greedy ids, text)``, computed once for the module."""
     refs = {case: _hf_reference(hf35, _resolve(case, photo_paths), NEW_TOKENS) for case in CASES}
     refs["long"] = _hf_reference(hf35, LONG, NEW_TOKENS)
+    refs["other_question"] = _hf_reference(hf35, OTHER_QUESTION, NEW_TOKENS)
+    refs["next_turn"] = _hf_reference(hf35, NEXT_TURN, NEW_TOKENS)
     assert len(refs["long"][0]) > 4 * CHUNK
+    assert refs["next_turn"][0][:len(refs["long"][0])] == refs["long"][0]
     return refs
 
 
 LAUNCHES = {
     "zmq": ("--kv-transfer", "zmq", "--prefill-chunked-prefill-size", str(CHUNK)),
-    "shared": ("--kv-transfer", "shared"),
+    "shared": ("--kv-transfer", "shared", "--prefill-chunked-prefill-size", str(CHUNK)),
     "tp2": ("--device", "cpu", "--prefill-tp", "2", "--decode-tp", "2", "--prefill-chunked-prefill-size",
             str(CHUNK)),
 }
@@ -122,21 +130,29 @@ def _prefill_forwards(log_path) -> int:
     return int(float(re.search(r"^epdserve:batch_size_count\{[^}]*\} (\S+)$", text, re.M).group(1)))
 
 
-def test_long_prompt_in_chunks_and_no_radix_hit(server35, references, tiny_qwen3_5_path):
-    """A prompt over four chunks long is prefilled chunk by chunk (the state carried across chunks), and asked
-    again it is computed again: a hybrid model's radix cache never matches, since a hit would lack the DeltaNet
-    state at the end of the prefix."""
-    name, url, log_path = server35
+def test_long_prompt_in_chunks_then_radix_hits_on_state_snapshots(server35, references, tiny_qwen3_5_path):
+    """A prompt over four chunks long is prefilled chunk by chunk (the state carried across chunks). Requests
+    sharing its text then skip the prefix up to the longest DeltaNet state snapshot within it (taken at chunk ends
+    and at the prompt's last page boundary) and still equal transformers: the same prompt again, another question
+    after the same text, the next turn of the chat."""
+    _, url, log_path = server35
     before = _prefill_forwards(log_path)
-    first = _check(url, tiny_qwen3_5_path, LONG, references["long"])
-    forwards = _prefill_forwards(log_path) - before
-    if name != "shared":  # two requests (the check's non-streaming and streaming one), chunk by chunk
-        assert forwards >= 2 * math.ceil(len(references["long"][0]) / CHUNK)
-    again = _chat(url, tiny_qwen3_5_path, _openai_messages(LONG))
-    assert again["choices"][0]["token_ids"] == references["long"][1]
+    n = len(references["long"][0])
+    first = _chat(url, tiny_qwen3_5_path, _openai_messages(LONG))
+    assert first["choices"][0]["token_ids"] == references["long"][1]
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert _prefill_forwards(log_path) - before >= math.ceil(n / CHUNK)  # chunk by chunk
+    again = _check(url, tiny_qwen3_5_path, LONG, references["long"])  # and its stream, both hits
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // PAGE * PAGE
+    other = _check(url, tiny_qwen3_5_path, OTHER_QUESTION, references["other_question"])
+    common = next(i for i, (a, b) in enumerate(zip(references["long"][0], references["other_question"][0]))
+                  if a != b)
+    hit = other["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert common // CHUNK * CHUNK <= hit <= common and hit > 0
+    turn = _check(url, tiny_qwen3_5_path, NEXT_TURN, references["next_turn"])
+    assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] >= (n - 1) // PAGE * PAGE
     assert wait_for(lambda: not _at_rest(url), 20, 0.3), _at_rest(url)
+    assert details(url)["stages"]["prefill"]["load"]["state_slots_cached"] > 0
 
 
 def test_aborted_stream_returns_state_slots_and_pages(server35, references, tiny_qwen3_5_path):

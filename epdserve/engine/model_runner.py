@@ -207,7 +207,7 @@ class ModelRunner:
     def read_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Hybrid models: state slot ``slot``'s whole linear-attention state on the CPU, ``(conv [layers,
         conv_dim, kernel], recurrent [layers, value_heads, key_dim, value_dim])``, every DeltaNet head (the
-        :class:`~epdserve.wire.state_messages.StateHandoff` payload; :mod:`epdserve.engine.state_io`). With TP
+        :class:`~epdserve.wire.messages.StateHandoff` payload; :mod:`epdserve.engine.state_io`). With TP
         every rank calls it."""
         return state_io.read_state(self.state_pool, slot, self.config, self.tp)
 
@@ -219,6 +219,11 @@ class ModelRunner:
             ValueError: wrong shapes.
         """
         state_io.write_state(self.state_pool, slot, conv, recurrent, self.config, self.tp)
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        """Hybrid models: copy state slot ``src_slot`` into ``dst_slot`` (prefix-cache snapshots; with TP every
+        rank calls it)."""
+        state_io.copy_slot(self.state_pool, src_slot, dst_slot)
 
     def state_handles(self) -> list[KVPoolHandle] | None:
         """Hybrid models with ``share_kv``: the handles of the state pool's conv and recurrent buffers (mapped
@@ -292,7 +297,9 @@ def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
                          num_pages=cfg.num_pages, page_size=cfg.page_size, attention_backend=cfg.attention_backend,
                          mem_fraction=cfg.mem_fraction, cuda_graph_max_bs=cuda_graph_max_bs,
                          prefill_graph_max_tokens=getattr(cfg, "cuda_graph_max_tokens", 0), share_kv=share_kv, tp=tp,
-                         # decode: one state slot per running request; prefill: the default
-                         num_state_slots=getattr(cfg, "max_running_requests", DEFAULT_STATE_SLOTS))
+                         # decode: one state slot per running request; prefill: the default plus its prefix-cache
+                         # snapshots
+                         num_state_slots=getattr(cfg, "max_running_requests", DEFAULT_STATE_SLOTS)
+                         + getattr(cfg, "state_snapshot_slots", 0))
     runner.warmup()
     return runner

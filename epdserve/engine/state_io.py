@@ -71,6 +71,14 @@ def write_state(pool: StatePool, slot: int, conv: torch.Tensor, recurrent: torch
         pool.recurrent_buffer[:, slot] = recurrent.to(pool.device)
 
 
+def copy_slot(pool: StatePool, src_slot: int, dst_slot: int) -> None:
+    """Copy this pool's slot ``src_slot`` into ``dst_slot`` (this rank's heads; every TP rank calls it), queued on
+    the current stream: a prefix-cache snapshot taken or restored (:mod:`epdserve.kvcache.state_snapshots`)."""
+    with torch.no_grad():
+        pool.conv_buffer[:, dst_slot].copy_(pool.conv_buffer[:, src_slot])
+        pool.recurrent_buffer[:, dst_slot].copy_(pool.recurrent_buffer[:, src_slot])
+
+
 def copy_state(pool: StatePool, peer_conv: torch.Tensor, peer_recurrent: torch.Tensor, src_slot: int,
                dst_slot: int) -> None:
     """Copy slot ``src_slot`` of a mapped peer pool's buffers (``[layers, peer_slots, *shape]``, one TP rank's

@@ -8,7 +8,8 @@ Started by rank 0 (:func:`epdserve.engine.tp_runner.start_tp_runner`), never by 
 A rank joins the process group, builds and warms up its :class:`~epdserve.engine.model_runner.ModelRunner` in step with
 rank 0, then serves two sockets:
 - a DEALER to rank 0's control ROUTER: ``TPForward`` / ``TPReadKV`` / ``TPWriteKV`` / ``TPReadState`` /
-  ``TPWriteState`` / ``TPReleaseEmbeddings`` / ``TPShutdown`` in, run in order; ``TPHello`` and ``TPEmbedReceipt`` out.
+  ``TPWriteState`` / ``TPCopyState`` / ``TPReleaseEmbeddings`` / ``TPShutdown`` in, run in order; ``TPHello``
+  and ``TPEmbedReceipt`` out.
 - on a prefill server, a PULL on a port it binds itself (reported to rank 0 in ``TPHello``): the encoder's
   ``ImageEmbeddings`` for this rank. The rank keeps its own copy until rank 0 releases it and reports each
   arrival to rank 0, which schedules a request only once every rank holds its embeddings.
@@ -33,8 +34,8 @@ from epdserve.engine.distributed import TPGroup, rank_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.wire.messages import ImageEmbeddings
 from epdserve.wire.tp_messages import (
-    TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown, TPWriteKV,
-    TPWriteState,
+    TPCopyState, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown,
+    TPWriteKV, TPWriteState,
 )
 from epdserve.engine.model_runner import ModelRunner, build_runner
 
@@ -116,6 +117,8 @@ class Follower:
             pool = runner.state_pool
             runner.write_state(msg.slot, torch.empty(conv, dtype=pool.dtype, device=dev),
                                torch.empty(rec, dtype=pool.recurrent_dtype, device=dev))
+        elif isinstance(msg, TPCopyState):
+            runner.copy_state(msg.src, msg.dst)
         elif isinstance(msg, TPReleaseEmbeddings):
             for rid in msg.rids:
                 self.embeds.pop(rid, None)

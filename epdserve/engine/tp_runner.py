@@ -35,8 +35,8 @@ from epdserve.engine.distributed import TPGroup, rank_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.wire.messages import encode
 from epdserve.wire.tp_messages import (
-    TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown, TPWriteKV,
-    TPWriteState,
+    TPCopyState, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown,
+    TPWriteKV, TPWriteState,
 )
 from epdserve.engine.model_runner import ModelRunner, build_runner
 from epdserve.models.config import ModelConfig
@@ -67,7 +67,7 @@ class TPRunner:
     """Rank 0's model runner of a TP server: the :class:`~epdserve.engine.model_runner.ModelRunner` interface the
     schedulers use (``forward``, ``read_kv``, ``write_kv``, ``config``, ``num_pages``, ``page_size``, ``device``,
     ``dtype``; hybrid models: ``state_pool`` (rank 0's, whose slot ids every rank shares), ``read_state``,
-    ``write_state``), each call run on every rank.
+    ``write_state``, ``copy_state``), each call run on every rank.
 
     Also: :attr:`ctrl` (poll it for :meth:`receipts`), :meth:`release_embeddings` (prefill), :attr:`failed`
     (set when a rank is lost), :meth:`close`. Build it with :func:`start_tp_runner`.
@@ -142,6 +142,11 @@ class TPRunner:
             raise ValueError(f"state shapes {tuple(conv.shape)}, {tuple(recurrent.shape)} != expected {want}")
         self._send(TPWriteState(slot=slot))
         self.local.write_state(slot, conv, recurrent)
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        """:meth:`ModelRunner.copy_state` on every rank."""
+        self._send(TPCopyState(src=src_slot, dst=dst_slot))
+        self.local.copy_state(src_slot, dst_slot)
 
     def state_handles(self) -> None:
         """None: a TP server's state pool is split over its ranks, like its KV pool (see :meth:`kv_handle`)."""

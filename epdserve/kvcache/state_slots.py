@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from epdserve.wire.state_messages import StateHandoff
+from epdserve.wire.messages import StateHandoff
 
 
 class StateSlots:
@@ -29,6 +29,7 @@ class StateSlots:
         self.pool = getattr(runner, "state_pool", None)
         self._held: dict[object, int] = {}
         self._handles = None  # shared hand-off: the pool's [conv, recurrent] handles (made on first use)
+        self.snapshots = None  # prefill: its StateSnapshots, which give up slots to requests (acquire)
 
     @property
     def enabled(self) -> bool:
@@ -41,6 +42,11 @@ class StateSlots:
         return len(self._held)
 
     @property
+    def cached(self) -> int:
+        """Slots holding prefix-cache snapshots (prefill), evictable."""
+        return len(self.snapshots) if self.snapshots is not None else 0
+
+    @property
     def total(self) -> int:
         """Slots requests may hold (the pool's, the scratch slot aside; 0 without a state pool)."""
         return self.pool.num_slots if self.pool is not None else 0
@@ -50,7 +56,7 @@ class StateSlots:
         already holds one keeps it."""
         if self.pool is None or key in self._held:
             return True
-        if self.pool.num_free == 0:
+        if self.pool.num_free == 0 and (self.snapshots is None or not self.snapshots.evict_one()):
             return False
         self._held[key] = self.pool.alloc()
         return True

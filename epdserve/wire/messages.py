@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from epdserve.wire.codec import Codec, WireError, tensor_bytes, tensor_from_bytes  # noqa: F401  (the wire's names)
-from epdserve.wire.state_messages import StateHandoff
 from epdserve.wire.tp_messages import (
-    TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown, TPWriteKV,
-    TPWriteState,
+    TPCopyState, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown,
+    TPWriteKV, TPWriteState,
 )
 
 
@@ -145,7 +144,8 @@ class Load:
     the radix cache, evictable; 0 on decode). ``rooms`` counts bootstrap rooms with state (prefill: decode
     registrations and finished KV waiting for one; decode: requests waiting for their KV). ``embeddings``
     counts requests whose image embeddings the prefill server holds. ``state_slots_used`` / ``state_slots_total``:
-    hybrid models' linear-attention state slots (one per request holding a state; 0 / 0 for other models).
+    hybrid models' linear-attention state slots (one per request holding a state; 0 / 0 for other models);
+    ``state_slots_cached``: prefill's prefix-cache state snapshots (evictable, not in ``state_slots_used``).
     """
 
     role: str
@@ -158,6 +158,7 @@ class Load:
     embeddings: int = 0
     state_slots_used: int = 0
     state_slots_total: int = 0
+    state_slots_cached: int = 0
 
 
 @dataclass
@@ -211,6 +212,28 @@ class KVAck:
 
     rid: str
     bootstrap_room: int
+
+
+@dataclass
+class StateHandoff:
+    """prefill -> decode (``KVTransfer.state``): the Gated DeltaNet state a hybrid model's request reached at the
+    end of its prompt; decode loads it into a state slot of its own before its first step.
+
+    Host path (``--kv-transfer zmq``): ``conv`` ``[layers, conv_dim, kernel]`` in the model dtype and
+    ``recurrent`` ``[layers, value_heads, key_dim, value_dim]`` float32, every DeltaNet head in checkpoint order
+    (:mod:`epdserve.engine.state_io`; ``layers`` counts the DeltaNet layers only).
+
+    Shared path (``--kv-transfer shared``, same machine): no tensors; ``conv_pool`` and ``recurrent_pool`` map the
+    prefill server's state buffers (``[layers, slots + 1, ...]``) and ``slot`` is the request's slot in them. The
+    prefill server holds the slot with the KV pages, until the decode server's ``KVAck`` or the transfer's
+    ``lend_until``.
+    """
+
+    conv: torch.Tensor | None = None
+    recurrent: torch.Tensor | None = None
+    conv_pool: KVPoolHandle | None = None
+    recurrent_pool: KVPoolHandle | None = None
+    slot: int = -1
 
 
 @dataclass
@@ -284,7 +307,7 @@ _CODEC = Codec((
     ServerInfo, LoadRequest, Load,
     ImageEmbeddings, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput, TokenOutputBatch, StateHandoff,
     TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt, TPReadState,
-    TPWriteState,
+    TPWriteState, TPCopyState,
 ))
 KINDS = _CODEC.kinds  # every kind the stages exchange, by class name
 encode = _CODEC.encode  # see Codec.encode: a registered dataclass -> [header, *tensor frames]

@@ -71,6 +71,15 @@ class TPWriteState:
 
 
 @dataclass
+class TPCopyState:
+    """TP rank 0 -> other ranks (hybrid models): copy state slot ``src`` into ``dst`` (a prefix-cache snapshot
+    taken or restored)."""
+
+    src: int
+    dst: int
+
+
+@dataclass
 class TPReleaseEmbeddings:
     """TP rank 0 -> other ranks: drop your copies of these requests' image embeddings."""
 
