@@ -21,13 +21,13 @@ from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.radix_cache import RadixCache
 from epdserve.kvcache.kv_share import host_id
 from epdserve.kvcache.state_slots import StateSlots
-from epdserve.kvcache.state_snapshots import StateSnapshots
 from epdserve.wire.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest
 from epdserve.metrics import PrefillMetrics
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.mrope import mrope_positions
 from epdserve.engine.sampling import apply_logit_bias, sample, sampled_logprobs, token_logprobs
 from epdserve.prefill.records import PrefillRecord as _Req, RecordState as _State, prefill_batch
+from epdserve.prefill.transfers import host_transfer, shared_transfer
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,7 @@ class PrefillScheduler:
             al., OSDI 2024, and SGLang's ``--chunked-prefill-size``); 0 = no bound but ``max_prefill_tokens``.
         timeout_s: seconds a request waits for embeddings, or its KV waits for a decode registration.
         metrics: where to record (the server's; a fresh one by default).
-        state_snapshot_slots: hybrid models: linear-attention state snapshots kept for radix hits (0: a hybrid
-            model's radix cache never matches).
+        state_snapshot_slots: hybrid models: DeltaNet state snapshots for radix hits (:class:`StateSlots`).
     """
 
     def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float,
@@ -71,12 +70,7 @@ class PrefillScheduler:
         # first served), RUNNING ones in admission order and FINISHED ones in finishing order.
         self.reqs: dict[int | str, _Req] = {}
         self.pool_handle = runner.kv_handle()  # None: this pool is not shared, KV goes through host memory
-        # Hybrid models: a state slot per request from admission to the release of its pages. A radix hit needs
-        # the DeltaNet state at the prefix's end too: it is cut back to the longest prefix with a state snapshot
-        # (none without snapshot slots: then nothing matches).
-        self.states = StateSlots(runner)
-        if self.states.enabled:
-            self.states.snapshots = StateSnapshots(runner, state_snapshot_slots, runner.page_size)
+        self.states = StateSlots(runner, state_snapshot_slots)  # hybrid models: a state slot per request
         self.host_id = host_id()
         self.metrics = metrics if metrics is not None else PrefillMetrics()
 
@@ -184,8 +178,7 @@ class PrefillScheduler:
         return Load(role="prefill", num_running_reqs=sum(r.state is _State.RUNNING for r in recs),
                     num_waiting_reqs=sum(r.state is _State.WAITING for r in recs),
                     kv_pages_used=used, kv_pages_total=self.pool.num_pages, kv_pages_cached=self.radix.num_pages,
-                    rooms=rooms, embeddings=len(self.embeds), state_slots_used=self.states.used,
-                    state_slots_total=self.states.total, state_slots_cached=self.states.cached)
+                    rooms=rooms, embeddings=len(self.embeds), **self.states.load_fields())
 
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -354,25 +347,14 @@ class PrefillScheduler:
                 req.n, [(s.offset, s.grid_thw, s.time_interval) for s in msg.images], self.cfg.spatial_merge_size)
         # At least one token must be computed to get logits, so never match the whole prompt.
         match = self.radix.match_prefix(req.key[:((req.n - 1) // ps) * ps])
-        snapshot = None
-        if self.states.enabled:  # only as far as a state snapshot reaches (see __init__)
-            length, snapshot = self.states.snapshots.longest(req.key, match.length)
-            if length < match.length:
-                match = self.radix.match_prefix(req.key[:length])
+        match = self.states.cut_match(self.radix, req.key, match)  # hybrid: as far as a state snapshot reaches
         need = self.pool.pages_for(req.n) - len(match.pages)
         self.radix.lock(match.node)  # protect the match from the eviction below
         if need > self.pool.num_free:
             self.pool.free(self.radix.evict(need - self.pool.num_free))
-        if need > self.pool.num_free or not self.states.acquire(req.room):
+        if need > self.pool.num_free or not self.states.acquire(req.room, req.key[:match.length]):
             self.radix.unlock(match.node)
             return False
-        if snapshot is not None and match.length:  # acquire() may have evicted it: copied only now, if still held
-            length, snapshot = self.states.snapshots.longest(req.key, match.length)
-            if length != match.length:
-                self.radix.unlock(match.node)
-                self.states.release(req.room)
-                return self._allocate(req)  # the snapshot went to make room: match again (no hit is left)
-            self.runner.copy_state(snapshot, self.states.slot(req.room))
         req.node, req.cached, req.computed = match.node, match.length, match.length
         req.pages = match.pages + self.pool.alloc(need)
         return True
@@ -384,11 +366,7 @@ class PrefillScheduler:
         for req in self.running:  # admission order
             if budget <= 0:
                 break
-            take = min(req.n - req.computed, budget, self.chunk)
-            if self.states.enabled:  # end a chunk at the prompt's last page boundary: a snapshot is taken there
-                last = ((req.n - 1) // self.runner.page_size) * self.runner.page_size
-                if req.computed < last < req.computed + take:
-                    take = last - req.computed
+            take = self.states.cut_chunk(req.computed, min(req.n - req.computed, budget, self.chunk), req.n)
             batch_reqs.append(req)
             chunks.append((req.computed, req.computed + take))
             budget -= take
@@ -409,8 +387,7 @@ class PrefillScheduler:
         done = [i for i, (req, (_, e)) in enumerate(zip(batch_reqs, chunks)) if e == req.n]
         for req, (_, e) in zip(batch_reqs, chunks):
             req.computed = e
-            if self.states.enabled and e < req.n and e % self.runner.page_size == 0:
-                self.states.snapshots.save(req.key[:e], self.states.slot(req.room))
+            self.states.after_chunk(req.room, req.key, e, req.n)
         if not done:
             return
         reqs = [batch_reqs[i] for i in done]
@@ -446,19 +423,11 @@ class PrefillScheduler:
             return self._host_transfer(req)
         req.state, req.deadline = _State.LENT, time.monotonic() + self.timeout_s
         self.reqs[req.room] = req
-        return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
-                          cached_tokens=req.cached, mrope_position_delta=req.mrope_delta, pool=self.pool_handle,
-                          kv_pages=req.pages[:self.pool.pages_for(req.n)], input_digest=req.msg.input_digest,
-                          lend_until=time.time() + self.timeout_s, first_logprob=req.first_logprob,
-                          state=self.states.shared_handoff(req.room))
+        return shared_transfer(req, self.pool, self.pool_handle, self.states, time.time() + self.timeout_s)
 
     def _host_transfer(self, req: _Req) -> KVTransfer:
         """Gather a prefilled request's KV into host memory, free its pages, and return the transfer."""
-        slots = torch.tensor(self.pool.slots(req.pages, 0, req.n), dtype=torch.int64)
-        transfer = KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
-                              cached_tokens=req.cached, mrope_position_delta=req.mrope_delta,
-                              kv=self.runner.read_kv(slots), input_digest=req.msg.input_digest,
-                              first_logprob=req.first_logprob, state=self.states.host_handoff(req.room))
+        transfer = host_transfer(req, self.pool, self.runner, self.states)
         self._release(req, insert=True)
         return transfer
 

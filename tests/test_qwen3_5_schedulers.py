@@ -192,3 +192,33 @@ def test_radix_hit_restores_the_state_snapshot_and_equals_transformers(tiny_qwen
     # Snapshots at every 16 tokens and at the first prompt's last page boundary (PAGE 4).
     assert cached == [0, common // 16 * 16, (len(prompts[0]) - 1) // PAGE * PAGE]
     assert cached[1] >= 32 and prefill.load().state_slots_cached == 4  # LRU: the capacity is full
+
+
+def test_a_hit_takes_the_snapshot_slot_itself_when_the_pool_is_full(tiny_qwen3_5_path, runners, hf, prompt):
+    """Two state slots: one taken by a request admitted just before, the other held by the one snapshot. A request
+    hitting that snapshot gets its slot itself (no copy, the snapshot is gone) and still equals transformers;
+    with the pool full, newer snapshots replace older ones."""
+    _, dec_runner = runners
+    runner = _runner(tiny_qwen3_5_path, num_state_slots=2)
+    prefill = _prefill(runner, chunk=16, snapshots=1)
+    longer = prompt + prompt[-6:]  # extends ``prompt``: hits its snapshot at its last page boundary
+
+    def finish(room, ids, steps):
+        dec = _decode_sched(dec_runner)
+        _, reg = dec.add_request(_dreq(ids, room), peer=b"g")
+        prefill.register(reg)
+        for _, t in _run(prefill, steps):
+            dec.add_transfer(t)
+        return _decode_tokens(dec, room)
+
+    prefill.add_request(_req(prompt, 1))
+    finish(1, prompt, 20)
+    assert prefill.load().state_slots_cached == 1  # the newest (the last page boundary) replaced the older ones
+    prefill.add_request(_req(prompt[::-1], 2))  # admitted first: takes the free slot (no hit: another prefix)
+    prefill.add_request(_req(longer, 3))
+    got, last = finish(3, longer, 2)  # two chunks: up to its own last page boundary, then the rest
+    assert last.cached_tokens == (len(prompt) - 1) // PAGE * PAGE and got == _generate(hf, longer)
+    load = prefill.load()
+    assert load.state_slots_used == 1 and load.num_running_reqs == 1  # request 2 still runs, 3 gave its slot back
+    finish(2, prompt[::-1], 40)
+    assert _at_rest(prefill)

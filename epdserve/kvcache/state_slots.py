@@ -5,12 +5,18 @@ A scheduler keys its requests by bootstrap room; a request takes a slot when it 
 and gives it back wherever it gives its pages back (finish, abort, failed forward, deadline, acknowledged
 hand-off). For models without linear-attention layers (no state pool) every method is a no-op and
 :attr:`StateSlots.enabled` is False, so the schedulers call them unconditionally.
+
+Prefill's radix cache (:meth:`StateSlots.cut_match`, :meth:`StateSlots.after_chunk`, :meth:`StateSlots.cut_chunk`):
+a hit on a prefix's KV pages also needs the DeltaNet state at the prefix's end, so a match is cut back to the
+longest prefix with a state snapshot (:mod:`epdserve.kvcache.state_snapshots`), which :meth:`StateSlots.acquire`
+then loads into the request's slot.
 """
 
 from __future__ import annotations
 
 import torch
 
+from epdserve.kvcache.state_snapshots import StateSnapshots
 from epdserve.wire.messages import StateHandoff
 
 
@@ -21,15 +27,17 @@ class StateSlots:
     Args:
         runner: a :class:`~epdserve.engine.model_runner.ModelRunner` or
             :class:`~epdserve.engine.tp_runner.TPRunner`; hybrid runners have ``state_pool``, ``read_state``,
-            ``write_state``, ``state_handles`` and ``copy_state_from``.
+            ``write_state``, ``copy_state``, ``state_handles`` and ``copy_state_from``.
+        snapshot_slots: prefill: how many of the pool's slots may hold prefix-cache snapshots (0: a hybrid
+            model's radix cache never matches).
     """
 
-    def __init__(self, runner):
+    def __init__(self, runner, snapshot_slots: int = 0):
         self.runner = runner
         self.pool = getattr(runner, "state_pool", None)
         self._held: dict[object, int] = {}
         self._handles = None  # shared hand-off: the pool's [conv, recurrent] handles (made on first use)
-        self.snapshots = None  # prefill: its StateSnapshots, which give up slots to requests (acquire)
+        self.snapshots = None if self.pool is None else StateSnapshots(runner, snapshot_slots, runner.page_size)
 
     @property
     def enabled(self) -> bool:
@@ -51,15 +59,54 @@ class StateSlots:
         """Slots requests may hold (the pool's, the scratch slot aside; 0 without a state pool)."""
         return self.pool.num_slots if self.pool is not None else 0
 
-    def acquire(self, key) -> bool:
+    def acquire(self, key, prefix: list[int] = ()) -> bool:
         """Give ``key`` a slot (True), or False when every slot is held; True without a state pool. A key that
-        already holds one keeps it."""
+        already holds one keeps it. With a ``prefix`` (a radix key prefix :meth:`cut_match` returned) the slot
+        starts from that prefix's snapshot: copied, or the snapshot's own slot when the pool has no other.
+
+        Raises:
+            RuntimeError: ``prefix`` has no snapshot.
+        """
         if self.pool is None or key in self._held:
             return True
-        if self.pool.num_free == 0 and (self.snapshots is None or not self.snapshots.evict_one()):
-            return False
+        _, snap = self.snapshots.longest(prefix, len(prefix)) if prefix else (0, None)
+        if prefix and snap is None:  # cut_match promised one: a hit without its state would compute garbage
+            raise RuntimeError(f"no state snapshot of the {len(prefix)}-token prefix a radix match kept")
+        if self.pool.num_free == 0 and not self.snapshots.evict_one(keep=snap):
+            if snap is None:
+                return False
+            self._held[key] = self.snapshots.take(prefix)
+            return True
         self._held[key] = self.pool.alloc()
+        if snap is not None:
+            self.runner.copy_state(snap, self._held[key])
         return True
+
+    def cut_match(self, radix, key: list[int], match):
+        """Prefill: a radix ``match`` of ``key`` cut back to the longest prefix with a state snapshot (hybrid
+        models; the match itself for others)."""
+        if self.pool is None:
+            return match
+        length, _ = self.snapshots.longest(key, match.length)
+        return match if length == match.length else radix.match_prefix(key[:length])
+
+    def cut_chunk(self, start: int, take: int, n: int) -> int:
+        """Prefill: ``take`` tokens from ``start`` of an ``n``-token prompt, cut to end at its last page boundary
+        when it would cross it (hybrid models), so a snapshot is taken there."""
+        if self.pool is None:
+            return take
+        last = (n - 1) // self.runner.page_size * self.runner.page_size
+        return last - start if start < last < start + take else take
+
+    def after_chunk(self, key, prefix_key: list[int], end: int, n: int) -> None:
+        """Prefill: ``key``'s chunk ended at token ``end`` of ``n``: snapshot its state there when ``end`` is a
+        page boundary inside the prompt (hybrid models)."""
+        if self.pool is not None and end < n and end % self.runner.page_size == 0:
+            self.snapshots.save(prefix_key[:end], self._held[key])
+
+    def load_fields(self) -> dict[str, int]:
+        """The state-slot fields of a :class:`~epdserve.wire.messages.Load`."""
+        return dict(state_slots_used=self.used, state_slots_total=self.total, state_slots_cached=self.cached)
 
     def release(self, key) -> None:
         """Give ``key``'s slot back (nothing when it holds none)."""

@@ -41,14 +41,15 @@ class StateSnapshots:
 
     def save(self, key_prefix: list[int], src_slot: int) -> None:
         """Snapshot ``src_slot``'s state as the state after ``key_prefix`` (a page-aligned length); evicts the
-        least recently used snapshot when full; nothing when no slot is free or ``capacity`` is 0."""
+        least recently used snapshot when at ``capacity`` or when the pool has no free slot (requests hold the
+        rest); nothing when ``capacity`` is 0 or no slot can be had."""
         if self.capacity <= 0 or not key_prefix or len(key_prefix) % self.page_size:
             return
         key = tuple(key_prefix)
         if key in self._lru:
             self._lru.move_to_end(key)
             return
-        if len(self._lru) >= self.capacity:
+        if len(self._lru) >= self.capacity or self.pool.num_free == 0:
             self.evict_one()
         if self.pool.num_free == 0:
             return
@@ -67,13 +68,23 @@ class StateSnapshots:
                 return length, slot
         return 0, None
 
-    def evict_one(self) -> bool:
-        """Free the least recently used snapshot's slot; False when there is none."""
-        if not self._lru:
+    def evict_one(self, keep: int | None = None) -> bool:
+        """Free the least recently used snapshot's slot other than slot ``keep``; False when there is none."""
+        victim = next((k for k, slot in self._lru.items() if slot != keep), None)
+        if victim is None:
             return False
-        key, slot = self._lru.popitem(last=False)
+        self.pool.free(self.take(list(victim)))
+        return True
+
+    def take(self, key_prefix: list[int]) -> int:
+        """Remove the snapshot of ``key_prefix`` and hand over its slot (still allocated: the caller owns it now).
+
+        Raises:
+            KeyError: no snapshot of ``key_prefix``.
+        """
+        key = tuple(key_prefix)
+        slot = self._lru.pop(key)
         self._lengths[len(key)] -= 1
         if not self._lengths[len(key)]:
             del self._lengths[len(key)]
-        self.pool.free(slot)
-        return True
+        return slot

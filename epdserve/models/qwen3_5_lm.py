@@ -6,9 +6,10 @@ Reference: transformers 5 ``models/qwen3_5/modeling_qwen3_5.py`` (``Qwen3_5TextM
 ``Qwen3_5TextRotaryEmbedding``); the gated delta rule is Yang et al., arXiv:2412.06464. The math is copied from
 those classes, and the DeltaNet kernels are transformers' own torch references (``torch_chunk_gated_delta_rule``
 for extends, ``torch_recurrent_gated_delta_rule`` for one-token steps, ``causal_conv1d_fn`` /
-``causal_conv1d_update``), so CPU outputs equal transformers'. On CUDA these are where flash-linear-attention's
-``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` (varlen, ``cu_seqlens``, states indexed by slot)
-and the ``causal_conv1d`` package's kernels plug in; today extends loop over requests.
+``causal_conv1d_update``), so CPU outputs equal transformers'. On CUDA the same calls go through transformers'
+wrappers, which run flash-linear-attention's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` and
+the ``causal_conv1d`` package's kernels when those are installed (``pip install -e '.[hybrid-gpu]'``; untested on a
+GPU so far). Extends loop over their requests (fla's varlen ``cu_seqlens`` path would batch them).
 
 What differs from the Qwen2/Qwen3 decoders of :mod:`epdserve.models.qwen2_vl_lm`:
 
@@ -28,13 +29,18 @@ and value heads ``[r*hv/n, ...)``, which are exactly the value heads those key h
 and the conv channels keep this rank's q, k and v heads part by part, ``in_proj_z/a/b``, ``A_log`` and
 ``dt_bias`` its value heads, and ``out_proj`` is row-parallel; the state pool of a rank holds its heads only
 (:func:`deltanet_local_shapes`). Images: ``mm_embeds`` rows are spliced in as for Qwen2 (Qwen3.5 has no
-DeepStack). No flashinfer fused ops and no CUDA graphs yet (the runner builds none for this model).
+DeepStack). No flashinfer fused ops; decode CUDA graphs take the slots as a device tensor (padding rows on the
+scratch slot), and there are no prefill graphs.
 
 A request's first extend (``kv_len == q_len``: no prefix before it) starts from the zero state whatever its slot
 holds, as a fresh transformers cache does, so a slot need not be zeroed on every TP rank at allocation.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +55,28 @@ from epdserve.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowP
 from epdserve.models.qwen2_vl_lm import MLP, Qwen2VLLanguageModel, _rotate, mrope_cos_sin
 
 
-def _ref():
-    """transformers' Qwen3.5 module, whose torch reference kernels the DeltaNet layers call (imported on first
-    use, like flashinfer elsewhere)."""
+_KERNELS = ("causal_conv1d_update", "causal_conv1d_fn", "torch_recurrent_gated_delta_rule",
+            "torch_chunk_gated_delta_rule")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(device_type: str) -> SimpleNamespace:
+    """:func:`_ref`'s kernels for a device type (looked up once)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    return modeling_qwen3_5
+    fns = {name: getattr(modeling_qwen3_5, name) for name in _KERNELS}
+    if device_type != "cuda":
+        fns = {name: inspect.unwrap(fn) for name, fn in fns.items()}
+    return SimpleNamespace(**fns)
+
+
+def _ref(device: torch.device) -> SimpleNamespace:
+    """The DeltaNet kernels for tensors on ``device``, from transformers' Qwen3.5 module (imported on first use,
+    like flashinfer elsewhere): its functions are wrapped to run flash-linear-attention's (``fla-core``) and the
+    ``causal-conv1d`` package's CUDA kernels when those import, else its torch code. On the CPU the wrappers are
+    peeled off (``inspect.unwrap``): always the torch references, so CPU output equals transformers' torch path
+    even where those packages are installed (their kernels are GPU-only)."""
+    return _kernels(device.type)
 
 
 def deltanet_heads(cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int, int]:
@@ -243,7 +265,7 @@ class GatedDeltaNet(nn.Module):
     def _step(self, mixed, g, beta, slots, pool) -> torch.Tensor:
         """One token for each of B requests: ``causal_conv1d_update`` and ``torch_recurrent_gated_delta_rule``
         (the path transformers takes for a cached one-token step), batched over the requests' slots."""
-        ref, layer = _ref(), self.state_layer
+        ref, layer = _ref(mixed.device), self.state_layer
         conv_state = pool.conv[layer][slots]  # a gathered copy, updated in place, scattered back
         out = ref.causal_conv1d_update(mixed[:, :, None], conv_state, self.conv1d.weight.squeeze(1), None, "silu")
         pool.conv[layer][slots] = conv_state
@@ -259,7 +281,7 @@ class GatedDeltaNet(nn.Module):
         (``update_conv_state`` then ``causal_conv1d_fn``; a fresh slot's zeros equal the conv's zero padding);
         the delta rule is ``torch_chunk_gated_delta_rule`` from the slot's state, or, for one token continuing a
         state, ``torch_recurrent_gated_delta_rule`` (transformers' choice for ``seq_len == 1`` with a cache)."""
-        ref, layer, t = _ref(), self.state_layer, mixed.shape[0]
+        ref, layer, t = _ref(mixed.device), self.state_layer, mixed.shape[0]
         if not continued:  # a fresh request: transformers' empty cache (the slot may hold a previous request's)
             pool.conv[layer][slot] = 0
             pool.recurrent[layer][slot] = 0
@@ -357,7 +379,9 @@ class Qwen3_5LanguageModel(nn.Module):
         if batch.state_slots is None or len(batch.state_slots) != batch.batch_size:
             raise ValueError(f"a Qwen3.5 batch needs one state slot per request, got {batch.state_slots}")
         x = Qwen2VLLanguageModel._embed(self, batch)
-        slots = torch.tensor(batch.state_slots, dtype=torch.int64, device=x.device)
+        slots = batch.state_slots  # a decode CUDA graph passes its static device buffer
+        if not isinstance(slots, torch.Tensor):
+            slots = torch.tensor(slots, dtype=torch.int64, device=x.device)
         cos, sin = mrope_cos_sin(batch.positions, self.inv_freq, self.config.mrope_section, x.dtype, True)
         for layer in self.layers:
             x = layer(x, cos, sin, self.attn, batch, slots, self.states)
