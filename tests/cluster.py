@@ -111,10 +111,17 @@ class StageProcs:
         return name in self.procs and self.procs[name].poll() is None
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():  # test servers hold nothing worth a graceful stop
-            proc.kill()
+        # Test servers hold nothing worth a graceful stop, but for the /dev/shm files of shared KV and state pools
+        # (removed on a clean exit only).
+        graceful = "shared" in self.lm_args
         for proc in self.procs.values():
-            proc.wait()
+            proc.terminate() if graceful else proc.kill()
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         self.procs.clear()
         for log in self._logs.values():
             log.close()
