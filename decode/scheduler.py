@@ -27,6 +27,7 @@ from epdserve.device import to_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.page_pool import PagePool, page_slots
 from epdserve.kvcache.kv_share import PeerPools, host_id
+from epdserve.kvcache.state_slots import StateSlots
 from epdserve.wire.messages import DecodeRequest, KVAck, KVRegister, KVTransfer, Load, TokenLogprob, TokenOutput
 from epdserve.metrics import DecodeMetrics
 from epdserve.engine.model_runner import ModelRunner
@@ -119,6 +120,7 @@ class DecodeScheduler:
         self.outputs: list[tuple[bytes, TokenOutput]] = []
         self.metrics = metrics if metrics is not None else DecodeMetrics()
         self.accept_shared, self.host_id, self.peer_pools = accept_shared, host_id(), PeerPools()
+        self.states = StateSlots(runner)  # hybrid models: a state slot per running request (by bootstrap room)
         # KV copied out of prefill pools, acknowledged once the copy ran: (done event or None, bootstrap, ack).
         self._acks: list[tuple[torch.cuda.Event | None, str, KVAck]] = []
 
@@ -166,6 +168,7 @@ class DecodeScheduler:
         for seq in [s for s in self.running if s.msg.rid == rid]:
             self.running.remove(seq)
             self.pool.free(seq.pages)
+            self.states.release(seq.msg.bootstrap_room)
             seq.done = True
 
     def fail_request(self, rid: str, error: str) -> None:
@@ -177,7 +180,7 @@ class DecodeScheduler:
         """What this scheduler holds now; with no request in flight every page is free and no room is held."""
         return Load(role="decode", num_running_reqs=len(self.running), num_waiting_reqs=len(self.ready),
                     kv_pages_used=self.pool.num_pages - self.pool.num_free, kv_pages_total=self.pool.num_pages,
-                    rooms=len(self.pending))
+                    rooms=len(self.pending), state_slots_used=self.states.used, state_slots_total=self.states.total)
 
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -209,6 +212,7 @@ class DecodeScheduler:
         for seq in self.running:
             log.debug("rid=%s failed: %s", seq.msg.rid, error)
             self.pool.free(seq.pages)
+            self.states.release(seq.msg.bootstrap_room)
             seq.done = True
             self._emit(seq, "error", error=error)
         self.running = []
@@ -232,17 +236,20 @@ class DecodeScheduler:
                     f"model and processor?")
         if not 0 <= msg.first_token_id < cfg.vocab_size:
             return f"first token {msg.first_token_id} out of the vocabulary"
+        state_err = self.states.check_handoff(msg.state, shared=msg.pool is not None)
+        if state_err:
+            return state_err
         if msg.pool is not None:
             shape = msg.pool.shape
-            want = [cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim]
+            want = [cfg.num_kv_layers, 2, cfg.num_kv_heads, cfg.head_dim]
             if len(shape) != 6 or [*shape[:2], *shape[4:]] != want or shape[3] <= 0:
-                return f"prefill KV pool has shape {shape}, expected [{cfg.num_layers}, 2, pages, page size, " \
+                return f"prefill KV pool has shape {shape}, expected [{cfg.num_kv_layers}, 2, pages, page size, " \
                        f"{cfg.num_kv_heads}, {cfg.head_dim}]"
             if len(msg.kv_pages) != -(-seq.msg.prompt_len // shape[3]) or \
                     any(not 0 <= p < shape[2] for p in msg.kv_pages):
                 return f"KV transfer names {len(msg.kv_pages)} pages for a {seq.msg.prompt_len}-token prompt"
             return None
-        want = (cfg.num_layers, 2, seq.msg.prompt_len, cfg.num_kv_heads, cfg.head_dim)
+        want = (cfg.num_kv_layers, 2, seq.msg.prompt_len, cfg.num_kv_heads, cfg.head_dim)
         if msg.kv is None or tuple(msg.kv.shape) != want:
             got = None if msg.kv is None else tuple(msg.kv.shape)
             return f"KV transfer has shape {got}, expected {want}"
@@ -267,7 +274,7 @@ class DecodeScheduler:
                 self.metrics.on_error("kv_pool_too_small")
                 self._emit(seq, "error", error=f"{total} tokens need more KV pages than the pool has")
                 continue
-            if need > self.pool.num_free:
+            if need > self.pool.num_free or not self.states.acquire(seq.msg.bootstrap_room):
                 break  # first come, first served
             self.ready.popleft()
             seq.pages = self.pool.alloc(need)
@@ -278,10 +285,12 @@ class DecodeScheduler:
                 if err:
                     self.metrics.on_kv_failure("shared_copy")
                     self.pool.free(seq.pages)
+                    self.states.release(seq.msg.bootstrap_room)
                     self._emit(seq, "error", error=err)
                     continue
             else:
                 self.runner.write_kv(slots, transfer.kv)
+                self.states.load(seq.msg.bootstrap_room, transfer.state)
             seq.cached_tokens, seq.mrope_delta = transfer.cached_tokens, transfer.mrope_position_delta
             seq.max_out, seq.launched = total - seq.msg.prompt_len, 1
             if seq.msg.sampling.seed is not None:
@@ -304,6 +313,7 @@ class DecodeScheduler:
                     "this request waited too long for decode pages to copy them into")
         try:
             self.runner.copy_kv_from(self.peer_pools.get(transfer.pool), src, slots)
+            self.states.load(seq.msg.bootstrap_room, transfer.state, self.peer_pools)  # before the ack's event
         except (RuntimeError, ValueError) as e:
             log.error("rid=%s cannot copy KV from the prefill pool (%s); start decode with --kv-transfer zmq if "
                       "the stages cannot share memory", seq.msg.rid, e)
@@ -344,6 +354,7 @@ class DecodeScheduler:
             q_lens=[1] * len(seqs),
             kv_lens=[i + 1 for i in idx],
             page_table=[s.pages for s in seqs],
+            state_slots=self.states.slots([s.msg.bootstrap_room for s in seqs]),
         )
         logits = self.runner.forward(batch)
         self.metrics.on_step(len(seqs))
@@ -374,6 +385,7 @@ class DecodeScheduler:
         if finish is not None:
             self.running.remove(seq)
             self.pool.free(seq.pages)
+            self.states.release(seq.msg.bootstrap_room)
             seq.pages, seq.done = [], True
         self._emit(seq, finish, token_ids=[tok], logprobs=[tok_lp] if tok_lp is not None else [])
 

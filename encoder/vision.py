@@ -86,7 +86,8 @@ class VisionEncoder:
 
     Attributes:
         model_path: the checkpoint directory.
-        model_type: ``"qwen2_5_vl"``, ``"qwen2_vl"`` or ``"qwen3_vl"``.
+        model_type: ``"qwen2_5_vl"``, ``"qwen2_vl"``, ``"qwen3_vl"`` or ``"qwen3_5"`` (Qwen3-VL's tower without
+            DeepStack: ``num_deepstack`` 0).
         num_deepstack: DeepStack levels per image (Qwen3-VL: ``len(deepstack_visual_indexes)``; otherwise 0).
         embed_width: columns of an embedding, ``hidden_size * (1 + num_deepstack)``.
         device, dtype: where the tower runs and its parameter dtype.
@@ -192,8 +193,9 @@ class VisionEncoder:
         # One packed kernel per layer, not one per window. Set after construction: at construction
         # transformers would look for a "flash" implementation on its kernel hub.
         model.config._attn_implementation = register()
-        if cuda_graphs > 0 and self.model_type == "qwen3_vl":
-            log.info("vision-tower CUDA graphs do not cover Qwen3-VL yet: its tower runs without them")
+        if cuda_graphs > 0 and self.model_type in ("qwen3_vl", "qwen3_5"):
+            log.info("vision-tower CUDA graphs do not cover Qwen3-VL's tower (nor Qwen3.5's) yet: it runs without "
+                     "them")
         elif cuda_graphs > 0:
             from epdserve.encoder.vision_graph import TowerGraphs
 

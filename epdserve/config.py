@@ -100,6 +100,9 @@ class PrefillConfig(LMServerConfig):
     cuda_graph_max_tokens: int = _f(2048, "longest one-request prefill forward (new tokens) replayed from a CUDA "
                                           "graph (flashinfer backend); longer ones and batches of several requests "
                                           "run eagerly; 0 = every prefill eagerly")
+    state_snapshot_slots: int = _f(32, "hybrid models (Qwen3.5): linear-attention state snapshots the radix cache "
+                                       "keeps at chunk ends (LRU), so a prefix hit also has the state at its end; "
+                                       "each takes one request's state memory; 0 = no prefix hits")
     metrics_port: int = _f(30301, "HTTP port of /metrics (Prometheus text format); 0 = a free port")
 
 
@@ -176,6 +179,7 @@ class LaunchConfig:
     kv_transfer: str = _like(LMServerConfig, "kv_transfer")
     encoder_cuda_graphs: int = _like(EncoderConfig, "cuda_graphs")
     prefill_cuda_graph_max_tokens: int = _like(PrefillConfig, "cuda_graph_max_tokens")
+    prefill_chunked_prefill_size: int = _like(PrefillConfig, "chunked_prefill_size")
     encoder_compile: bool = _like(EncoderConfig, "compile")
     encoder_gpu_jpeg_decode: bool = _like(EncoderConfig, "gpu_jpeg_decode")
 

@@ -107,6 +107,10 @@ class _LoadGauges:
         self.pages_total = m._gauge("kv_pages_total", "KV pages in the pool")
         self.rooms = m._gauge("bootstrap_rooms", "Bootstrap rooms with state (prefill: registrations and KV "
                                                  "waiting for one; decode: requests waiting for their KV)")
+        self.states_used = m._gauge("state_slots_used", "Linear-attention state slots held by requests (hybrid "
+                                                        "models such as Qwen3.5; 0 otherwise)")
+        self.states_total = m._gauge("state_slots_total", "Linear-attention state slots in the pool (hybrid "
+                                                          "models; 0 otherwise)")
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
@@ -156,6 +160,8 @@ class LMStageMetrics(StageMetrics):
         g.pages_total.set(ld.kv_pages_total)
         g.token_usage.set(ld.kv_pages_used / ld.kv_pages_total if ld.kv_pages_total else 0.0)
         g.rooms.set(ld.rooms)
+        g.states_used.set(ld.state_slots_used)
+        g.states_total.set(ld.state_slots_total)
         self._set_extra_load(ld)
 
     def _set_extra_load(self, load: Any) -> None:

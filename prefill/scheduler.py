@@ -20,12 +20,14 @@ import torch
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.radix_cache import RadixCache
 from epdserve.kvcache.kv_share import host_id
+from epdserve.kvcache.state_slots import StateSlots
 from epdserve.wire.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfer, Load, PrefillRequest
 from epdserve.metrics import PrefillMetrics
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.mrope import mrope_positions
 from epdserve.engine.sampling import apply_logit_bias, sample, sampled_logprobs, token_logprobs
 from epdserve.prefill.records import PrefillRecord as _Req, RecordState as _State, prefill_batch
+from epdserve.prefill.transfers import host_transfer, shared_transfer
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,11 @@ class PrefillScheduler:
             al., OSDI 2024, and SGLang's ``--chunked-prefill-size``); 0 = no bound but ``max_prefill_tokens``.
         timeout_s: seconds a request waits for embeddings, or its KV waits for a decode registration.
         metrics: where to record (the server's; a fresh one by default).
+        state_snapshot_slots: hybrid models: DeltaNet state snapshots for radix hits (:class:`StateSlots`).
     """
 
     def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float,
-                 chunked_prefill_size: int = 0, metrics: PrefillMetrics | None = None):
+                 chunked_prefill_size: int = 0, metrics: PrefillMetrics | None = None, state_snapshot_slots: int = 0):
         self.runner = runner
         self.cfg = runner.config
         self.pool = PagePool(runner.num_pages, runner.page_size)
@@ -67,6 +70,7 @@ class PrefillScheduler:
         # first served), RUNNING ones in admission order and FINISHED ones in finishing order.
         self.reqs: dict[int | str, _Req] = {}
         self.pool_handle = runner.kv_handle()  # None: this pool is not shared, KV goes through host memory
+        self.states = StateSlots(runner, state_snapshot_slots)  # hybrid models: a state slot per request
         self.host_id = host_id()
         self.metrics = metrics if metrics is not None else PrefillMetrics()
 
@@ -174,7 +178,7 @@ class PrefillScheduler:
         return Load(role="prefill", num_running_reqs=sum(r.state is _State.RUNNING for r in recs),
                     num_waiting_reqs=sum(r.state is _State.WAITING for r in recs),
                     kv_pages_used=used, kv_pages_total=self.pool.num_pages, kv_pages_cached=self.radix.num_pages,
-                    rooms=rooms, embeddings=len(self.embeds))
+                    rooms=rooms, embeddings=len(self.embeds), **self.states.load_fields())
 
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -343,11 +347,12 @@ class PrefillScheduler:
                 req.n, [(s.offset, s.grid_thw, s.time_interval) for s in msg.images], self.cfg.spatial_merge_size)
         # At least one token must be computed to get logits, so never match the whole prompt.
         match = self.radix.match_prefix(req.key[:((req.n - 1) // ps) * ps])
+        match = self.states.cut_match(self.radix, req.key, match)  # hybrid: as far as a state snapshot reaches
         need = self.pool.pages_for(req.n) - len(match.pages)
         self.radix.lock(match.node)  # protect the match from the eviction below
         if need > self.pool.num_free:
             self.pool.free(self.radix.evict(need - self.pool.num_free))
-        if need > self.pool.num_free:
+        if need > self.pool.num_free or not self.states.acquire(req.room, req.key[:match.length]):
             self.radix.unlock(match.node)
             return False
         req.node, req.cached, req.computed = match.node, match.length, match.length
@@ -361,12 +366,13 @@ class PrefillScheduler:
         for req in self.running:  # admission order
             if budget <= 0:
                 break
-            take = min(req.n - req.computed, budget, self.chunk)
+            take = self.states.cut_chunk(req.computed, min(req.n - req.computed, budget, self.chunk), req.n)
             batch_reqs.append(req)
             chunks.append((req.computed, req.computed + take))
             budget -= take
         dev = self.runner.device
         batch = prefill_batch(batch_reqs, chunks, self.pool)
+        batch.state_slots = self.states.slots([r.room for r in batch_reqs])
         # With DEBUG logs, CUDA events time the forward on the GPU: the stage timeline then tells host from GPU.
         timed = log.isEnabledFor(logging.DEBUG) and dev.type == "cuda"
         if timed:
@@ -381,6 +387,7 @@ class PrefillScheduler:
         done = [i for i, (req, (_, e)) in enumerate(zip(batch_reqs, chunks)) if e == req.n]
         for req, (_, e) in zip(batch_reqs, chunks):
             req.computed = e
+            self.states.after_chunk(req.room, req.key, e, req.n)
         if not done:
             return
         reqs = [batch_reqs[i] for i in done]
@@ -416,24 +423,18 @@ class PrefillScheduler:
             return self._host_transfer(req)
         req.state, req.deadline = _State.LENT, time.monotonic() + self.timeout_s
         self.reqs[req.room] = req
-        return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
-                          cached_tokens=req.cached, mrope_position_delta=req.mrope_delta, pool=self.pool_handle,
-                          kv_pages=req.pages[:self.pool.pages_for(req.n)], input_digest=req.msg.input_digest,
-                          lend_until=time.time() + self.timeout_s, first_logprob=req.first_logprob)
+        return shared_transfer(req, self.pool, self.pool_handle, self.states, time.time() + self.timeout_s)
 
     def _host_transfer(self, req: _Req) -> KVTransfer:
         """Gather a prefilled request's KV into host memory, free its pages, and return the transfer."""
-        slots = torch.tensor(self.pool.slots(req.pages, 0, req.n), dtype=torch.int64)
-        transfer = KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
-                              cached_tokens=req.cached, mrope_position_delta=req.mrope_delta,
-                              kv=self.runner.read_kv(slots), input_digest=req.msg.input_digest,
-                              first_logprob=req.first_logprob)
+        transfer = host_transfer(req, self.pool, self.runner, self.states)
         self._release(req, insert=True)
         return transfer
 
     def _release(self, req: _Req, *, insert: bool) -> None:
         """Give a request's pages back: full pages into the radix cache (if its KV is complete), the rest to
-        the pool; then unlock its matched prefix."""
+        the pool; then unlock its matched prefix. Its state slot (hybrid models) goes back too."""
+        self.states.release(req.room)
         ps = self.runner.page_size
         n_matched = req.cached // ps
         if insert:

@@ -53,7 +53,8 @@ def _serve(config: PrefillConfig) -> int:
     metrics = PrefillMetrics()
     sched = PrefillScheduler(runner, context_length=context_length,
                              max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,
-                             chunked_prefill_size=config.chunked_prefill_size, metrics=metrics)
+                             chunked_prefill_size=config.chunked_prefill_size, metrics=metrics,
+                             state_snapshot_slots=config.state_snapshot_slots)
     tp = runner if config.tp > 1 else None  # a TPRunner: embedding receipts from the other ranks
     info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages,

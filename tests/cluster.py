@@ -35,11 +35,12 @@ class StageProcs:
         model_path: the checkpoint every stage loads.
         log_dir: one log file per stage (appended to across restarts).
         num_pages: KV pages of prefill and of decode (small, so that tests can fill the pool).
+        lm_args: more flags for prefill and decode (e.g. ``("--kv-transfer", "shared")``).
     """
 
     def __init__(self, model_path: str, log_dir: Path, num_pages: int = 256, page_size: int = 16,
-                 request_timeout_s: float = 60.0):
-        self.model_path, self.log_dir = model_path, log_dir
+                 request_timeout_s: float = 60.0, lm_args: tuple[str, ...] = ()):
+        self.model_path, self.log_dir, self.lm_args = model_path, log_dir, tuple(lm_args)
         self.num_pages, self.page_size, self.request_timeout_s = num_pages, page_size, request_timeout_s
         self.ports = {name: free_port() for name in ("encoder", "prefill", "embed", "bootstrap", "decode", "kv")}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -64,7 +65,7 @@ class StageProcs:
         p = self.ports
         common = ["--model-path", self.model_path, "--device", "cpu"]
         lm = [*common, "--num-pages", str(self.num_pages), "--page-size", str(self.page_size),
-              "--request-timeout-s", str(self.request_timeout_s)]
+              "--request-timeout-s", str(self.request_timeout_s), *self.lm_args]
         args = {
             "encoder": ["encoder", *common, "--port", str(p["encoder"]), "--max-message-mb", "16"],
             "prefill": ["prefill", *lm, "--port", "0", "--zmq-port", str(p["prefill"]),
@@ -110,10 +111,17 @@ class StageProcs:
         return name in self.procs and self.procs[name].poll() is None
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():  # test servers hold nothing worth a graceful stop
-            proc.kill()
+        # Test servers hold nothing worth a graceful stop, but for the /dev/shm files of shared KV and state pools
+        # (removed on a clean exit only).
+        graceful = "shared" in self.lm_args
         for proc in self.procs.values():
-            proc.wait()
+            proc.terminate() if graceful else proc.kill()
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         self.procs.clear()
         for log in self._logs.values():
             log.close()
@@ -170,7 +178,8 @@ def details(base: str, fresh: bool = True) -> dict:
 
 def at_baseline(d: dict) -> list[str]:
     """What in a ``/health?details=1`` body is not back at rest: requests, KV pages (other than the radix cache's),
-    rooms or embeddings held by a stage, and Encode calls in flight. Empty when everything is."""
+    rooms, embeddings or linear-attention state slots held by a stage, and Encode calls in flight. Empty when
+    everything is."""
     problems = []
     stages = d.get("stages", {})
     for role in ("prefill", "decode"):
@@ -178,8 +187,8 @@ def at_baseline(d: dict) -> list[str]:
         if load is None:
             problems.append(f"{role}: no load")
             continue
-        for key in ("num_running_reqs", "num_waiting_reqs", "rooms", "embeddings"):
-            if load[key]:
+        for key in ("num_running_reqs", "num_waiting_reqs", "rooms", "embeddings", "state_slots_used"):
+            if load.get(key):
                 problems.append(f"{role}.{key}={load[key]}")
         if load["kv_pages_used"] != load["kv_pages_cached"]:
             problems.append(f"{role}: {load['kv_pages_used']} pages used, {load['kv_pages_cached']} cached")

@@ -66,6 +66,17 @@ def tiny_qwen3_vl_path(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_path(tmp_path_factory) -> str:
+    """The tiny Qwen3.5 checkpoint (hybrid LM: DeltaNet, DeltaNet, attention, DeltaNet), written through the command
+    line (``--arch qwen3.5``)."""
+    from epdserve.entry.cli import main
+
+    path = tmp_path_factory.mktemp("tiny-qwen3.5")
+    assert main(["make-tiny-model", str(path), "--arch", "qwen3.5"]) == 0
+    return str(path)
+
+
 @contextlib.contextmanager
 def launched(model_path: str, log_dir: Path, *args: str, num_encoders: int = 1):
     """`epdserve launch` of ``model_path`` on a free port with DEBUG logs as JSON lines and ``args`` added; yields

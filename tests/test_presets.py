@@ -216,3 +216,56 @@ def test_default_model_answers_a_photo_in_readable_text(tmp_path, monkeypatch, p
     text = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert len(text.strip()) > 10 and "\ufffd" not in text
     assert all(c.isprintable() or c.isspace() for c in text), repr(text)
+
+
+def test_preset_qwen3_5_9b_shapes_init_and_loaders(tmp_path):
+    """The Qwen3.5-9B preset's sizes (24 DeltaNet + 8 attention layers; see epdserve.models.presets for the
+    sources), its init rules (zero-centred norms 0, dt_bias 1, A_log = log U(0.01, 16)), and a scaled-down copy
+    (4 layers, hidden 256, 1 vision block; the real DeltaNet head sizes and vocabulary) that transformers loads
+    without missing tensors, epdserve's runner and encoder load, and whose epdserve prefill logits equal
+    transformers'."""
+    import dataclasses
+
+    from PIL import Image
+    from test_model_runtime import Seq, make_batch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from epdserve.encoder.vision import VisionEncoder
+    from epdserve.engine.model_runner import ModelRunner
+    from epdserve.engine.state_io import state_shapes
+    from epdserve.models.config import ModelConfig
+
+    text = PRESETS["qwen3.5-9b"]["text"]
+    assert text["layer_types"].count("linear_attention") == 24 and len(text["layer_types"]) == 32
+    small = {"text": {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                      "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2,
+                      "num_key_value_heads": 1},
+             "vision": {"depth": 1}}
+    path = make_preset_model(tmp_path / "q35", "qwen3.5-9b", overrides=small)
+    cfg = ModelConfig.load(str(path))
+    assert (cfg.model_type, cfg.vocab_size, cfg.linear_conv_dim, cfg.head_dim) == ("qwen3_5", 248320, 8192, 256)
+    conv, rec = state_shapes(cfg)
+    assert conv == (3, 8192, 4) and rec == (3, 32, 128, 128)
+    tensors = _tensors(path)
+    deltanet = "model.language_model.layers.0.linear_attn."
+    assert (tensors[deltanet + "dt_bias"] == 1).all()
+    a_log = tensors[deltanet + "A_log"].float()
+    assert a_log.min() >= torch.tensor(0.01).log() - 0.01 and a_log.max() <= torch.tensor(16.0).log() + 0.01
+    assert a_log.std() > 0.3  # drawn, not constant
+    assert (tensors["model.language_model.layers.0.input_layernorm.weight"] == 0).all()
+    assert (tensors[deltanet + "norm.weight"] == 1).all()
+
+    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    runner = ModelRunner(str(path), device=torch.device("cpu"), dtype=torch.float32, num_pages=64, page_size=16,
+                         attention_backend="sdpa", num_state_slots=2)
+    ids = torch.arange(3, 40)
+    seq, slot = Seq(ids, [], [0, 1, 2], 16), runner.state_pool.alloc()
+    logits = runner.forward(dataclasses.replace(make_batch([seq.extend_part(len(ids))]), state_slots=[slot]))
+    with torch.no_grad():
+        want = model(input_ids=ids[None]).logits[0, -1]
+    torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=0)
+    enc = VisionEncoder(path, torch.device("cpu"), torch.bfloat16)
+    [(emb, grid)] = enc.encode([Image.new("RGB", (256, 256), (200, 40, 40))])
+    assert emb.shape == (grid[0] * grid[1] * grid[2] // 4, 256)

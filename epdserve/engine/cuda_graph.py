@@ -109,20 +109,27 @@ class CudaGraphRunner:
         max_bs: largest captured batch; larger batches run eagerly.
         scratch_page: a KV page no request owns; padding rows attend to it and write their KV there.
         page_size: tokens per page.
+        scratch_state_slot: hybrid models (Qwen3.5): the state pool's scratch slot; the graphs then also take each
+            row's state slot from a static buffer (``ForwardBatch.state_slots`` as a device tensor) and padding
+            rows read and write this slot. None for models without linear-attention states.
 
     Raises:
         torch.OutOfMemoryError: the graphs or their buffers do not fit.
     """
 
-    def __init__(self, model, backend, *, vocab_size: int, max_bs: int, scratch_page: int, page_size: int):
+    def __init__(self, model, backend, *, vocab_size: int, max_bs: int, scratch_page: int, page_size: int,
+                 scratch_state_slot: int | None = None):
         dev = backend.kv_pool.device
         self.model, self.backend = model, backend
         self.sizes = graph_batch_sizes(max_bs)
-        self.scratch_page = scratch_page
+        self.scratch_page, self.scratch_state_slot = scratch_page, scratch_state_slot
         top = self.sizes[-1]
-        # Rows: input id, 3 M-RoPE positions, KV slot. One buffer so a step's inputs go over in one copy.
-        self.inputs = torch.zeros(5, top, dtype=torch.int64, device=dev)
+        # Rows: input id, 3 M-RoPE positions, KV slot (and, hybrid models, state slot). One buffer so a step's
+        # inputs go over in one copy.
+        self.inputs = torch.zeros(5 if scratch_state_slot is None else 6, top, dtype=torch.int64, device=dev)
         self.inputs[4] = scratch_page * page_size
+        if scratch_state_slot is not None:
+            self.inputs[5] = scratch_state_slot
         self.logits = torch.empty(top, vocab_size, dtype=torch.float32, device=dev)
         backend.enable_cuda_graphs(self.sizes)
         self.graphs, seconds = capture_graphs(
@@ -138,7 +145,8 @@ class CudaGraphRunner:
 
     def _static_batch(self, bs: int, kv_lens: list[int], page_table: list[list[int]]) -> ForwardBatch:
         return ForwardBatch(True, self.inputs[0, :bs], self.inputs[1:4, :bs], self.inputs[4, :bs], [1] * bs,
-                            kv_lens, page_table)
+                            kv_lens, page_table,
+                            state_slots=None if self.scratch_state_slot is None else self.inputs[5, :bs])
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """True for a decode batch of at most :attr:`max_bs` requests without image embeddings."""
@@ -158,7 +166,11 @@ class CudaGraphRunner:
                              f"{batch.batch_size}")
         B = batch.batch_size
         bs = next(s for s in self.sizes if s >= B)
-        host, ids_on_device = host_inputs(batch, bs, 5, self.scratch_page * self.backend.kv_pool.page_size)
+        host, ids_on_device = host_inputs(batch, bs, self.inputs.shape[0],
+                                          self.scratch_page * self.backend.kv_pool.page_size)
+        if self.scratch_state_slot is not None:
+            host[5, :B] = torch.as_tensor(batch.state_slots, dtype=torch.int64)
+            host[5, B:] = self.scratch_state_slot
         upload_inputs(self.inputs, host, batch, ids_on_device)
         pad = bs - B
         padded = self._static_batch(bs, list(batch.kv_lens) + [1] * pad,

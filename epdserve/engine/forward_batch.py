@@ -33,6 +33,11 @@ class ForwardBatch:
             tokens, ``L`` = the vision tower's ``deepstack_visual_indexes`` count; level ``i`` is added to the image
             rows' hidden states after decoder layer ``i``. Required with ``mm_embeds`` by a Qwen3-VL model, ignored
             (and None) for Qwen2-VL / Qwen2.5-VL.
+        state_slots: hybrid models (Qwen3.5): per request, its :class:`~epdserve.kvcache.state_pool.StatePool`
+            slot. The linear-attention layers start from the slot's state and leave the new state there, so an
+            extend continues the state of the request's earlier extends (chunked prefill) and a fresh request must
+            start from the zero state (a first extend does). A decode CUDA graph passes an int64 device tensor
+            ``[B]`` instead of a list. None for models without linear-attention layers.
     """
 
     is_decode: bool
@@ -47,6 +52,7 @@ class ForwardBatch:
     mm_sources: list[tuple[str, str, int, int]] | None = None
     last_rows: torch.Tensor | None = None
     deepstack_embeds: torch.Tensor | None = None
+    state_slots: list[int] | torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -11,23 +12,30 @@ from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
 from epdserve.kvcache.kv_share import export_pool, new_shm_path
+from epdserve.engine import state_io
+from epdserve.kvcache.state_pool import StatePool
 from epdserve.wire.messages import KVPoolHandle
 from epdserve.models import language_model_class
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import head_shard
 from epdserve.models.weights import iter_lm_weights
 
+log = logging.getLogger(__name__)
+
 _CPU_DEFAULT_PAGES = 4096
+DEFAULT_STATE_SLOTS = 64  # hybrid models: requests whose linear-attention states fit at once
 
 
 class ModelRunner:
-    """Loads a Qwen2-VL / Qwen2.5-VL / Qwen3-VL language model and runs :class:`ForwardBatch` es over its paged KV
-    cache.
+    """Loads a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 language model and runs :class:`ForwardBatch` es over its
+    paged KV cache (and, for Qwen3.5, its state pool).
 
     Attributes: ``config`` (:class:`ModelConfig`), ``num_pages``, ``page_size``, ``device``, ``dtype``,
     ``kv_pool`` (:class:`KVPool`), ``model`` (the LM of :func:`~epdserve.models.language_model_class`:
     :class:`~epdserve.models.qwen2_vl_lm.Qwen2VLLanguageModel` or
-    :class:`~epdserve.models.qwen3_vl_lm.Qwen3VLLanguageModel`), ``backend``, ``tp``
+    :class:`~epdserve.models.qwen3_vl_lm.Qwen3VLLanguageModel` or
+    :class:`~epdserve.models.qwen3_5_lm.Qwen3_5LanguageModel`), ``state_pool`` (hybrid models' :class:`StatePool`,
+    else None), ``backend``, ``tp``
     (:class:`TPGroup`), ``heads`` (this rank's :class:`~epdserve.models.parallel.HeadShard`), ``failed`` (always
     None here; a TP server's rank-0 runner sets it when a rank is lost).
 
@@ -42,7 +50,7 @@ class ModelRunner:
     def __init__(self, model_path: str, *, device: torch.device, dtype: torch.dtype, num_pages: int,
                  page_size: int, attention_backend: str = "auto", mem_fraction: float = 0.5,
                  cuda_graph_max_bs: int = 0, prefill_graph_max_tokens: int = 0, share_kv: bool = False,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, num_state_slots: int = DEFAULT_STATE_SLOTS):
         """Load config and LM weights (vision weights are skipped), then size and allocate the KV pool.
 
         ``num_pages == 0`` sizes the pool automatically: on CUDA ``mem_fraction`` of the free memory left after
@@ -55,6 +63,12 @@ class ModelRunner:
         :mod:`epdserve.engine.cuda_graph`), and ``prefill_graph_max_tokens > 0`` one-request prefill graphs up to that
         many new tokens (:mod:`epdserve.engine.prefill_graph`); the graphs need the flashinfer backend and are skipped
         otherwise.
+
+        Hybrid models (Qwen3.5, ``config.is_hybrid``): the KV pool holds the attention layers only
+        (``config.num_kv_layers``) and ``state_pool`` (:class:`StatePool`, ``num_state_slots`` slots plus a scratch
+        one) holds the linear-attention layers' conv and recurrent states; every batch names its requests' slots
+        (``ForwardBatch.state_slots``). Decode graphs pad with rows on the scratch slot; no prefill graphs.
+        Otherwise ``state_pool`` is None.
 
         ``share_kv`` makes the KV pool mappable by other processes of this machine (:meth:`kv_handle`): on CUDA
         every pool is; on the CPU the pool is then allocated in a /dev/shm file.
@@ -78,19 +92,21 @@ class ModelRunner:
             num_pages = self.tp.min_int(self._auto_pages(mem_fraction))
         self.num_pages = num_pages
         self.share_kv = share_kv
-        self.kv_pool = KVPool(num_layers=cfg.num_layers, num_pages=num_pages + 1, page_size=page_size,
+        self.kv_pool = KVPool(num_layers=cfg.num_kv_layers, num_pages=num_pages + 1, page_size=page_size,
                               num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
                               device=self.device,
                               shm_path=new_shm_path() if share_kv and self.device.type == "cpu" else "")
         self.backend = make_backend(attention_backend, self.kv_pool, self.heads.num_heads)
         self.model.attn = self.backend
         self.model.use_fused_ops(self.backend.uses_flashinfer)
+        self.state_pool = self._state_pool(num_state_slots) if cfg.is_hybrid else None
+        if self.state_pool is not None:
+            # Prefill graphs: a hybrid extend loops over its requests (data-dependent shapes), so none.
+            self.model.states = self.state_pool
+            prefill_graph_max_tokens = 0
         self.graphs = None
         if cuda_graph_max_bs > 0 and self.backend.uses_flashinfer:
-            from epdserve.engine.cuda_graph import CudaGraphRunner
-
-            self.graphs = CudaGraphRunner(self.model, self.backend, vocab_size=cfg.vocab_size,
-                                          max_bs=cuda_graph_max_bs, scratch_page=num_pages, page_size=page_size)
+            self.graphs = self._decode_graphs(cuda_graph_max_bs)
         self.prefill_graphs = None
         if prefill_graph_max_tokens > 0 and self.backend.uses_flashinfer:
             from epdserve.engine.prefill_graph import PrefillGraphRunner
@@ -99,12 +115,39 @@ class ModelRunner:
                 self.model, self.backend, hidden_size=cfg.embed_width, vocab_size=cfg.vocab_size,
                 max_tokens=prefill_graph_max_tokens, scratch_page=num_pages, page_size=page_size, dtype=dtype)
 
+    def _decode_graphs(self, max_bs: int):
+        """The decode CUDA graphs. A hybrid model's take each row's state slot from a static buffer (padding rows:
+        the scratch slot). That path has not run on a GPU in CI: should its capture fail, decode runs eagerly
+        (logged) rather than the server failing to start."""
+        from epdserve.engine.cuda_graph import CudaGraphRunner
+
+        scratch = None if self.state_pool is None else self.state_pool.scratch_slot
+        try:
+            return CudaGraphRunner(self.model, self.backend, vocab_size=self.config.vocab_size, max_bs=max_bs,
+                                   scratch_page=self.num_pages, page_size=self.page_size, scratch_state_slot=scratch)
+        except RuntimeError as e:
+            if scratch is None:
+                raise
+            log.warning("decode CUDA graphs of the hybrid model could not be captured (%s): decode runs eagerly", e)
+            return None
+
+    def _state_pool(self, num_slots: int) -> StatePool:
+        """The linear-attention states of a hybrid model, this rank's heads: conv ``[conv_dim, kernel]`` in the
+        model dtype, recurrent ``[value_heads, key_dim, value_dim]`` in float32 (see :class:`StatePool`); in
+        /dev/shm files with ``share_kv`` on the CPU, like the KV pool."""
+        from epdserve.models.qwen3_5_lm import deltanet_local_shapes
+
+        cfg = self.config
+        conv, rec = deltanet_local_shapes(cfg, self.tp)
+        shm = (new_shm_path(), new_shm_path()) if self.share_kv and self.device.type == "cpu" else ("", "")
+        return StatePool(num_slots, len(cfg.linear_layers), conv, rec, self.dtype, self.device, shm_paths=shm)
+
     def _auto_pages(self, mem_fraction: float) -> int:
         if self.device.type != "cuda":
             return _CPU_DEFAULT_PAGES
         free, _ = torch.cuda.mem_get_info(self.device)
         cfg = self.config
-        per_page = KVPool.bytes_per_page(num_layers=cfg.num_layers, page_size=self.page_size,
+        per_page = KVPool.bytes_per_page(num_layers=cfg.num_kv_layers, page_size=self.page_size,
                                          num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim,
                                          dtype=self.dtype)
         pages = int(free * mem_fraction) // per_page
@@ -178,6 +221,42 @@ class ModelRunner:
                 kv = kv[:, :, :, self.heads.kv_start:self.heads.kv_start + self.heads.num_kv_heads]
             self.kv_pool.write_all(slots.to(self.device), kv)
 
+    def read_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hybrid models: state slot ``slot``'s whole linear-attention state on the CPU, ``(conv [layers,
+        conv_dim, kernel], recurrent [layers, value_heads, key_dim, value_dim])``, every DeltaNet head (the
+        :class:`~epdserve.wire.messages.StateHandoff` payload; :mod:`epdserve.engine.state_io`). With TP
+        every rank calls it."""
+        return state_io.read_state(self.state_pool, slot, self.config, self.tp)
+
+    def write_state(self, slot: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Hybrid models: store a received whole state into ``slot`` (with TP every rank calls it; rank 0's is
+        broadcast).
+
+        Raises:
+            ValueError: wrong shapes.
+        """
+        state_io.write_state(self.state_pool, slot, conv, recurrent, self.config, self.tp)
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        """Hybrid models: copy state slot ``src_slot`` into ``dst_slot`` (prefix-cache snapshots; with TP every
+        rank calls it)."""
+        state_io.copy_slot(self.state_pool, src_slot, dst_slot)
+
+    def state_handles(self) -> list[KVPoolHandle] | None:
+        """Hybrid models with ``share_kv``: the handles of the state pool's conv and recurrent buffers (mapped
+        like the KV pool's); else None."""
+        if not self.share_kv or self.state_pool is None:
+            return None
+        pool = self.state_pool
+        return [export_pool(pool.conv_buffer, pool.shm_paths[0]), export_pool(pool.recurrent_buffer,
+                                                                              pool.shm_paths[1])]
+
+    def copy_state_from(self, peer_conv: torch.Tensor, peer_recurrent: torch.Tensor, src_slot: int,
+                        dst_slot: int) -> None:
+        """Hybrid models: copy a mapped prefill state pool's slot into ``dst_slot`` (see
+        :func:`~epdserve.engine.state_io.copy_state`; raises ValueError on a mismatch)."""
+        state_io.copy_state(self.state_pool, peer_conv, peer_recurrent, src_slot, dst_slot)
+
     def close(self) -> None:
         """Release what the runner holds outside this process (nothing for one rank; TP runners stop their
         ranks)."""
@@ -212,8 +291,10 @@ class ModelRunner:
         positions = torch.arange(n + 1).expand(3, -1)
         slots = torch.arange(n + 1)
         ids = torch.zeros(n + 1, dtype=torch.int64)
-        self.forward(ForwardBatch(False, ids[:n], positions[:, :n], slots[:n], [n], [n], [pages]))
-        self.forward(ForwardBatch(True, ids[n:], positions[:, n:], slots[n:], [1], [n + 1], [pages]))
+        state = None if self.state_pool is None else [self.state_pool.scratch_slot]
+        self.forward(ForwardBatch(False, ids[:n], positions[:, :n], slots[:n], [n], [n], [pages], state_slots=state))
+        self.forward(ForwardBatch(True, ids[n:], positions[:, n:], slots[n:], [1], [n + 1], [pages],
+                                  state_slots=state))
 
 
 def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
@@ -232,6 +313,10 @@ def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
     runner = ModelRunner(model_path, device=tp.device, dtype=resolve_dtype(cfg.dtype, tp.device),
                          num_pages=cfg.num_pages, page_size=cfg.page_size, attention_backend=cfg.attention_backend,
                          mem_fraction=cfg.mem_fraction, cuda_graph_max_bs=cuda_graph_max_bs,
-                         prefill_graph_max_tokens=getattr(cfg, "cuda_graph_max_tokens", 0), share_kv=share_kv, tp=tp)
+                         prefill_graph_max_tokens=getattr(cfg, "cuda_graph_max_tokens", 0), share_kv=share_kv, tp=tp,
+                         # decode: one state slot per running request; prefill: the default plus its prefix-cache
+                         # snapshots
+                         num_state_slots=getattr(cfg, "max_running_requests", DEFAULT_STATE_SLOTS)
+                         + getattr(cfg, "state_snapshot_slots", 0))
     runner.warmup()
     return runner

@@ -7,8 +7,9 @@ Started by rank 0 (:func:`epdserve.engine.tp_runner.start_tp_runner`), never by 
 
 A rank joins the process group, builds and warms up its :class:`~epdserve.engine.model_runner.ModelRunner` in step with
 rank 0, then serves two sockets:
-- a DEALER to rank 0's control ROUTER: ``TPForward`` / ``TPReadKV`` / ``TPWriteKV`` / ``TPReleaseEmbeddings`` /
-  ``TPShutdown`` in, run in order; ``TPHello`` and ``TPEmbedReceipt`` out.
+- a DEALER to rank 0's control ROUTER: ``TPForward`` / ``TPReadKV`` / ``TPWriteKV`` / ``TPReadState`` /
+  ``TPWriteState`` / ``TPCopyState`` / ``TPReleaseEmbeddings`` / ``TPShutdown`` in, run in order; ``TPHello``
+  and ``TPEmbedReceipt`` out.
 - on a prefill server, a PULL on a port it binds itself (reported to rank 0 in ``TPHello``): the encoder's
   ``ImageEmbeddings`` for this rank. The rank keeps its own copy until rank 0 releases it and reports each
   arrival to rank 0, which schedules a request only once every rank holds its embeddings.
@@ -34,7 +35,8 @@ from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.wire.device_share import take_embeddings
 from epdserve.wire.messages import ImageEmbeddings
 from epdserve.wire.tp_messages import (
-    TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings, TPShutdown, TPWriteKV,
+    TPCopyState, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown,
+    TPWriteKV, TPWriteState,
 )
 from epdserve.engine.model_runner import ModelRunner, build_runner
 
@@ -94,7 +96,7 @@ class Follower:
             runner.forward(ForwardBatch(
                 is_decode=msg.is_decode, input_ids=torch.zeros(msg.num_tokens, dtype=torch.int64, device=dev),
                 positions=msg.positions, out_slots=msg.out_slots, q_lens=msg.q_lens, kv_lens=msg.kv_lens,
-                page_table=msg.page_table, mm_embeds=mm_embeds, mm_mask=mm_mask))
+                page_table=msg.page_table, mm_embeds=mm_embeds, mm_mask=mm_mask, state_slots=msg.state_slots))
             if dev.type == "cuda":
                 # At most one forward queued ahead of the device, as on rank 0 (its overlap scheduler): a host far
                 # ahead would re-plan attention into host buffers that earlier, unexecuted copies still read.
@@ -107,6 +109,17 @@ class Follower:
             runner.read_kv(msg.slots)
         elif isinstance(msg, TPWriteKV):
             runner.write_kv(msg.slots, torch.empty(msg.shape, dtype=runner.dtype, device=dev))
+        elif isinstance(msg, TPReadState):
+            runner.read_state(msg.slot)
+        elif isinstance(msg, TPWriteState):
+            from epdserve.engine.state_io import state_shapes
+
+            conv, rec = state_shapes(runner.config)
+            pool = runner.state_pool
+            runner.write_state(msg.slot, torch.empty(conv, dtype=pool.dtype, device=dev),
+                               torch.empty(rec, dtype=pool.recurrent_dtype, device=dev))
+        elif isinstance(msg, TPCopyState):
+            runner.copy_state(msg.src, msg.dst)
         elif isinstance(msg, TPReleaseEmbeddings):
             for rid in msg.rids:
                 self.embeds.pop(rid, None)

@@ -35,7 +35,8 @@ from epdserve.engine.distributed import TPGroup, rank_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.wire.messages import encode
 from epdserve.wire.tp_messages import (
-    TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings, TPShutdown, TPWriteKV,
+    TPCopyState, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown,
+    TPWriteKV, TPWriteState,
 )
 from epdserve.engine.model_runner import ModelRunner, build_runner
 from epdserve.models.config import ModelConfig
@@ -65,7 +66,8 @@ def config_argv(cfg) -> list[str]:
 class TPRunner:
     """Rank 0's model runner of a TP server: the :class:`~epdserve.engine.model_runner.ModelRunner` interface the
     schedulers use (``forward``, ``read_kv``, ``write_kv``, ``config``, ``num_pages``, ``page_size``, ``device``,
-    ``dtype``), each call run on every rank.
+    ``dtype``; hybrid models: ``state_pool`` (rank 0's, whose slot ids every rank shares), ``read_state``,
+    ``write_state``, ``copy_state``), each call run on every rank.
 
     Also: :attr:`ctrl` (poll it for :meth:`receipts`), :meth:`release_embeddings` (prefill), :attr:`failed`
     (set when a rank is lost), :meth:`close`. Build it with :func:`start_tp_runner`.
@@ -75,6 +77,7 @@ class TPRunner:
         self.local = local
         self.config, self.num_pages, self.page_size = local.config, local.num_pages, local.page_size
         self.device, self.dtype, self.tp, self.heads = local.device, local.dtype, local.tp, local.heads
+        self.state_pool = local.state_pool
         self._ctx, self.ctrl, self._procs = ctx, ctrl, procs
         self._receipts: list[TPEmbedReceipt] = []
         self.embed_endpoints: list[str] = []  # ranks 1..N-1's embedding endpoints (prefill), set at start
@@ -98,7 +101,7 @@ class TPRunner:
             is_decode=batch.is_decode, num_tokens=int(batch.input_ids.shape[0]), positions=batch.positions,
             out_slots=batch.out_slots, q_lens=list(batch.q_lens), kv_lens=list(batch.kv_lens),
             page_table=[list(p) for p in batch.page_table], mm_mask=mm_mask,
-            mm_sources=[list(s) for s in batch.mm_sources or []]))
+            mm_sources=[list(s) for s in batch.mm_sources or []], state_slots=batch.state_slots))
         return self.local.forward(batch)
 
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
@@ -115,11 +118,39 @@ class TPRunner:
                 is told, so the ranks stay in step).
         """
         cfg = self.config
-        want = (cfg.num_layers, 2, int(slots.numel()), cfg.num_kv_heads, cfg.head_dim)
+        want = (cfg.num_kv_layers, 2, int(slots.numel()), cfg.num_kv_heads, cfg.head_dim)
         if tuple(kv.shape) != want:
             raise ValueError(f"kv shape {tuple(kv.shape)} != expected {want}")
         self._send(TPWriteKV(slots=slots, shape=list(want)))
         self.local.write_kv(slots, kv)
+
+    def read_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`ModelRunner.read_state` gathered from every rank's DeltaNet heads (whole state, on the CPU)."""
+        self._send(TPReadState(slot=slot))
+        return self.local.read_state(slot)
+
+    def write_state(self, slot: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """:meth:`ModelRunner.write_state` on every rank; each keeps its own heads.
+
+        Raises:
+            ValueError: wrong shapes (checked before any rank is told, so the ranks stay in step).
+        """
+        from epdserve.engine.state_io import state_shapes
+
+        want = state_shapes(self.config)
+        if (tuple(conv.shape), tuple(recurrent.shape)) != want:
+            raise ValueError(f"state shapes {tuple(conv.shape)}, {tuple(recurrent.shape)} != expected {want}")
+        self._send(TPWriteState(slot=slot))
+        self.local.write_state(slot, conv, recurrent)
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        """:meth:`ModelRunner.copy_state` on every rank."""
+        self._send(TPCopyState(src=src_slot, dst=dst_slot))
+        self.local.copy_state(src_slot, dst_slot)
+
+    def state_handles(self) -> None:
+        """None: a TP server's state pool is split over its ranks, like its KV pool (see :meth:`kv_handle`)."""
+        return None
 
     def kv_handle(self) -> None:
         """None: a TP server's KV pool is split over its ranks, so it is never shared with another process (its
@@ -210,6 +241,10 @@ def start_tp_runner(cfg, model_path: str, cuda_graph_max_bs: int = 0) -> TPRunne
         group = TPGroup(rank, cfg.tp, device)
         head_shard(model.num_heads, model.num_kv_heads, group)
         split_evenly(model.intermediate_size, group, "intermediate size")
+        if model.is_hybrid:
+            from epdserve.models.qwen3_5_lm import deltanet_heads
+
+            deltanet_heads(model, group)
     ctx = zmq.Context()
     ctrl = ctx.socket(zmq.ROUTER)
     ctrl.setsockopt(zmq.LINGER, 0)

@@ -113,6 +113,15 @@ class PeerPools:
     def __init__(self):
         self._pools: dict[tuple, torch.Tensor] = {}
 
+    def tensor(self, handle: KVPoolHandle) -> torch.Tensor:
+        """The mapped tensor of ``handle`` as its shape says (a hybrid prefill server's state buffers); mapped once
+        per handle like the pools; see :func:`open_pool` for errors."""
+        # The whole IPC handle: two buffers of one process may share an allocation block (same handle bytes).
+        key = ("tensor", handle.shm_path, repr(handle.cuda_ipc))
+        if key not in self._pools:
+            self._pools[key] = open_pool(handle)
+        return self._pools[key]
+
     def get(self, handle: KVPoolHandle) -> torch.Tensor:
         """The mapped pool of ``handle`` (``[L, 2, num_pages * page_size, H, D]``, slot-indexed); see
         :func:`open_pool` for errors."""

@@ -1,4 +1,5 @@
-"""The language-model facts epdserve needs from a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint's ``config.json``."""
+"""The language-model facts epdserve needs from a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 checkpoint's
+``config.json``."""
 
 from __future__ import annotations
 
@@ -7,18 +8,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5")
 
 # What transformers' config classes assume when a key is absent. Qwen3-VL (``Qwen3VLTextConfig``) has an explicit
 # ``head_dim`` defaulting to 128 and ``mrope_section`` [24, 20, 20] (``Qwen3VLTextRotaryEmbedding``); Qwen2-VL and
 # Qwen2.5-VL derive head_dim from hidden / heads and default to [16, 24, 24].
-_DEFAULT_MROPE_SECTION = {"qwen3_vl": (24, 20, 20)}
-_DEFAULT_HEAD_DIM = {"qwen3_vl": 128}
-_DEFAULT_ROPE_THETA = {"qwen3_vl": 500000.0}
+# Qwen3.5 (``Qwen3_5TextConfig``, ``Qwen3_5TextRotaryEmbedding``): head_dim 256, [11, 11, 10] over the rotary quarter
+# of head_dim (``partial_rotary_factor`` 0.25), no DeepStack.
+_DEFAULT_MROPE_SECTION = {"qwen3_vl": (24, 20, 20), "qwen3_5": (11, 11, 10)}
+_DEFAULT_HEAD_DIM = {"qwen3_vl": 128, "qwen3_5": 256}
+_DEFAULT_ROPE_THETA = {"qwen3_vl": 500000.0, "qwen3_5": 10000000.0}
 _DEFAULT_DEEPSTACK = {"qwen3_vl": (8, 16, 24)}  # Qwen3VLVisionConfig.deepstack_visual_indexes
-# transformers' Qwen3VLTextRotaryEmbedding always interleaves (the checkpoints' ``mrope_interleaved: true`` is
-# informative only); Qwen2/2.5-VL never do.
-_INTERLEAVED_MROPE = ("qwen3_vl",)
+_DEFAULT_PARTIAL_ROTARY = {"qwen3_5": 0.25}
+# transformers' Qwen3VLTextRotaryEmbedding (and Qwen3_5TextRotaryEmbedding) always interleaves (the checkpoints'
+# ``mrope_interleaved: true`` is informative only); Qwen2/2.5-VL never do.
+_INTERLEAVED_MROPE = ("qwen3_vl", "qwen3_5")
+# Qwen3_5TextConfig's defaults for the Gated DeltaNet (linear-attention) layers.
+_LINEAR_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
 
 # Defaults of the released checkpoints (and of transformers' config classes) for keys old configs may omit.
 _DEFAULT_TOKEN_IDS = {"image_token_id": 151655, "video_token_id": 151656,
@@ -33,7 +40,7 @@ def _ids(value: Any) -> list[int]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Text-decoder shape, M-RoPE and special tokens of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint.
+    """Text-decoder shape, M-RoPE and special tokens of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 checkpoint.
 
     ``head_dim``: Qwen2-VL / Qwen2.5-VL: ``hidden_size // num_heads``, as transformers' ``Qwen2_5_VLAttention``
     computes it (it ignores a ``head_dim`` key); Qwen3-VL: the config's ``head_dim`` (default 128), which may differ
@@ -43,6 +50,14 @@ class ModelConfig:
     ``vision_config``): the vision blocks whose features are added to the hidden states of the image tokens after
     decoder layers ``0 .. len - 1`` (DeepStack); empty for Qwen2/2.5-VL. ``eos_token_ids`` is the sorted union of
     ``config.json`` and ``generation_config.json`` eos ids.
+
+    Qwen3.5 (hybrid): ``rotary_dim`` is ``int(head_dim * partial_rotary_factor)`` (0.25: only the first quarter of
+    each head is rotated, transformers' ``apply_rotary_pos_emb`` with a short cos), and ``mrope_section`` sums to
+    ``rotary_dim / 2``; other models rotate all of ``head_dim`` (``rotary_dim == head_dim``). ``layer_types``: per
+    decoder layer ``"full_attention"`` (gated attention over the paged KV) or ``"linear_attention"`` (Gated
+    DeltaNet over the state pool); from the config, else every ``full_attention_interval``-th (default 4) layer is
+    full attention, as ``Qwen3_5TextConfig.__post_init__`` derives it; empty for non-hybrid models (all layers
+    attention). ``linear_*``: the DeltaNet's key/value head counts and sizes and the causal conv1d kernel width.
     """
 
     model_path: str
@@ -67,6 +82,44 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     mrope_interleaved: bool = False
     deepstack_visual_indexes: tuple[int, ...] = ()
+    rotary_dim: int = 0  # 0: head_dim (set by load)
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some decoder layers are Gated DeltaNet layers (they need a :class:`StatePool`, no KV)."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Decoder-layer ids of the layers that keep KV, in order; KV-pool layer ``i`` is
+        ``attention_layers[i]``'s."""
+        if not self.layer_types:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Decoder-layer ids of the Gated DeltaNet layers, in order; state-pool layer ``i`` is
+        ``linear_layers[i]``'s."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers of the KV pool: the attention layers' count."""
+        return len(self.attention_layers)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a DeltaNet layer's causal conv1d (and conv state): q, k and v features,
+        ``2 * key_heads * key_dim + value_heads * value_dim`` (``Qwen3_5GatedDeltaNet.conv_dim``)."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
 
     @property
     def num_deepstack_layers(self) -> int:
@@ -118,18 +171,12 @@ class ModelConfig:
                 raise ValueError(f"{cfg_file} has no {key!r} (neither in text_config nor at top level)")
             return value
 
-        rope = dict(get("rope_scaling") or {})
-        rope.update(get("rope_parameters") or {})
-        mrope_section = tuple(int(s) for s in rope.get("mrope_section",
-                                                        _DEFAULT_MROPE_SECTION.get(model_type, (16, 24, 24))))
-        rope_theta = float(rope.get("rope_theta", get("rope_theta", _DEFAULT_ROPE_THETA.get(model_type, 1e6))))
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         head_dim = hidden // heads
         if model_type in _DEFAULT_HEAD_DIM:
             head_dim = int(get("head_dim") or _DEFAULT_HEAD_DIM[model_type])
-        if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
-            raise ValueError(f"mrope_section {list(mrope_section)} must have 3 parts summing to head_dim/2 = "
-                             f"{head_dim // 2}")
+        mrope_section, rope_theta, rotary_dim = _rope_fields(model_type, get, head_dim)
+        hybrid = _hybrid_fields(model_type, get, int(need("num_hidden_layers")))
 
         eos = set(_ids(get("eos_token_id")))
         gen_file = root / "generation_config.json"
@@ -157,4 +204,48 @@ class ModelConfig:
             mrope_interleaved=model_type in _INTERLEAVED_MROPE,
             deepstack_visual_indexes=tuple(int(i) for i in vision.get(
                 "deepstack_visual_indexes", _DEFAULT_DEEPSTACK.get(model_type, ())) or ()),
+            rotary_dim=rotary_dim,
+            **hybrid,
         )
+
+
+def _rope_fields(model_type: str, get, head_dim: int) -> tuple[tuple[int, int, int], float, int]:
+    """``(mrope_section, rope_theta, rotary_dim)`` from ``rope_scaling`` / ``rope_parameters`` (``get`` looks a
+    text key up) with the model type's defaults; ``rotary_dim = int(head_dim * partial_rotary_factor)``.
+
+    Raises:
+        ValueError: ``mrope_section`` not 3 parts summing to ``rotary_dim / 2``.
+    """
+    rope = dict(get("rope_scaling") or {})
+    rope.update(get("rope_parameters") or {})
+    section = tuple(int(s) for s in rope.get("mrope_section", _DEFAULT_MROPE_SECTION.get(model_type, (16, 24, 24))))
+    theta = float(rope.get("rope_theta", get("rope_theta", _DEFAULT_ROPE_THETA.get(model_type, 1e6))))
+    partial = float(rope.get("partial_rotary_factor", get("partial_rotary_factor",
+                                                           _DEFAULT_PARTIAL_ROTARY.get(model_type, 1.0))))
+    rotary_dim = int(head_dim * partial)
+    if len(section) != 3 or sum(section) != rotary_dim // 2:
+        raise ValueError(f"mrope_section {list(section)} must have 3 parts summing to rotary_dim/2 = "
+                         f"{rotary_dim // 2}")
+    return section, theta, rotary_dim  # type: ignore[return-value]
+
+
+def _hybrid_fields(model_type: str, get, num_layers: int) -> dict[str, Any]:
+    """``layer_types`` and the ``linear_*`` sizes of a Qwen3.5 text config (``get`` looks a text key up), with
+    ``Qwen3_5TextConfig``'s defaults; ``{}`` for other models.
+
+    Raises:
+        ValueError: ``layer_types`` of the wrong length or with an unknown type.
+    """
+    if model_type != "qwen3_5":
+        return {}
+    types = get("layer_types")
+    if types is None:
+        interval = int(get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types {types} must name full_attention or linear_attention for each of "
+                         f"{num_layers} layers")
+    out: dict[str, Any] = {"layer_types": tuple(types)}
+    for key, default in _LINEAR_DEFAULTS.items():
+        out[key] = int(get(key, default))
+    return out

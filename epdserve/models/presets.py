@@ -6,7 +6,12 @@ Qwen/Qwen2-VL-2B-Instruct, Qwen/Qwen2.5-VL-{3B,7B}-Instruct configs. Qwen3-VL (d
 4.57.0.dev0): Qwen/Qwen3-VL-{2B,4B,8B}-Instruct's ``config.json``, read as quoted verbatim in public repositories
 (found with the code-search corpus, 2026-11: an 8B model report listing the config and all 750 tensor shapes, test
 fixtures of the 2B and 4B configs); their processors from the quoted ``preprocessor_config.json`` (see
-:mod:`epdserve.models.qwen3_vl_checkpoint`).
+:mod:`epdserve.models.qwen3_vl_checkpoint`). Qwen3.5 (dense, hybrid LM): only ``qwen3.5-9b``, whose text sizes are
+transformers 5's ``Qwen3_5TextConfig`` defaults and agree with a public test fixture quoting Qwen/Qwen3.5-9B's
+``config.json`` (24 DeltaNet + 8 gated-attention layers, 16 key / 32 value DeltaNet heads of 128, kernel 4), and
+whose tower (27 blocks of 1152, no DeepStack, out 4096) is quoted alike by several public repositories (code
+search, 2026-11). Its processor is assumed to be Qwen3-VL's released one (patch 16, merge 2; not checked). The
+other dense sizes are left out: their DeltaNet head counts were not found in a public source.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ _QWEN3_TEXT = dict(vocab_size=151936, num_key_value_heads=8, head_dim=128, max_p
                    mrope_section=[24, 20, 20])
 _QWEN3_VISION_SMALL = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
                            deepstack_visual_indexes=[5, 11, 17])
+# Qwen3.5-9B: three DeltaNet layers, then one gated-attention layer, eight times.
+_QWEN35_9B_LAYERS = (["linear_attention"] * 3 + ["full_attention"]) * 8
 PRESETS = {
     "qwen2.5-vl-3b": dict(
         arch="qwen2_5_vl", tie_word_embeddings=False,
@@ -57,6 +64,14 @@ PRESETS = {
                   num_attention_heads=32),
         vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
                     deepstack_visual_indexes=[8, 16, 24])),
+    "qwen3.5-9b": dict(
+        arch="qwen3_5", tie_word_embeddings=False,
+        text=dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                  num_attention_heads=16, num_key_value_heads=4, head_dim=256, max_position_embeddings=262144,
+                  layer_types=_QWEN35_9B_LAYERS, linear_num_key_heads=16, linear_num_value_heads=32,
+                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                  mrope_section=[11, 11, 10]),
+        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16)),
 }
 # The image processor of the released Qwen2-VL / Qwen2.5-VL checkpoints (preprocessor_config.json).
 PRESET_MIN_PIXELS, PRESET_MAX_PIXELS = 56 * 56, 12845056
@@ -70,9 +85,10 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 
 def _init_kind(module, param_name: str) -> str:
-    """``"normal"``, ``"zeros"`` or ``"ones"``: what transformers' ``PreTrainedModel._init_weights`` does to one
+    """``"normal"``, ``"zeros"``, ``"ones"`` or ``"a_log"``: what transformers' ``_init_weights`` does to one
     parameter of ``module`` (linear/conv weights and embeddings normal, their biases 0, norm weights 1 and
-    norm biases 0).
+    norm biases 0; Qwen3.5's zero-centred ``Qwen3_5RMSNorm`` weights 0, a DeltaNet's ``dt_bias`` 1 and ``A_log``
+    the log of U(0.01, 16)).
 
     Raises:
         ValueError: a module kind ``_init_weights`` treats otherwise (so a new layer type is not silently wrong).
@@ -80,6 +96,10 @@ def _init_kind(module, param_name: str) -> str:
     from torch import nn
 
     name = type(module).__name__
+    if name == "Qwen3_5GatedDeltaNet" and param_name in ("dt_bias", "A_log"):
+        return "ones" if param_name == "dt_bias" else "a_log"
+    if name == "Qwen3_5RMSNorm":  # applied as (1 + weight)
+        return "zeros"
     if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)):
         return "zeros" if param_name == "bias" else "normal"
     if "LayerNorm" in name or "RMSNorm" in name:
@@ -118,13 +138,15 @@ def _preset_config(spec: dict, tokenizer, overrides: dict):
     Qwen3-VL through :mod:`epdserve.models.qwen3_vl_checkpoint` (released processor bounds), the others through
     :mod:`epdserve.models.tiny` (``PRESET_MIN_PIXELS`` .. ``PRESET_MAX_PIXELS``)."""
     from epdserve.models import tiny
+    from epdserve.models.qwen3_5_checkpoint import qwen3_5_config
     from epdserve.models.qwen3_vl_checkpoint import RELEASED_IMAGE_PIXELS, qwen3_vl_config, write_qwen3_vl_processor
 
     text = {**spec["text"], **overrides.get("text", {})}
     vision = {**spec["vision"], **overrides.get("vision", {})}
     tie = spec["tie_word_embeddings"]
-    if spec["arch"] == "qwen3_vl":
-        config, model_cls = qwen3_vl_config(tokenizer, text=text, vision=vision, tie_word_embeddings=tie)
+    if spec["arch"] in ("qwen3_vl", "qwen3_5"):
+        make = qwen3_vl_config if spec["arch"] == "qwen3_vl" else qwen3_5_config
+        config, model_cls = make(tokenizer, text=text, vision=vision, tie_word_embeddings=tie)
         return config, model_cls, lambda out: write_qwen3_vl_processor(out, tokenizer,
                                                                        image_pixels=RELEASED_IMAGE_PIXELS)
     config, model_cls, processor_cls = tiny._build_config(spec["arch"], tokenizer, text=text, vision=vision,
@@ -171,6 +193,8 @@ def _write_shards(out: Path, plan: list, *, seed: int, device, std: float, head:
                     t = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, std, generator=gen)
                     if padding_idx is not None:
                         t[padding_idx] = 0
+                elif kind == "a_log":  # drawn in float32, as transformers does, then cast
+                    t = torch.empty(shape, device=device).uniform_(0.01, 16, generator=gen).log_().bfloat16()
                 else:
                     t = (torch.ones if kind == "ones" else torch.zeros)(shape, dtype=torch.bfloat16, device=device)
                 if name == head:
@@ -213,11 +237,12 @@ def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device
     """Write a random-weight checkpoint with the shapes of a released Qwen-VL model and return its path.
 
     ``preset`` is one of ``PRESETS`` (``qwen2.5-vl-3b``, ``qwen2.5-vl-7b``, ``qwen2-vl-2b``, ``qwen3-vl-2b``,
-    ``qwen3-vl-4b``, ``qwen3-vl-8b``): the real text and vision sizes and vocabulary size (151936 / 152064
-    rows, more than the offline tokenizer's ~550 ids: only the shapes matter), and the released image processor
-    (Qwen2/2.5-VL: ``min_pixels`` 3136, ``max_pixels`` 12845056, so a 1280x720 image gives 1196 image tokens;
-    Qwen3-VL: 65536 .. 16777216 pixels, patch 16). Tokenizer, processor, chat template and generation config are
-    those of :func:`~epdserve.models.tiny.make_tiny_model` for the same architecture.
+    ``qwen3-vl-4b``, ``qwen3-vl-8b``, ``qwen3.5-9b``): the real text and vision sizes and vocabulary size
+    (151936 / 152064 / 248320 rows, more than the offline tokenizer's ~550 ids: only the shapes matter), and the
+    released image processor (Qwen2/2.5-VL: ``min_pixels`` 3136, ``max_pixels`` 12845056, so a 1280x720 image gives
+    1196 image tokens; Qwen3-VL, and assumed for Qwen3.5: 65536 .. 16777216 pixels, patch 16). Tokenizer,
+    processor, chat template and generation config are those of :func:`~epdserve.models.tiny.make_tiny_model` for
+    the same architecture.
 
     Weights: the HF model class is built on the ``meta`` device only for the tensor names and shapes; each
     tensor is then drawn directly in bfloat16 on ``device`` from its own generator, seeded by ``seed`` and a

@@ -32,8 +32,8 @@ SIZES = {
 }
 
 # Command-line spellings of the architectures (the released models' names) -> transformers' model types.
-ARCH_ALIASES = {"qwen2.5-vl": "qwen2_5_vl", "qwen2-vl": "qwen2_vl", "qwen3-vl": "qwen3_vl"}
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+ARCH_ALIASES = {"qwen2.5-vl": "qwen2_5_vl", "qwen2-vl": "qwen2_vl", "qwen3-vl": "qwen3_vl", "qwen3.5": "qwen3_5"}
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5")
 
 
 def normalize_arch(arch: str) -> str:
@@ -107,8 +107,10 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
     Args:
         out_dir: target directory (created; existing files are overwritten).
         arch: ``"qwen2_5_vl"``, ``"qwen2_vl"`` or ``"qwen3_vl"`` (or an alias of ``ARCH_ALIASES``, e.g.
-            ``"qwen3-vl"``). Qwen3-VL: :func:`epdserve.models.qwen3_vl_checkpoint.make_tiny_qwen3_vl` (its own
-            sizes, patch 16, DeepStack from two vision blocks; ``max_pixels`` defaults to ``512 * 32**2`` there).
+            ``"qwen3-vl"``), or ``"qwen3_5"`` (``"qwen3.5"``: the hybrid LM, tiny size only, see
+            :mod:`epdserve.models.qwen3_5_checkpoint`). Qwen3-VL:
+            :func:`epdserve.models.qwen3_vl_checkpoint.make_tiny_qwen3_vl` (its own sizes, patch 16, DeepStack from
+            two vision blocks; ``max_pixels`` defaults to ``512 * 32**2`` there).
         size: ``"tiny"`` or ``"small"`` (see ``SIZES``).
         seed: seed of the random weights.
         max_pixels: image processor ``longest_edge`` in pixels; bounds image tokens per image to
@@ -127,6 +129,11 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
 
         return make_tiny_qwen3_vl(out_dir, seed=seed, size=size, readable=readable,
                                   **({} if max_pixels is None else {"max_pixels": max_pixels}))
+    if arch == "qwen3_5":
+        from epdserve.models.qwen3_5_checkpoint import make_tiny_qwen3_5
+
+        return make_tiny_qwen3_5(out_dir, seed=seed, size=size, readable=readable,
+                                 **({} if max_pixels is None else {"max_pixels": max_pixels}))
     max_pixels = 512 * 28 * 28 if max_pixels is None else max_pixels
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

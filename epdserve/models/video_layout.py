@@ -100,22 +100,28 @@ def video_placeholder(processor, layout: VideoLayout) -> str:
     return processor.replace_video_token(inputs, 0)
 
 
+# Model types whose processor writes a video as one run of pads per temporal patch between timestamp texts
+# (Qwen3VLProcessor; transformers maps qwen3_5 to it too, and Qwen3_5Model.get_rope_index splits the grid alike).
+_TIMESTAMPED_VIDEO = ("qwen3_vl", "qwen3_5")
+
+
 def video_mrope_entries(model_type: str, runs: list[int], layout: VideoLayout, tokens_per_second: float) -> list[tuple]:
     """:func:`epdserve.models.mrope.mrope_positions` entries of one video.
 
     Args:
-        model_type: ``qwen2_vl``, ``qwen2_5_vl`` or ``qwen3_vl``.
+        model_type: ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` or ``qwen3_5``.
         runs: offsets in the prompt of the video's runs of ``<|video_pad|>`` tokens: one run (Qwen2/2.5-VL), or one
-            per temporal patch (Qwen3-VL, whose timestamp text between them is ordinary text).
+            per temporal patch (Qwen3-VL and Qwen3.5, whose timestamp text between them is ordinary text).
         tokens_per_second: the vision config's (Qwen2.5-VL's temporal scale).
 
     Raises:
         ValueError: the number of runs does not fit the model type and grid.
     """
     t, h, w = layout.grid_thw
-    if len(runs) != (t if model_type == "qwen3_vl" else 1):
+    timestamped = model_type in _TIMESTAMPED_VIDEO
+    if len(runs) != (t if timestamped else 1):
         raise ValueError(f"{model_type} video with grid {layout.grid_thw} cannot have {len(runs)} token runs")
-    if model_type == "qwen3_vl":
+    if timestamped:
         return [(offset, [1, h, w]) for offset in runs]
     if model_type == "qwen2_5_vl":
         return [(runs[0], [t, h, w], layout.second_per_grid_t * tokens_per_second)]

@@ -5,6 +5,10 @@ Layouts: transformers 5 (and the released Qwen3-VL checkpoints) ``model.language
 ``lm_head.weight``; the released Qwen2-VL / Qwen2.5-VL checkpoints (and transformers 5's saves of them)
 ``model.*``, ``visual.*``, ``lm_head.weight``; older ``language_model.model.*``. Qwen3-VL's decoder adds
 ``layers.N.self_attn.q_norm.weight`` / ``k_norm.weight`` and has no q/k/v biases; the names map the same way.
+Qwen3.5 (``model.language_model.*`` too) adds the Gated DeltaNet layers' ``layers.N.linear_attn.{in_proj_qkv,
+in_proj_z, in_proj_b, in_proj_a, out_proj}.weight``, ``conv1d.weight``, ``dt_bias``, ``A_log`` and ``norm.weight``
+(kept under those names), and its attention layers' ``q_proj`` holds query and gate; the released checkpoints'
+multi-token-prediction head (``mtp.*``) is not an LM tensor here.
 """
 
 from __future__ import annotations

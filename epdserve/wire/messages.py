@@ -20,7 +20,8 @@ import torch
 
 from epdserve.wire.codec import Codec, WireError, tensor_bytes, tensor_from_bytes  # noqa: F401  (the wire's names)
 from epdserve.wire.tp_messages import (
-    TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReleaseEmbeddings, TPShutdown, TPWriteKV,
+    TPCopyState, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown,
+    TPWriteKV, TPWriteState,
 )
 
 
@@ -146,7 +147,9 @@ class Load:
     Counts are requests or KV pages. ``kv_pages_used`` includes ``kv_pages_cached`` (prefill: pages held only by
     the radix cache, evictable; 0 on decode). ``rooms`` counts bootstrap rooms with state (prefill: decode
     registrations and finished KV waiting for one; decode: requests waiting for their KV). ``embeddings``
-    counts requests whose image embeddings the prefill server holds.
+    counts requests whose image embeddings the prefill server holds. ``state_slots_used`` / ``state_slots_total``:
+    hybrid models' linear-attention state slots (one per request holding a state; 0 / 0 for other models);
+    ``state_slots_cached``: prefill's prefix-cache state snapshots (evictable, not in ``state_slots_used``).
     """
 
     role: str
@@ -157,6 +160,9 @@ class Load:
     kv_pages_cached: int = 0
     rooms: int = 0
     embeddings: int = 0
+    state_slots_used: int = 0
+    state_slots_total: int = 0
+    state_slots_cached: int = 0
 
 
 @dataclass
@@ -231,6 +237,28 @@ class KVAck:
 
 
 @dataclass
+class StateHandoff:
+    """prefill -> decode (``KVTransfer.state``): the Gated DeltaNet state a hybrid model's request reached at the
+    end of its prompt; decode loads it into a state slot of its own before its first step.
+
+    Host path (``--kv-transfer zmq``): ``conv`` ``[layers, conv_dim, kernel]`` in the model dtype and
+    ``recurrent`` ``[layers, value_heads, key_dim, value_dim]`` float32, every DeltaNet head in checkpoint order
+    (:mod:`epdserve.engine.state_io`; ``layers`` counts the DeltaNet layers only).
+
+    Shared path (``--kv-transfer shared``, same machine): no tensors; ``conv_pool`` and ``recurrent_pool`` map the
+    prefill server's state buffers (``[layers, slots + 1, ...]``) and ``slot`` is the request's slot in them. The
+    prefill server holds the slot with the KV pages, until the decode server's ``KVAck`` or the transfer's
+    ``lend_until``.
+    """
+
+    conv: torch.Tensor | None = None
+    recurrent: torch.Tensor | None = None
+    conv_pool: KVPoolHandle | None = None
+    recurrent_pool: KVPoolHandle | None = None
+    slot: int = -1
+
+
+@dataclass
 class KVTransfer:
     """prefill -> decode: a request's prompt KV and its first sampled token.
 
@@ -259,6 +287,7 @@ class KVTransfer:
     input_digest: str = ""  # the PrefillRequest's digest of the ids this KV was computed from
     lend_until: float = 0.0
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    state: StateHandoff | None = None  # hybrid models (Qwen3.5): the DeltaNet state, on either path
 
 
 @dataclass
@@ -299,7 +328,8 @@ _CODEC = Codec((
     SamplingParams, TokenLogprob, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest, ServerInfoRequest,
     ServerInfo, LoadRequest, Load,
     SharedTensor, ImageEmbeddings, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput, TokenOutputBatch,
-    TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt,
+    StateHandoff, TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt,
+    TPReadState, TPWriteState, TPCopyState,
 ))
 KINDS = _CODEC.kinds  # every kind the stages exchange, by class name
 encode = _CODEC.encode  # see Codec.encode: a registered dataclass -> [header, *tensor frames]

@@ -35,6 +35,7 @@ class TPForward:
     page_table: list[list[int]]
     mm_mask: torch.Tensor | None = None
     mm_sources: list[list] = field(default_factory=list)
+    state_slots: list[int] | None = None  # hybrid models: ForwardBatch.state_slots
 
 
 @dataclass
@@ -51,6 +52,31 @@ class TPWriteKV:
 
     slots: torch.Tensor
     shape: list[int]
+
+
+@dataclass
+class TPReadState:
+    """TP rank 0 -> other ranks (hybrid models): take part in gathering state slot ``slot``'s whole
+    linear-attention state from every rank (:func:`epdserve.engine.state_io.read_state`)."""
+
+    slot: int
+
+
+@dataclass
+class TPWriteState:
+    """TP rank 0 -> other ranks (hybrid models): receive a whole state by broadcast and store this rank's heads in
+    slot ``slot`` (:func:`epdserve.engine.state_io.write_state`)."""
+
+    slot: int
+
+
+@dataclass
+class TPCopyState:
+    """TP rank 0 -> other ranks (hybrid models): copy state slot ``src`` into ``dst`` (a prefix-cache snapshot
+    taken or restored)."""
+
+    src: int
+    dst: int
 
 
 @dataclass

@@ -159,6 +159,12 @@ def _check_transfer(msg: messages.KVTransfer) -> str | None:
     if not 0 <= msg.bootstrap_room <= INT64_MAX or not _ints_fit([msg.first_token_id, msg.cached_tokens,
                                                                   msg.mrope_position_delta]):
         return "a KV transfer field is out of range"
+    st = msg.state
+    if st is not None and ((st.conv is not None and (st.conv.dim() != 3 or st.conv.dtype not in _FLOAT_DTYPES))
+                           or (st.recurrent is not None and (st.recurrent.dim() != 4
+                                                             or st.recurrent.dtype not in _FLOAT_DTYPES))
+                           or not _ints_fit([st.slot], -1)):
+        return "the linear-attention state is not 3-D / 4-D float tensors or its slot is out of range"
     return None
 
 

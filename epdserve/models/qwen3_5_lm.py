@@ -1,0 +1,388 @@
+"""epdserve's own Qwen3.5 language model: a hybrid of Gated DeltaNet (linear attention) and gated full-attention
+layers, over the paged KV cache (attention layers only) and a :class:`~epdserve.kvcache.state_pool.StatePool`.
+
+Reference: transformers 5 ``models/qwen3_5/modeling_qwen3_5.py`` (``Qwen3_5TextModel``, ``Qwen3_5DecoderLayer``,
+``Qwen3_5Attention``, ``Qwen3_5GatedDeltaNet``, ``Qwen3_5RMSNorm``, ``Qwen3_5RMSNormGated``,
+``Qwen3_5TextRotaryEmbedding``); the gated delta rule is Yang et al., arXiv:2412.06464. The math is copied from
+those classes, and the DeltaNet kernels are transformers' own torch references (``torch_chunk_gated_delta_rule``
+for extends, ``torch_recurrent_gated_delta_rule`` for one-token steps, ``causal_conv1d_fn`` /
+``causal_conv1d_update``), so CPU outputs equal transformers'. On CUDA the same calls go through transformers'
+wrappers, which run flash-linear-attention's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` and
+the ``causal_conv1d`` package's kernels when those are installed (``pip install -e '.[hybrid-gpu]'``; untested on a
+GPU so far). Extends loop over their requests (fla's varlen ``cu_seqlens`` path would batch them).
+
+What differs from the Qwen2/Qwen3 decoders of :mod:`epdserve.models.qwen2_vl_lm`:
+
+- Norms are zero-centred: ``x_hat * (1 + w)`` in float32, cast after (``Qwen3_5RMSNorm``), for the block norms,
+  the final norm and q/k norms. The DeltaNet output norm is ``Qwen3_5RMSNormGated``: ``w * x_hat`` then
+  ``* silu(z)``.
+- Attention layers: ``q_proj`` yields per head ``[query | gate]`` (``2 * head_dim``); the output is multiplied by
+  ``sigmoid(gate)`` before ``o_proj``. RoPE is interleaved M-RoPE over the first ``rotary_dim`` (a quarter) of
+  each head only. Only these layers have KV: decoder layer ``attention_layers[i]`` uses KV-pool layer ``i``.
+- DeltaNet layers: ``in_proj_qkv`` -> causal depthwise conv1d + SiLU over a window of ``kernel`` tokens
+  (state: the last ``kernel`` inputs) -> L2-normed q, k; ``beta = sigmoid(in_proj_b x)``, decay
+  ``g = -exp(A_log) * softplus(in_proj_a x + dt_bias)``; the gated delta rule with the slot's recurrent state.
+
+TP (Megatron-style, as Qwen2's layers): attention heads as in :func:`~epdserve.models.parallel.head_shard`; each
+DeltaNet layer's key and value heads split evenly over the ranks (rank ``r`` keeps key heads ``[r*hk/n, ...)``
+and value heads ``[r*hv/n, ...)``, which are exactly the value heads those key heads serve), so ``in_proj_qkv``
+and the conv channels keep this rank's q, k and v heads part by part, ``in_proj_z/a/b``, ``A_log`` and
+``dt_bias`` its value heads, and ``out_proj`` is row-parallel; the state pool of a rank holds its heads only
+(:func:`deltanet_local_shapes`). Images: ``mm_embeds`` rows are spliced in as for Qwen2 (Qwen3.5 has no
+DeepStack). No flashinfer fused ops; decode CUDA graphs take the slots as a device tensor (padding rows on the
+scratch slot), and there are no prefill graphs.
+
+A request's first extend (``kv_len == q_len``: no prefix before it) starts from the zero state whatever its slot
+holds, as a fresh transformers cache does, so a slot need not be zeroed on every TP rank at allocation.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epdserve.engine.distributed import TPGroup
+from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.kvcache.state_pool import StatePool
+from epdserve.models.config import ModelConfig
+from epdserve.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                      VocabParallelEmbedding, head_shard, split_evenly)
+from epdserve.models.qwen2_vl_lm import MLP, Qwen2VLLanguageModel, _rotate, mrope_cos_sin
+
+
+_KERNELS = ("causal_conv1d_update", "causal_conv1d_fn", "torch_recurrent_gated_delta_rule",
+            "torch_chunk_gated_delta_rule")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(device_type: str) -> SimpleNamespace:
+    """:func:`_ref`'s kernels for a device type (looked up once)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    fns = {name: getattr(modeling_qwen3_5, name) for name in _KERNELS}
+    if device_type != "cuda":
+        fns = {name: inspect.unwrap(fn) for name, fn in fns.items()}
+    return SimpleNamespace(**fns)
+
+
+def _ref(device: torch.device) -> SimpleNamespace:
+    """The DeltaNet kernels for tensors on ``device``, from transformers' Qwen3.5 module (imported on first use,
+    like flashinfer elsewhere): its functions are wrapped to run flash-linear-attention's (``fla-core``) and the
+    ``causal-conv1d`` package's CUDA kernels when those import, else its torch code. On the CPU the wrappers are
+    peeled off (``inspect.unwrap``): always the torch references, so CPU output equals transformers' torch path
+    even where those packages are installed (their kernels are GPU-only)."""
+    return _kernels(device.type)
+
+
+def deltanet_heads(cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int, int]:
+    """``(key_start, key_heads, value_start, value_heads)`` of TP rank ``tp.rank``'s DeltaNet heads.
+
+    Raises:
+        ValueError: the key or value heads do not split evenly over ``tp.size`` ranks.
+    """
+    k0, hk = split_evenly(cfg.linear_num_key_heads, tp, "linear-attention key heads")
+    v0, hv = split_evenly(cfg.linear_num_value_heads, tp, "linear-attention value heads")
+    return k0, hk, v0, hv
+
+
+def deltanet_parts(cfg: ModelConfig, tp: TPGroup) -> list[tuple[int, int, int]]:
+    """This rank's ``(full, start, length)`` slices of the fused q|k|v channels of ``in_proj_qkv`` and the conv
+    (the :class:`~epdserve.models.parallel.ColumnParallelLinear` part format): its key heads of q and k, its value
+    heads of v."""
+    k0, hk, v0, hv = deltanet_heads(cfg, tp)
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qk = (cfg.linear_num_key_heads * dk, k0 * dk, hk * dk)
+    return [qk, qk, (cfg.linear_num_value_heads * dv, v0 * dv, hv * dv)]
+
+
+def deltanet_local_shapes(cfg: ModelConfig, tp: TPGroup) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """One request's per-layer state shapes on TP rank ``tp.rank``: conv ``(local_conv_dim, kernel)`` and
+    recurrent ``(local_value_heads, key_dim, value_dim)``."""
+    _, _, _, hv = deltanet_heads(cfg, tp)
+    conv = sum(length for _, _, length in deltanet_parts(cfg, tp))
+    return (conv, cfg.linear_conv_kernel_dim), (hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+
+
+def _take_parts(tensor: torch.Tensor, parts: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Rows ``[start, start + length)`` of each consecutive ``full``-row block of ``tensor``, concatenated."""
+    rows, offset = [], 0
+    for full, start, length in parts:
+        rows.append(tensor[offset + start:offset + start + length])
+        offset += full
+    if offset != tensor.shape[0]:
+        raise ValueError(f"checkpoint shape {tuple(tensor.shape)} has {tensor.shape[0]} rows, expected {offset}")
+    return torch.cat(rows)
+
+
+class PartsLinear(nn.Module):
+    """A bias-free linear layer stored in the checkpoint as one tensor ``[sum(full), in]`` of consecutive parts
+    (``in_proj_qkv``: q|k|v) of which this rank keeps the ``parts`` slices; ``[T, in]`` -> ``[T, sum(length)]``."""
+
+    def __init__(self, in_features: int, parts: list[tuple[int, int, int]]):
+        super().__init__()
+        self.parts = parts
+        self.weight = nn.Parameter(torch.empty(sum(p[2] for p in parts), in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
+        """Keep this rank's rows of the whole checkpoint ``tensor``. Raises ValueError on a shape mismatch."""
+        rows = _take_parts(tensor, self.parts)
+        if rows.shape != param.shape:
+            raise ValueError(f"checkpoint shape {tuple(tensor.shape)} does not give {tuple(param.shape)}")
+        param.data.copy_(rows)
+
+
+class PartsConv1d(PartsLinear):
+    """The depthwise causal conv's weight ``[channels, 1, kernel]`` (only the weight: the kernels take it), its
+    channels sliced like :class:`PartsLinear` rows."""
+
+    def __init__(self, parts: list[tuple[int, int, int]], kernel: int):
+        nn.Module.__init__(self)
+        self.parts = parts
+        self.weight = nn.Parameter(torch.empty(sum(p[2] for p in parts), 1, kernel))
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """``Qwen3_5RMSNorm``: ``(x_hat * (1 + w)).to(x.dtype)`` with ``x_hat`` the float32 RMS-normalised ``x``
+    (weights stored centred on 0). ``[..., dim]`` -> same shape and dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """``Qwen3_5RMSNormGated``: ``w * norm(x).to(x.dtype) * silu(z.float())``, cast to ``x.dtype``; ``x``, ``z``
+    ``[N, dim]``."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(z.float())).to(dtype)
+
+
+class GatedAttention(nn.Module):
+    """``Qwen3_5Attention`` over the paged KV: q (with its gate), k, v in one projection; q/k norms; partial
+    interleaved M-RoPE; output gated by ``sigmoid(gate)``. ``kv_layer``: this layer's KV-pool layer."""
+
+    def __init__(self, cfg: ModelConfig, kv_layer: int, tp: TPGroup):
+        super().__init__()
+        heads = head_shard(cfg.num_heads, cfg.num_kv_heads, tp)
+        self.kv_layer, self.hq, self.hkv, self.d = kv_layer, heads.num_heads, heads.num_kv_heads, cfg.head_dim
+        self.rot, d = cfg.rotary_dim, cfg.head_dim
+        q = (2 * cfg.num_heads * d, 2 * heads.q_start * d, 2 * self.hq * d)  # per head [query | gate]
+        kv = (cfg.num_kv_heads * d, heads.kv_start * d, self.hkv * d)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp)
+        self.q_norm = ZeroCenteredRMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.d, cfg.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the first ``rotary_dim`` features of each head (``apply_rotary_pos_emb``), pass the rest."""
+        return torch.cat([_rotate(x[..., :self.rot], cos, sin), x[..., self.rot:]], dim=-1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``; ``cos``/``sin`` ``[T, 1, rotary_dim]``."""
+        qg, k, v = self.qkv_proj(x).split([2 * self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, gate = qg.view(-1, self.hq, 2 * self.d).chunk(2, dim=-1)  # per head: [query | gate]
+        q = self._rope(self.q_norm(q), cos, sin)
+        k = self._rope(self.k_norm(k.view(-1, self.hkv, self.d)), cos, sin)
+        out = attn.forward(self.kv_layer, q, k, v.view(-1, self.hkv, self.d)).reshape(-1, self.hq * self.d)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(-1, self.hq * self.d)))
+
+
+class GatedDeltaNet(nn.Module):
+    """``Qwen3_5GatedDeltaNet`` over a :class:`StatePool` (parameter names as in the checkpoint). ``state_layer``:
+    this layer's index among the pool's layers."""
+
+    def __init__(self, cfg: ModelConfig, state_layer: int, tp: TPGroup):
+        super().__init__()
+        self.state_layer = state_layer
+        _, self.hk, self.v0, self.hv = deltanet_heads(cfg, tp)
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        parts, hv_all, dv = deltanet_parts(cfg, tp), cfg.linear_num_value_heads, self.dv
+        self.conv1d = PartsConv1d(parts, self.kernel)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = RowParallelLinear(hv_all * dv, cfg.hidden_size, tp)
+        self.in_proj_qkv = PartsLinear(cfg.hidden_size, parts)
+        self.in_proj_z = ColumnParallelLinear(cfg.hidden_size, [(hv_all * dv, self.v0 * dv, self.hv * dv)], False)
+        self.in_proj_b = ColumnParallelLinear(cfg.hidden_size, [(hv_all, self.v0, self.hv)], bias=False)
+        self.in_proj_a = ColumnParallelLinear(cfg.hidden_size, [(hv_all, self.v0, self.hv)], bias=False)
+
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
+        """``A_log`` / ``dt_bias`` (``[value_heads]`` in the checkpoint): keep this rank's value heads. Raises
+        ValueError on a shape mismatch."""
+        if tensor.shape != (param.shape[0] * self.out_proj.tp.size,):
+            raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != ({param.shape[0] * self.out_proj.tp.size},)")
+        param.data.copy_(tensor[self.v0:self.v0 + self.hv])
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, slots: torch.Tensor, pool: StatePool) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``; reads and writes the states of ``slots`` (int64 ``[B]``)."""
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if batch.is_decode:
+            core = self._step(mixed, g, beta, slots, pool)
+        else:
+            core, start = [], 0
+            for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
+                end = start + q_len
+                core.append(self._extend(mixed[start:end], g[start:end], beta[start:end], slots[i:i + 1], pool,
+                                         continued=kv_len > q_len))
+                start = end
+            core = torch.cat(core)
+        z = self.in_proj_z(x).reshape(-1, self.dv)
+        return self.out_proj(self.norm(core.reshape(-1, self.dv), z).reshape(x.shape[0], -1))
+
+    def _qkv(self, conv_out: torch.Tensor, n: int, t: int):
+        """Conv output ``[n, t, conv_dim]`` -> q, k ``[n, t, hk, dk]`` and v ``[n, t, hv, dv]``."""
+        q, k, v = conv_out.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+        return q.reshape(n, t, -1, self.dk), k.reshape(n, t, -1, self.dk), v.reshape(n, t, -1, self.dv)
+
+    def _step(self, mixed, g, beta, slots, pool) -> torch.Tensor:
+        """One token for each of B requests: ``causal_conv1d_update`` and ``torch_recurrent_gated_delta_rule``
+        (the path transformers takes for a cached one-token step), batched over the requests' slots."""
+        ref, layer = _ref(mixed.device), self.state_layer
+        conv_state = pool.conv[layer][slots]  # a gathered copy, updated in place, scattered back
+        out = ref.causal_conv1d_update(mixed[:, :, None], conv_state, self.conv1d.weight.squeeze(1), None, "silu")
+        pool.conv[layer][slots] = conv_state
+        q, k, v = self._qkv(out.transpose(1, 2), mixed.shape[0], 1)
+        core, state = ref.torch_recurrent_gated_delta_rule(
+            q, k, v, g=g[:, None], beta=beta[:, None], initial_state=pool.recurrent[layer][slots],
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        pool.recurrent[layer][slots] = state.to(pool.recurrent_dtype)
+        return core
+
+    def _extend(self, mixed, g, beta, slot, pool, continued: bool) -> torch.Tensor:
+        """One request's ``q_len`` new tokens after its slot's state: the conv runs over ``[state | new]``
+        (``update_conv_state`` then ``causal_conv1d_fn``; a fresh slot's zeros equal the conv's zero padding);
+        the delta rule is ``torch_chunk_gated_delta_rule`` from the slot's state, or, for one token continuing a
+        state, ``torch_recurrent_gated_delta_rule`` (transformers' choice for ``seq_len == 1`` with a cache)."""
+        ref, layer, t = _ref(mixed.device), self.state_layer, mixed.shape[0]
+        if not continued:  # a fresh request: transformers' empty cache (the slot may hold a previous request's)
+            pool.conv[layer][slot] = 0
+            pool.recurrent[layer][slot] = 0
+        full = torch.cat([pool.conv[layer][slot], mixed.T[None].to(pool.dtype)], dim=-1)  # [1, C, K + t]
+        pool.conv[layer][slot] = full[..., -self.kernel:]
+        out = ref.causal_conv1d_fn(full, self.conv1d.weight.squeeze(1), None, activation="silu")[..., -t:]
+        q, k, v = self._qkv(out.transpose(1, 2).to(mixed.dtype), 1, t)
+        rule = ref.torch_recurrent_gated_delta_rule if continued and t == 1 else ref.torch_chunk_gated_delta_rule
+        core, state = rule(q, k, v, g=g[None], beta=beta[None], initial_state=pool.recurrent[layer][slot],
+                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+        pool.recurrent[layer][slot] = state.to(pool.recurrent_dtype)
+        return core[0]
+
+
+class HybridDecoderLayer(nn.Module):
+    """``Qwen3_5DecoderLayer``: ``h = x + mixer(norm(x))``, ``out = h + mlp(norm(h))``; the mixer is
+    :class:`GatedDeltaNet` (``linear_attn``) or :class:`GatedAttention` (``self_attn``)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
+        super().__init__()
+        self.is_linear = cfg.layer_types[layer_id] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, cfg.linear_layers.index(layer_id), tp)
+        else:
+            self.self_attn = GatedAttention(cfg, cfg.attention_layers.index(layer_id), tp)
+        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn, batch, slots, pool) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``."""
+        h = self.input_layernorm(x)
+        if self.is_linear:
+            h = self.linear_attn(h, batch, slots, pool)
+        else:
+            h = self.self_attn(h, cos, sin, attn)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5LanguageModel(nn.Module):
+    """The Qwen3.5 text decoder: the interface of :class:`~epdserve.models.qwen2_vl_lm.Qwen2VLLanguageModel`
+    (constructor ``(cfg, attn=None, tp=None)``, :meth:`materialize`, :meth:`use_fused_ops`, :meth:`load_weights`,
+    :meth:`forward`), plus ``states`` (a :class:`StatePool` with ``len(cfg.linear_layers)`` layers, set by the
+    runner like ``attn``; plain attributes, not submodules).
+
+    ``tp`` (default: one rank): this process's TP group (see the module docstring for the split).
+
+    Raises:
+        ValueError: a config without ``layer_types``, or heads / DeltaNet heads / the intermediate size that do
+            not split over ``tp.size`` ranks.
+    """
+
+    def __init__(self, cfg: ModelConfig, attn=None, tp: TPGroup | None = None):
+        super().__init__()
+        if not cfg.layer_types:
+            raise ValueError("Qwen3_5LanguageModel needs a config with layer_types (model_type qwen3_5)")
+        tp = tp or TPGroup.single()
+        self.config, self.attn, self.states, self.fused_ops = cfg, attn, None, False
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", self._inv_freq(cfg), persistent=False)
+
+    @staticmethod
+    def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
+        """float32 ``[rotary_dim / 2]`` (``Qwen3_5TextRotaryEmbedding.compute_default_rope_parameters``)."""
+        dim = cfg.rotary_dim
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+    # Same code as Qwen2's: tied re-binding and the RoPE table (materialize); fused q/k/v and gate/up parts, shape
+    # checks and the completeness check (load_weights, names of :func:`~epdserve.models.weights.iter_lm_weights`).
+    materialize = Qwen2VLLanguageModel.materialize
+    load_weights = Qwen2VLLanguageModel.load_weights
+
+    def use_fused_ops(self, enabled: bool) -> Qwen3_5LanguageModel:
+        """Recorded only: Qwen3.5 always runs its torch ops (no flashinfer fused path yet). Returns self."""
+        self.fused_ops = enabled
+        return self
+
+    def forward(self, batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``batch`` and return float32 logits ``[B, vocab]`` at each request's last new token (written into
+        ``out`` when given), as :meth:`Qwen2VLLanguageModel.forward` does. The attention backend must be prepared
+        for ``batch``; the DeltaNet layers read and write the states of ``batch.state_slots``.
+
+        Raises:
+            RuntimeError: no attention backend or state pool set.
+            ValueError: ``batch.state_slots`` missing or not one per request.
+        """
+        if self.attn is None or self.states is None:
+            raise RuntimeError(f"{type(self).__name__}.attn and .states must be set")
+        if batch.state_slots is None or len(batch.state_slots) != batch.batch_size:
+            raise ValueError(f"a Qwen3.5 batch needs one state slot per request, got {batch.state_slots}")
+        x = Qwen2VLLanguageModel._embed(self, batch)
+        slots = batch.state_slots  # a decode CUDA graph passes its static device buffer
+        if not isinstance(slots, torch.Tensor):
+            slots = torch.tensor(slots, dtype=torch.int64, device=x.device)
+        cos, sin = mrope_cos_sin(batch.positions, self.inv_freq, self.config.mrope_section, x.dtype, True)
+        for layer in self.layers:
+            x = layer(x, cos, sin, self.attn, batch, slots, self.states)
+        return Qwen2VLLanguageModel._logits(self, batch, x, None, out)
