@@ -77,6 +77,17 @@ def tiny_qwen3_5_path(tmp_path_factory) -> str:
     return str(path)
 
 
+def hf_reference_model(path: str, expect: str | None = None):
+    """transformers' ``(processor, model)`` of the checkpoint at ``path``, the model in float32 and eval mode: the
+    reference the parity tests compare with. ``expect``: the model class name it must have."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    assert expect is None or type(model).__name__ == expect
+    return AutoProcessor.from_pretrained(path), model
+
+
 @contextlib.contextmanager
 def launched(model_path: str, log_dir: Path, *args: str, num_encoders: int = 1):
     """`epdserve launch` of ``model_path`` on a free port with DEBUG logs as JSON lines and ``args`` added; yields

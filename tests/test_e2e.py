@@ -18,17 +18,15 @@ import httpx
 import pytest
 import torch
 
+from conftest import hf_reference_model
+
 NEW_TOKENS = 40
 PROMPT = "Describe this image in detail, please: the colours, the objects, and what happens in the scene."
 
 
 @pytest.fixture(scope="module")
 def hf(tiny_model_path):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(tiny_model_path)
-    model = AutoModelForImageTextToText.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    return processor, model
+    return hf_reference_model(tiny_model_path)
 
 
 def _data_url(path: Path) -> str:
@@ -450,3 +448,16 @@ def test_logit_bias_matches_transformers_and_unsupported_fields_are_refused(serv
         assert r.status_code == 400 and word in r.text, (extra, r.text)
     ok = _chat(url, tiny_model_path, msgs, response_format={"type": "text"}, tools=[])
     assert ok["choices"][0]["finish_reason"] == "length"
+
+
+def stream_text(url: str, model: str, messages: list) -> tuple[str, int]:
+    """The streamed answer's text (deltas joined) and its usage's completion tokens."""
+    body = {"model": model, "messages": messages, "temperature": 0, "max_completion_tokens": NEW_TOKENS,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return text, chunks[-1]["usage"]["completion_tokens"]

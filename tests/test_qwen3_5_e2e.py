@@ -14,7 +14,6 @@ and a killed decode server leave every state slot and KV page back at baseline.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import threading
@@ -24,8 +23,8 @@ import httpx
 import pytest
 
 from cluster import at_baseline, body, details, serve_gateway, stream, wait_for
-from conftest import launch_metrics_urls, launched
-from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve
+from conftest import hf_reference_model, launch_metrics_urls, launched
+from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve, stream_text
 from test_video_e2e import check_video_case
 
 CHUNK = 32  # --prefill-chunked-prefill-size of every launch
@@ -40,13 +39,7 @@ NEXT_TURN = [*LONG, ("assistant", ["Sixteen boxes."]), ("user", ["Which one is b
 
 @pytest.fixture(scope="module")
 def hf35(tiny_qwen3_5_path):
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(tiny_qwen3_5_path)
-    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_5_path, dtype=torch.float32).eval()
-    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
-    return processor, model
+    return hf_reference_model(tiny_qwen3_5_path, "Qwen3_5ForConditionalGeneration")
 
 
 @pytest.fixture(scope="module")
@@ -76,19 +69,6 @@ def server35(request, tiny_qwen3_5_path, tmp_path_factory):
         yield request.param, url, log_path
 
 
-def _stream_text(url: str, model: str, messages: list) -> tuple[str, int]:
-    """The streamed answer's text (deltas joined) and its usage's completion tokens."""
-    body_ = {"model": model, "messages": messages, "temperature": 0, "max_completion_tokens": NEW_TOKENS,
-             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body_, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-    return text, chunks[-1]["usage"]["completion_tokens"]
-
-
 def _check(url: str, model: str, turns, reference) -> dict:
     """One request non-streaming and one streaming equal ``reference``; returns the non-streaming answer."""
     ref_prompt, ref_ids, ref_text = reference
@@ -97,7 +77,7 @@ def _check(url: str, model: str, turns, reference) -> dict:
     assert resp["prompt_token_ids"] == ref_prompt
     assert resp["choices"][0]["token_ids"] == ref_ids
     assert resp["choices"][0]["message"]["content"] == ref_text
-    assert _stream_text(url, model, messages) == (ref_text, NEW_TOKENS)
+    assert stream_text(url, model, messages) == (ref_text, NEW_TOKENS)
     return resp
 
 

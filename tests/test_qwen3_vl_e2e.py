@@ -10,26 +10,17 @@ DeepStack sums) and must still match.
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 
-from conftest import launched
+from conftest import hf_reference_model, launched
 from smg_cluster import smg_executable, start_cluster
-from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve
+from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve, stream_text
 from test_video_e2e import check_video_case
 
 
 @pytest.fixture(scope="module")
 def hf3e(tiny_qwen3_vl_path):
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(tiny_qwen3_vl_path)
-    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl_path, dtype=torch.float32).eval()
-    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
-    return processor, model
+    return hf_reference_model(tiny_qwen3_vl_path, "Qwen3VLForConditionalGeneration")
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +43,6 @@ def q3_server(request, tiny_qwen3_vl_path, tmp_path_factory):
         yield out
 
 
-def _stream_text(url: str, model: str, messages: list) -> tuple[str, int]:
-    """The streamed answer's text (deltas joined) and its usage's completion tokens."""
-    body = {"model": model, "messages": messages, "temperature": 0, "max_completion_tokens": NEW_TOKENS,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-    return text, chunks[-1]["usage"]["completion_tokens"]
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_parity_with_transformers(q3_server, references, tiny_qwen3_vl_path, photo_paths, case):
     url, _ = q3_server
@@ -74,7 +52,7 @@ def test_greedy_parity_with_transformers(q3_server, references, tiny_qwen3_vl_pa
     assert resp["prompt_token_ids"] == ref_prompt
     assert resp["choices"][0]["token_ids"] == ref_ids
     assert resp["choices"][0]["message"]["content"] == ref_text
-    assert _stream_text(url, tiny_qwen3_vl_path, messages) == (ref_text, NEW_TOKENS)
+    assert stream_text(url, tiny_qwen3_vl_path, messages) == (ref_text, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("case", ["video", "video_photo"])

@@ -34,20 +34,12 @@ def qwen3_5_config(tokenizer, *, text: dict, vision: dict, tie_word_embeddings: 
     Special token ids come from ``tokenizer``."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from epdserve.models.checkpoint_parts import special_token_ids
+    from epdserve.models.qwen3_vl_checkpoint import qwen3_family_parts
 
-    special = special_token_ids(tokenizer)
     text = dict(text)
     rope = {"rope_type": "default", "rope_theta": 10000000.0, "mrope_interleaved": True,
             "partial_rotary_factor": 0.25, "mrope_section": text.pop("mrope_section", [11, 11, 10])}
-    text_config = dict(rms_norm_eps=1e-6, initializer_range=0.02, rope_parameters=rope,
-                       tie_word_embeddings=tie_word_embeddings, bos_token_id=special["bos_token_id"],
-                       eos_token_id=special["eos_token_id"], pad_token_id=special["pad_token_id"], **text)
-    vision_config = dict(in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                         num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh", initializer_range=0.02,
-                         out_hidden_size=text["hidden_size"], **vision)
-    ids = {k: special[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                   "vision_end_token_id")}
+    text_config, vision_config, ids = qwen3_family_parts(tokenizer, text, vision, rope, tie_word_embeddings)
     config = Qwen3_5Config(text_config=text_config, vision_config=vision_config,
                            tie_word_embeddings=tie_word_embeddings, **ids)
     return config, Qwen3_5ForConditionalGeneration
@@ -62,17 +54,7 @@ def make_tiny_qwen3_5(out_dir: str | Path, *, seed: int = 0, max_pixels: int = 5
     Raises:
         ValueError: unknown ``size`` (see ``QWEN3_5_SIZES``).
     """
-    from epdserve.models.checkpoint_parts import build_tokenizer, save_random_model
-    from epdserve.models.qwen3_vl_checkpoint import write_qwen3_vl_processor
+    from epdserve.models.qwen3_vl_checkpoint import write_random_qwen3_family
 
-    if size not in QWEN3_5_SIZES:
-        raise ValueError(f"unknown size {size!r}; expected one of {sorted(QWEN3_5_SIZES)}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    dims = QWEN3_5_SIZES[size]
-    text = dict(vocab_size=len(tokenizer), max_position_embeddings=4096, **dims["text"])
-    config, model_cls = qwen3_5_config(tokenizer, text=text, vision=dims["vision"], tie_word_embeddings=False)
-    save_random_model(out, model_cls, config, tokenizer, seed=seed, readable=readable)
-    write_qwen3_vl_processor(out, tokenizer, image_pixels=(64 * 64, max_pixels))
-    return out
+    return write_random_qwen3_family(out_dir, QWEN3_5_SIZES, qwen3_5_config, seed=seed, max_pixels=max_pixels,
+                                     size=size, readable=readable)

@@ -172,13 +172,26 @@ def qwen3_vl_config(tokenizer, *, text: dict, vision: dict, tie_word_embeddings:
     """
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from epdserve.models.checkpoint_parts import special_token_ids
-
-    special = special_token_ids(tokenizer)
     text = dict(text)
     rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_interleaved": True,
             "mrope_section": text.pop("mrope_section", [24, 20, 20])}
-    text_config = dict(rms_norm_eps=1e-6, initializer_range=0.02, attention_bias=False, rope_parameters=rope,
+    text_config, vision_config, ids = qwen3_family_parts(tokenizer, dict(text, attention_bias=False), vision,
+                                                         rope, tie_word_embeddings)
+    config = Qwen3VLConfig(text_config=text_config, vision_config=vision_config,
+                           tie_word_embeddings=tie_word_embeddings, **ids)
+    return config, Qwen3VLForConditionalGeneration
+
+
+def qwen3_family_parts(tokenizer, text: dict, vision: dict, rope: dict,
+                       tie_word_embeddings: bool) -> tuple[dict, dict, dict]:
+    """What Qwen3-VL's and Qwen3.5's configs share: the text config (``text`` sizes + ``rope`` parameters, RMS eps
+    1e-6, ``initializer_range`` 0.02, special token ids from ``tokenizer``), the vision config (``vision`` sizes,
+    patch 16, merge 2, temporal patch 2, 2304 position embeddings, ``gelu_pytorch_tanh``, ``out_hidden_size`` = the
+    text hidden size) and the image/video token ids, as ``(text_config, vision_config, ids)`` keyword dicts."""
+    from epdserve.models.checkpoint_parts import special_token_ids
+
+    special = special_token_ids(tokenizer)
+    text_config = dict(rms_norm_eps=1e-6, initializer_range=0.02, rope_parameters=rope,
                        tie_word_embeddings=tie_word_embeddings, bos_token_id=special["bos_token_id"],
                        eos_token_id=special["eos_token_id"], pad_token_id=special["pad_token_id"], **text)
     vision_config = dict(in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
@@ -186,9 +199,7 @@ def qwen3_vl_config(tokenizer, *, text: dict, vision: dict, tie_word_embeddings:
                          out_hidden_size=text["hidden_size"], **vision)
     ids = {k: special[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                    "vision_end_token_id")}
-    config = Qwen3VLConfig(text_config=text_config, vision_config=vision_config,
-                           tie_word_embeddings=tie_word_embeddings, **ids)
-    return config, Qwen3VLForConditionalGeneration
+    return text_config, vision_config, ids
 
 
 def write_qwen3_vl_processor(out: Path, tokenizer, *, image_pixels: tuple[int, int],
@@ -223,16 +234,29 @@ def make_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, max_pixels: int = 
     Raises:
         ValueError: unknown ``size`` (see ``QWEN3_VL_SIZES``).
     """
+    return write_random_qwen3_family(out_dir, QWEN3_VL_SIZES, qwen3_vl_config, seed=seed, max_pixels=max_pixels,
+                                     size=size, readable=readable)
+
+
+def write_random_qwen3_family(out_dir: str | Path, sizes: dict, make_config, *, seed: int, max_pixels: int,
+                              size: str, readable: bool) -> Path:
+    """The body of :func:`make_tiny_qwen3_vl` for any family with Qwen3-VL's processor: ``sizes[size]`` gives the
+    ``text`` and ``vision`` dims, ``make_config(tokenizer, text=, vision=, tie_word_embeddings=)`` returns
+    ``(config, model class)``.
+
+    Raises:
+        ValueError: ``size`` not in ``sizes``.
+    """
     from epdserve.models.checkpoint_parts import build_tokenizer, save_random_model
 
-    if size not in QWEN3_VL_SIZES:
-        raise ValueError(f"unknown size {size!r}; expected one of {sorted(QWEN3_VL_SIZES)}")
+    if size not in sizes:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(sizes)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    dims = QWEN3_VL_SIZES[size]
+    dims = sizes[size]
     text = dict(vocab_size=len(tokenizer), max_position_embeddings=4096, **dims["text"])
-    config, model_cls = qwen3_vl_config(tokenizer, text=text, vision=dims["vision"], tie_word_embeddings=False)
+    config, model_cls = make_config(tokenizer, text=text, vision=dims["vision"], tie_word_embeddings=False)
     save_random_model(out, model_cls, config, tokenizer, seed=seed, readable=readable)
     write_qwen3_vl_processor(out, tokenizer, image_pixels=(64 * 64, max_pixels))
     return out
