@@ -353,6 +353,18 @@ def test_tp2_greedy_equals_tp1_on_two_gpus(tmp_path_factory, gpu_test_models):
 
 # ------------------------------------------------------------------------------------ last: a rank dies
 
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` is ``ancestor`` or one of its descendants (parents read from /proc)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
 def test_dead_decode_rank_fails_request_and_stops_server(servers, references):
     """Kill decode TP rank 1 while a long request runs on it: the request ends with an error output, decode rank 0
     exits non-zero, and the launcher (watching its children) stops."""
@@ -362,9 +374,11 @@ def test_dead_decode_rank_fails_request_and_stops_server(servers, references):
     for out in _stream_direct(servers["prefill"][1], servers["decode"][2], prompt, [], [], "doomed", 100_000):
         outs.append(out)
         if len(outs) == 2:  # decoding: kill rank 1
-            pid = subprocess.run(["pgrep", "-f", "tp_follower.* decode --tp-rank 1"], capture_output=True,
-                                 text=True).stdout.split()
-            assert len(pid) == 1, "no decode TP rank 1 process"
+            found = subprocess.run(["pgrep", "-f", "tp_follower.* decode --tp-rank 1"], capture_output=True,
+                                   text=True).stdout.split()
+            # Only this launch's rank: another test run on the machine may have one of its own.
+            pid = [p for p in found if _descends_from(int(p), launch.pid)]
+            assert len(pid) == 1, f"{len(pid)} decode TP rank 1 processes under this launch"
             os.kill(int(pid[0]), signal.SIGKILL)
     assert outs[-1].finish_reason == "error" and "decode failed" in outs[-1].error, outs[-1]
     assert launch.wait(timeout=60) == 1
