@@ -13,6 +13,7 @@ import base64
 import json
 import random
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -281,3 +282,60 @@ def test_mask_logits_masks_constrained_rows_only_and_rejected_grammars_fail_thei
     ok = constraint_for(grammars, GrammarSpec("json_object"))
     ok._future.result(timeout=60)
     assert ok.start() is None
+
+
+def test_schedulers_carry_the_grammar_from_prefill_to_decode_and_fail_only_bad_requests(tiny_model_path, compiler):
+    """Prefill masks the first token, decode's matcher accepts it and masks the rest, in a batch with an
+    unconstrained request; a first token the grammar forbids, or a grammar that does not compile (sent past the
+    gateway), fails that request only, and every KV page comes back."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from epdserve.decode.scheduler import DecodeScheduler
+    from epdserve.engine.model_runner import ModelRunner
+    from epdserve.prefill.scheduler import PrefillScheduler
+    from epdserve.wire.messages import DecodeRequest, GrammarSpec, KVRegister, PrefillRequest, SamplingParams
+
+    grammars, _ = compiler
+    runner = ModelRunner(tiny_model_path, device=torch.device("cpu"), dtype=torch.float32, num_pages=64, page_size=4)
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    prompt = tok.encode("The number is")
+    prefill = PrefillScheduler(runner, context_length=4096, max_prefill_tokens=4096, timeout_s=30, grammars=grammars)
+    decode = DecodeScheduler(runner, context_length=4096, max_running_requests=8, timeout_s=30, kv_endpoint="tcp://d",
+                             grammars=grammars)
+    regex = GrammarSpec("regex", "[0-9]{2,4}x")
+    cases = {"re": regex, "plain": None, "bad": GrammarSpec("regex", "(open"), "other": regex}
+    for room, (rid, grammar) in enumerate(cases.items()):
+        sp = SamplingParams(temperature=0, max_new_tokens=12, grammar=grammar)
+        prefill.add_request(PrefillRequest(rid=rid, input_ids=prompt, images=[], sampling=sp, bootstrap_room=room))
+        prefill.register(KVRegister(rid=rid, bootstrap_room=room, kv_endpoint="tcp://d"))
+        # "other" decodes under a grammar its first token (sampled under the regex) cannot start.
+        dsp = replace(sp, grammar=GrammarSpec("regex", "[a-z]+")) if rid == "other" else sp
+        decode.add_request(DecodeRequest(rid=rid, prompt_len=len(prompt), sampling=dsp, bootstrap_host="h",
+                                         bootstrap_port=1, bootstrap_room=room), peer=b"g")
+    transfers = {}
+    for _ in range(200):
+        transfers.update((t.rid, t) for _, t in prefill.step())
+        if len(transfers) == len(cases):
+            break
+        time.sleep(0.01)  # compiling on the worker thread
+    assert "grammar rejected" in transfers["bad"].error and transfers["re"].error is None
+    assert prefill.pool.num_free + prefill.radix.num_pages == prefill.pool.num_pages
+    for t in transfers.values():
+        decode.add_transfer(t)
+    outs = []
+    for _ in range(60):
+        outs += [o for _, o in decode.step()]
+        if not decode.has_work():
+            break
+        time.sleep(0.005)
+    final = {o.rid: o for o in outs if o.finish_reason}
+    assert set(final) == set(cases)
+    ids = {rid: [t for o in outs if o.rid == rid for t in o.token_ids] for rid in cases}
+    assert final["re"].finish_reason == "stop" and re.fullmatch(regex.text, tok.decode(ids["re"],
+                                                                                        skip_special_tokens=True))
+    assert final["plain"].finish_reason == "length" and len(ids["plain"]) == 12
+    assert final["bad"].finish_reason == final["other"].finish_reason == "error"
+    assert "not allowed" in final["other"].error
+    assert decode.pool.num_free == decode.pool.num_pages and not decode.running
