@@ -25,6 +25,7 @@ import torch
 
 from epdserve.device import to_device
 from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.engine.grammar import Constraint, GrammarCompiler, constraint_for, mask_logits
 from epdserve.kvcache.page_pool import PagePool, page_slots
 from epdserve.kvcache.kv_share import PeerPools, host_id
 from epdserve.kvcache.state_slots import StateSlots
@@ -60,6 +61,7 @@ class _Seq:
     arrival: float = 0.0  # time.monotonic() of the request's arrival, its KV's arrival, its admission (metrics)
     kv_at: float = 0.0
     admitted: float | None = None
+    constraint: Constraint | None = None  # structured outputs: the request's grammar state
 
 
 class _Step:
@@ -101,12 +103,13 @@ class DecodeScheduler:
         accept_shared: map the KV pools of prefill servers on this machine and copy KV pages out of them (the
             shared hand-off path, :mod:`epdserve.kvcache.kv_share`) instead of receiving the KV in the message.
         metrics: where to record (the server's; a fresh one by default).
+        grammars: compiles constrained requests' grammars (None: such requests fail).
     """
 
     def __init__(self, runner: ModelRunner, *, context_length: int, max_running_requests: int,
                  timeout_s: float, kv_endpoint: str, accept_shared: bool = False,
-                 metrics: DecodeMetrics | None = None):
-        self.runner = runner
+                 metrics: DecodeMetrics | None = None, grammars: GrammarCompiler | None = None):
+        self.runner, self.grammars = runner, grammars
         self.pool = PagePool(runner.num_pages, runner.page_size)
         self.context_length = context_length
         self.max_running = max_running_requests
@@ -128,7 +131,9 @@ class DecodeScheduler:
     def add_request(self, msg: DecodeRequest, peer: bytes) -> tuple[str, KVRegister]:
         """Track a request; returns ``(bootstrap endpoint, KVRegister)`` for the server to send."""
         now = time.monotonic()
-        self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=now + self.timeout_s, arrival=now)
+        # The grammar compiles while prefill runs: by the time the KV arrives it is usually done.
+        self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=now + self.timeout_s, arrival=now,
+                                                constraint=constraint_for(self.grammars, msg.sampling.grammar))
         log.debug("rid=%s request received", msg.rid)
         return _bootstrap(msg), KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room,
                                            kv_endpoint=self.kv_endpoint, host_id=self.host_id,
@@ -267,6 +272,14 @@ class DecodeScheduler:
     def _admit(self) -> None:
         while self.ready and len(self.running) < self.max_running:
             seq = self.ready[0]
+            if (c := seq.constraint) is not None and c.matcher is None:
+                if not c.ready():
+                    break  # first come, first served: its grammar is still compiling
+                if err := c.start():
+                    self.ready.popleft()
+                    self.metrics.on_error("bad_grammar")
+                    self._emit(seq, "error", error=err)
+                    continue
             total = min(seq.msg.prompt_len + seq.msg.sampling.max_new_tokens, self.context_length)
             need = self.pool.pages_for(total)
             if need > self.pool.num_pages:
@@ -362,6 +375,13 @@ class DecodeScheduler:
         adjusted = apply_logit_bias(logits, params)
         if has_penalties(params):
             adjusted = apply_penalties(adjusted, _output_ids(seqs, input_ids, dev), params)
+        if any(s.constraint is not None for s in seqs):
+            # A matcher must see step N's tokens before it can mask step N+1: read them now, while this step's
+            # forward runs on the device, and fill the bitmask meanwhile (SGLang's overlap with grammars).
+            if self.inflight is not None:
+                self._collect(self.inflight)
+                self.inflight = None
+            adjusted = mask_logits(adjusted, [None if s.done else s.constraint for s in seqs])
         tokens = sample(adjusted, params, [s.generator for s in seqs])
         lp = sampled_logprobs(logits, tokens, params)  # now: a graph's logits are a view the next replay overwrites
         for row, seq in enumerate(seqs):
@@ -377,8 +397,14 @@ class DecodeScheduler:
     def _append_token(self, seq: _Seq, tok: int, tok_lp: TokenLogprob | None = None) -> None:
         sp = seq.msg.sampling
         seq.output_ids.append(tok)
-        finish = None
-        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
+        finish, c = None, seq.constraint
+        if c is not None and not c.accept(tok):  # only a first token sampled under another grammar
+            self.running.remove(seq)
+            self.pool.free(seq.pages)
+            seq.pages, seq.done = [], True
+            self._emit(seq, "error", error=f"token {tok} is not allowed by the request's grammar")
+            return
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids) or (c is not None and c.terminated):
             finish = "stop"
         elif len(seq.output_ids) >= seq.max_out:  # max_new_tokens, or the context is full
             finish = "length"

@@ -22,6 +22,7 @@ import zmq
 from epdserve.wire import transport
 from epdserve.config import DecodeConfig
 from epdserve.decode.scheduler import DecodeScheduler
+from epdserve.engine.grammar import GrammarCompiler
 from epdserve.engine.server import StageServer, kv_shared, serve_with_front
 from epdserve.wire.messages import AbortRequest, DecodeRequest, KVTransfer, ServerInfo, TokenOutputBatch
 from epdserve.metrics import DecodeMetrics
@@ -47,12 +48,16 @@ def _serve(config: DecodeConfig) -> int:
     share = kv_shared(config, runner.device)  # TP ranks take KV by host path
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
     metrics = DecodeMetrics()
+    grammars = GrammarCompiler(model_path, runner.config.vocab_size, list(runner.config.eos_token_ids))
     sched = DecodeScheduler(runner, context_length=context_length, max_running_requests=config.max_running_requests,
                             timeout_s=config.request_timeout_s, kv_endpoint=kv_endpoint, accept_shared=share,
-                            metrics=metrics)
+                            metrics=metrics, grammars=grammars)
     info = ServerInfo(role="decode", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages)
-    return _DecodeServer(config, runner, sched, metrics, info, kv_endpoint=kv_endpoint, share=share).run()
+    try:
+        return _DecodeServer(config, runner, sched, metrics, info, kv_endpoint=kv_endpoint, share=share).run()
+    finally:
+        grammars.close()
 
 
 class _DecodeServer(StageServer):

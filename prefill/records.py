@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.engine.grammar import Constraint
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.wire.messages import KVRegister, KVTransfer, PrefillRequest, TokenLogprob
 
@@ -46,6 +47,7 @@ class PrefillRecord:
     computed: int = 0  # tokens with KV in this server's pages
     first_token: int = -1  # sampled once the whole prompt is prefilled
     first_logprob: TokenLogprob | None = None  # its log-probability, when the request asked
+    constraint: Constraint | None = None  # structured outputs: the grammar of the first token, until it is sampled
 
     @property
     def n(self) -> int:

@@ -25,7 +25,9 @@ from epdserve.wire.messages import ImageEmbeddings, KVAck, KVRegister, KVTransfe
 from epdserve.metrics import PrefillMetrics
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.mrope import mrope_positions
-from epdserve.engine.sampling import apply_logit_bias, sample, sampled_logprobs, token_logprobs
+from epdserve.engine.grammar import GrammarCompiler, constraint_for
+from epdserve.prefill.checks import check_embeds, validate_request
+from epdserve.prefill.first_token import sample_first_tokens
 from epdserve.prefill.records import PrefillRecord as _Req, RecordState as _State, prefill_batch
 from epdserve.prefill.transfers import host_transfer, shared_transfer
 
@@ -53,11 +55,13 @@ class PrefillScheduler:
         timeout_s: seconds a request waits for embeddings, or its KV waits for a decode registration.
         metrics: where to record (the server's; a fresh one by default).
         state_snapshot_slots: hybrid models: DeltaNet state snapshots for radix hits (:class:`StateSlots`).
+        grammars: compiles constrained requests' grammars (None: such requests fail).
     """
 
     def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float,
-                 chunked_prefill_size: int = 0, metrics: PrefillMetrics | None = None, state_snapshot_slots: int = 0):
-        self.runner = runner
+                 chunked_prefill_size: int = 0, metrics: PrefillMetrics | None = None, state_snapshot_slots: int = 0,
+                 grammars: GrammarCompiler | None = None):
+        self.runner, self.grammars = runner, grammars
         self.cfg = runner.config
         self.pool = PagePool(runner.num_pages, runner.page_size)
         self.radix = RadixCache(runner.page_size)
@@ -98,7 +102,7 @@ class PrefillScheduler:
     def add_request(self, msg: PrefillRequest) -> None:
         """Queue a prompt; invalid prompts become an error transfer for the decode server."""
         now = time.monotonic()
-        err = self._validate(msg)
+        err = validate_request(msg, self.cfg, self.context_length)
         if err:
             log.warning("rid=%s rejected: %s", msg.rid, err)
             self.metrics.on_error("invalid_request")
@@ -111,6 +115,7 @@ class PrefillScheduler:
         rec = self._room_record(msg, now)
         rec.state, rec.deadline, rec.arrival = _State.WAITING, now + self.timeout_s, now
         rec.embeds = early.embeds if early is not None else None
+        rec.constraint = constraint_for(self.grammars, msg.sampling.grammar)  # compiles while embeddings come
         self._to_end(rec)
         log.debug("rid=%s request received (%d tokens)", msg.rid, len(msg.input_ids))
 
@@ -183,7 +188,7 @@ class PrefillScheduler:
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
         """True when :meth:`step` would run a forward now."""
-        return any(r.state is _State.RUNNING or (r.state is _State.WAITING and self._embeds_ready(r))
+        return any(r.state is _State.RUNNING or (r.state is _State.WAITING and self._inputs_ready(r))
                    for r in self.reqs.values())
 
     def step(self) -> list[tuple[str, KVTransfer]]:
@@ -248,7 +253,7 @@ class PrefillScheduler:
         """End ``rec``'s request with ``error`` (its pages must already be released): an error transfer waits for
         its decode registration."""
         log.debug("rid=%s failed: %s", rec.rid, error)
-        rec.embeds = None
+        rec.embeds, rec.constraint = None, None
         rec.transfer = KVTransfer(rid=rec.msg.rid, bootstrap_room=rec.msg.bootstrap_room, error=error)
         rec.state, rec.deadline = _State.FINISHED, time.monotonic() + self.timeout_s
         self._to_end(rec)
@@ -274,40 +279,25 @@ class PrefillScheduler:
                     self._release(rec, insert=True)
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _validate(self, msg: PrefillRequest) -> str | None:
-        n = len(msg.input_ids)
-        if n == 0:
-            return "empty prompt"
-        if n >= self.context_length:
-            return f"prompt of {n} tokens does not fit the context length {self.context_length}"
-        for span in msg.images:
-            ids, (t, h, w) = msg.input_ids[span.offset:span.offset + span.length], span.grid_thw
-            m, kind = self.cfg.spatial_merge_size, "video" if span.video else "image"
-            token = self.cfg.video_token_id if span.video else self.cfg.image_token_id
-            if span.offset < 0 or len(ids) != span.length or any(i != token for i in ids):
-                return f"{kind} span {span.offset}+{span.length} does not cover {kind} tokens"
-            if span.embed_offset and not span.video:
-                return "an image span with an embedding offset"
-            if t * h * w != span.length * m * m:
-                return f"image grid {span.grid_thw} does not give {span.length} tokens"
-        if any(not 0 <= i < self.cfg.vocab_size for i in msg.input_ids):
-            return "token id out of the vocabulary"
-        return None
-
-    def _embeds_ready(self, req: _Req) -> bool:
-        if not req.msg.images:
-            return True
+    def _inputs_ready(self, req: _Req) -> bool:
+        """Every embedding is here and the grammar, if any, has compiled (or failed to)."""
+        if req.constraint is not None and not req.constraint.ready():
+            return False
         got = req.embeds or {}
         return all(s.image_hash in got for s in req.msg.images)
 
     def _admit(self) -> None:
         for req in self._in(_State.WAITING):
             rid = req.rid
-            if not self._embeds_ready(req):
+            if not self._inputs_ready(req):
                 continue
-            err = self._check_embeds(req)
+            err = check_embeds(req, self.cfg)
             if err:
                 self.metrics.on_error("bad_embeddings")
+                self._finish_error(req, err)
+                continue
+            if req.constraint is not None and req.constraint.matcher is None and (err := req.constraint.start()):
+                self.metrics.on_error("bad_grammar")
                 self._finish_error(req, err)
                 continue
             if not self._allocate(req):
@@ -323,19 +313,6 @@ class PrefillScheduler:
             self._to_end(req)
             self.metrics.on_admit(req.arrival)
             log.debug("rid=%s admitted (%d of %d tokens cached)", rid, req.cached, req.n)
-
-    def _check_embeds(self, req: _Req) -> str | None:
-        # One embedding per image or video, [rows, embed_width]; a video's spans (a Qwen3-VL one's per temporal
-        # patch) take rows embed_offset .. embed_offset + length of it, together all of them.
-        rows: dict[str, int] = {}
-        for span in req.msg.images:
-            rows[span.image_hash] = max(rows.get(span.image_hash, 0), span.embed_offset + span.length)
-        for key, n in rows.items():
-            emb = req.embeds[key]
-            if emb.dim() != 2 or emb.shape != (n, self.cfg.embed_width):
-                return f"embedding of image or video {key[:12]} has shape {tuple(emb.shape)}, " \
-                       f"expected ({n}, {self.cfg.embed_width})"
-        return None
 
     def _allocate(self, req: _Req) -> bool:
         msg, ps = req.msg, self.runner.page_size
@@ -391,22 +368,13 @@ class PrefillScheduler:
         if not done:
             return
         reqs = [batch_reqs[i] for i in done]
-        gens = []
-        for r in reqs:
-            seed = r.msg.sampling.seed
-            gens.append(None if seed is None else torch.Generator(device=dev).manual_seed(seed))
-        # .tolist() waits for the forward, so the pages hold the whole KV before any decode server is told.
-        rows, params = logits[done], [r.msg.sampling for r in reqs]
-        first_t = sample(apply_logit_bias(rows, params), params, gens)
-        lp = sampled_logprobs(rows, first_t, params)
-        first = first_t.tolist()
-        first_lp = token_logprobs(lp, params)
+        first, first_lp = sample_first_tokens(logits[done], reqs)
         if timed:
             log.debug("forward of %d tokens for %s: batch built in %.1f ms, launched in %.1f ms, on the GPU %.1f ms, "
                       "first token %.1f ms after the start", len(batch.input_ids), ",".join(r.msg.rid for r in reqs),
                       (t1 - t0) * 1e3, (t2 - t1) * 1e3, gpu[0].elapsed_time(gpu[1]), (time.perf_counter() - t0) * 1e3)
         for req, tok, tok_lp in zip(reqs, first, first_lp):
-            req.first_token, req.first_logprob, req.embeds = tok, tok_lp, None
+            req.first_token, req.first_logprob, req.embeds, req.constraint = tok, tok_lp, None, None
             if self.pool_handle is None:  # host path: the KV leaves the pages now
                 req.transfer = self._host_transfer(req)
             req.state, req.deadline = _State.FINISHED, time.monotonic() + self.timeout_s

@@ -22,6 +22,7 @@ import zmq
 from epdserve.wire import transport
 from epdserve.config import PrefillConfig
 from epdserve.device import resolve_device
+from epdserve.engine.grammar import GrammarCompiler
 from epdserve.engine.server import StageServer, kv_shared, serve_with_front
 from epdserve.kvcache.kv_share import host_id, shares_kv
 from epdserve.wire.device_share import take_embeddings
@@ -51,10 +52,11 @@ def _serve(config: PrefillConfig) -> int:
     share = kv_shared(config, device)
     model_path, runner, context_length = runner_from_config(config, share_kv=share)
     metrics = PrefillMetrics()
+    grammars = GrammarCompiler(model_path, runner.config.vocab_size, list(runner.config.eos_token_ids))
     sched = PrefillScheduler(runner, context_length=context_length,
                              max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,
                              chunked_prefill_size=config.chunked_prefill_size, metrics=metrics,
-                             state_snapshot_slots=config.state_snapshot_slots)
+                             state_snapshot_slots=config.state_snapshot_slots, grammars=grammars)
     tp = runner if config.tp > 1 else None  # a TPRunner: embedding receipts from the other ranks
     info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages,
@@ -63,7 +65,10 @@ def _serve(config: PrefillConfig) -> int:
                       bootstrap_host=config.host, bootstrap_port=config.bootstrap_port,
                       embed_host_id=host_id() if shares_kv(config.kv_transfer, device) and device.type == "cuda"
                       else "")
-    return _PrefillServer(config, runner, sched, metrics, info, tp=tp, share=share).run()
+    try:
+        return _PrefillServer(config, runner, sched, metrics, info, tp=tp, share=share).run()
+    finally:
+        grammars.close()
 
 
 class _PrefillServer(StageServer):

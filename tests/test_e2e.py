@@ -423,8 +423,8 @@ def test_presence_and_frequency_penalties_match_transformers(server, hf, tiny_mo
 def test_logit_bias_matches_transformers_and_unsupported_fields_are_refused(server, hf, tiny_model_path,
                                                                             photo_paths):
     # logit_bias bans the unbiased greedy first token and favours two others; transformers' generate() with the
-    # same bias as a logits processor (every step, the first included) gives the same ids. response_format JSON
-    # and tools are refused with 400, not silently ignored.
+    # same bias as a logits processor (every step, the first included) gives the same ids. A JSON schema xgrammar
+    # rejects and tools are refused with 400, not silently ignored.
     from transformers import LogitsProcessor, LogitsProcessorList
 
     url, _ = server
@@ -446,7 +446,8 @@ def test_logit_bias_matches_transformers_and_unsupported_fields_are_refused(serv
     assert resp["choices"][0]["token_ids"] == ref_ids
     msgs = [{"role": "user", "content": "hi"}]
     for extra, word in (({"logit_bias": {"99999999": 1}}, "vocabulary"), ({"logit_bias": {"5": 101}}, "logit_bias"),
-                        ({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+                         "Unsupported type"),
                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
         r = httpx.post(f"{url}/v1/chat/completions", json={"model": tiny_model_path, "messages": msgs, **extra})
         assert r.status_code == 400 and word in r.text, (extra, r.text)

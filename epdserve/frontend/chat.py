@@ -31,6 +31,7 @@ from epdserve.frontend.protocol import (
     ChunkChoice, Delta, GenerateRequest, Usage,
 )
 from epdserve.frontend.stages import Stages
+from epdserve.frontend.structured import chat_grammar, generate_grammar
 from epdserve.wire.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenLogprob, TokenOutput
 from epdserve.metrics import GatewayMetrics, RequestTrace
 from epdserve.video import VideoLimits
@@ -103,6 +104,7 @@ class ChatService:
                 or a stage goes down, 504 past ``deadline``. The stages have dropped the request whenever this raises.
         """
         bias = self._logit_bias(req.logit_bias)  # before any image goes to an encoder
+        grammar = await chat_grammar(req.response_format, req.structured_outputs)
         trace = self.metrics.trace()
         hf_messages, urls, video_urls = to_hf_messages(req.messages)
         logger.debug("rid=%s received (%d images, %d videos)", rid, len(urls), len(video_urls))
@@ -122,7 +124,7 @@ class ChatService:
             prompt = self.builder.splice(await pieces, slots, videos)
             max_new = self._max_new_tokens(req.requested_max_tokens(), len(prompt.input_ids), "messages",
                                            "max_completion_tokens")
-            sampling = self._sampling(req, max_new, bias)
+            sampling = self._sampling(req, max_new, bias, grammar)
             prefill, decode = self._stage_requests(rid, prompt, sampling)
             if encoding is not None:
                 if self.stages.sends_before_encoded:
@@ -153,7 +155,7 @@ class ChatService:
         return await trace.encode(self.stages.encode(rid, images, deadline, videos))
 
     @staticmethod
-    def _sampling(req: ChatCompletionRequest, max_new: int, bias: list[list]) -> SamplingParams:
+    def _sampling(req: ChatCompletionRequest, max_new: int, bias: list[list], grammar) -> SamplingParams:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -167,6 +169,7 @@ class ChatService:
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             logit_bias=bias,
+            grammar=grammar,
         )
 
     async def prepare_ids(self, rid: str, req: GenerateRequest, deadline: float | None = None) -> PreparedChat:
@@ -190,12 +193,13 @@ class ChatService:
         if not ids:
             raise APIError(400, "the prompt is empty", param="text")
         sp = req.sampling_params
+        grammar = await generate_grammar(sp.json_schema, sp.regex, sp.ebnf, req.structured_outputs)
         max_new = self._max_new_tokens(sp.max_new_tokens, len(ids), "input_ids", "max_new_tokens")
         sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=max_new,
                                   stop=sp.stop_list(), stop_token_ids=list(sp.stop_token_ids or []),
                                   ignore_eos=sp.ignore_eos, seed=sp.sampling_seed,
                                   frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-                                  logit_bias=self._logit_bias(sp.logit_bias))
+                                  logit_bias=self._logit_bias(sp.logit_bias), grammar=grammar)
         prompt = Prompt(ids, [], req.text or "")
         logger.debug("rid=%s /generate prompt_tokens=%d max_new_tokens=%d", rid, len(ids), max_new)
         return PreparedChat(rid, None, prompt, *self._stage_requests(rid, prompt, sampling), self.metrics.trace(),

@@ -4,7 +4,7 @@ Only what the gateway can honour is modelled. Unknown request fields are ignored
 SDK send fields like ``user``), but fields that would change the answer and are not implemented (``n > 1``,
 ``repetition_penalty``, ``min_p``; ``logprobs`` outside chat completions) are rejected by each request's
 ``unsupported()`` rather than silently dropped. Extensions shared with vLLM/SGLang: ``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``return_token_ids``.
+``stop_token_ids``, ``return_token_ids``, ``structured_outputs`` (see :mod:`epdserve.frontend.structured`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from epdserve.frontend.structured_formats import ResponseFormat, StructuredOutputs
 
 
 def _is_none(value: object) -> bool:
@@ -137,7 +139,8 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float | None = _Penalty
     frequency_penalty: float | None = _Penalty
     logit_bias: _LogitBias = None
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     tools: list | None = None
     mm_processor_kwargs: MMProcessorKwargs | None = None
 
@@ -148,8 +151,6 @@ class ChatCompletionRequest(BaseModel):
             return "n > 1 is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return f"response_format {self.response_format.get('type')!r} (constrained decoding) is not supported"
         if self.tools:
             return "tools (function calling) are not supported"
         return None
@@ -299,6 +300,9 @@ class GenerateSamplingParams(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = 1.0
     logit_bias: _LogitBias = None
+    json_schema: str | None = None  # structured outputs (epdserve.frontend.structured)
+    regex: str | None = None
+    ebnf: str | None = None
 
     def stop_list(self) -> list[str]:
         return stop_list(self.stop)
@@ -317,6 +321,7 @@ class GenerateRequest(BaseModel):
     rid: str | None = Field(default=None, max_length=256)
     image_data: object | None = None
     return_logprob: bool = False
+    structured_outputs: StructuredOutputs | None = None  # vLLM's, from /v1/completions (as_generate)
 
     def unsupported(self) -> str | None:
         """A message naming the first problem or unimplemented feature of this request, else None."""
@@ -367,6 +372,7 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = _Penalty
     frequency_penalty: float | None = _Penalty
     logit_bias: _LogitBias = None
+    structured_outputs: StructuredOutputs | None = None
 
     def _prompts(self) -> list[str | list[int]]:
         """The prompts of this request: one string or one id list, or the elements of a batch of them."""
@@ -396,7 +402,8 @@ class CompletionRequest(BaseModel):
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, sampling_seed=self.seed,
             frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
             logit_bias=self.logit_bias)
-        return GenerateRequest(text=text, input_ids=ids, sampling_params=sampling, stream=self.stream)
+        return GenerateRequest(text=text, input_ids=ids, sampling_params=sampling, stream=self.stream,
+                               structured_outputs=self.structured_outputs)
 
 
 class CompletionChoice(BaseModel):

@@ -25,6 +25,25 @@ from epdserve.wire.tp_messages import (
 )
 
 
+# The constraint kinds a GrammarSpec may name (the future ``tool_choice: required`` grammar becomes one more kind).
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+
+
+@dataclass
+class GrammarSpec:
+    """A request's output constraint, as data: prefill and decode each compile it with xgrammar against their
+    tokenizer (:mod:`epdserve.engine.grammar`), so it travels as text, never as a compiled object.
+
+    ``type`` is one of ``GRAMMAR_KINDS`` (the field is not named ``kind``: the codec tags nested messages with
+    that key): ``json_schema`` (``text`` a JSON Schema document), ``json_object`` (any JSON object; ``text``
+    empty), ``regex`` (xgrammar's regex dialect) or ``ebnf`` (xgrammar's EBNF, whose start
+    rule is ``root``). The gateway has already checked that xgrammar parses it.
+    """
+
+    type: str
+    text: str = ""
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling. ``temperature == 0`` means greedy; ``top_k <= 0`` and ``top_p == 1`` disable them."""
@@ -42,6 +61,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from the logit of every token output so far
     # OpenAI's: [token id, bias] pairs, the bias added to that token's logit (pairs: every map on the wire is a message)
     logit_bias: list[list] = field(default_factory=list)
+    grammar: GrammarSpec | None = None  # structured outputs: every sampled token keeps the output in the grammar
 
 
 @dataclass
@@ -293,7 +313,8 @@ class KVTransfer:
 @dataclass
 class TokenOutput:
     """decode -> gateway: new token ids of one request since the last output (the gateway detokenizes them and
-    matches stop strings; decode stops only on EOS, ``stop_token_ids``, ``max_new_tokens`` and the context length).
+    matches stop strings; decode stops only on EOS, ``stop_token_ids``, ``max_new_tokens``, the context length
+    and, for a constrained request, its grammar's end).
 
     ``finish_reason`` is None while running, then ``"stop"``, ``"length"`` or ``"error"``. ``completion_tokens``
     counts all output tokens so far, these included. ``logprobs`` has one entry per id of ``token_ids`` when the
@@ -325,8 +346,8 @@ def input_ids_digest(input_ids: list[int]) -> str:
     """
     return hashlib.blake2b(struct.pack(f"<{len(input_ids)}q", *input_ids), digest_size=8).hexdigest()
 _CODEC = Codec((
-    SamplingParams, TokenLogprob, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest, ServerInfoRequest,
-    ServerInfo, LoadRequest, Load,
+    GrammarSpec, SamplingParams, TokenLogprob, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest,
+    ServerInfoRequest, ServerInfo, LoadRequest, Load,
     SharedTensor, ImageEmbeddings, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput, TokenOutputBatch,
     StateHandoff, TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt,
     TPReadState, TPWriteState, TPCopyState,

@@ -33,6 +33,7 @@ _HEX = re.compile(r"^[0-9a-fA-F]{15,128}$")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FLOAT_DTYPE_NAMES = tuple(str(t).removeprefix("torch.") for t in _FLOAT_DTYPES)
 _MAX_RID = 512  # characters; gateway ids are ~41
+_MAX_GRAMMAR = 1 << 20  # characters of a grammar's text; the gateway's request bodies are bounded far below this
 
 
 @cache
@@ -101,6 +102,9 @@ def _check_sampling(sp: messages.SamplingParams) -> str | None:
         return f"max_new_tokens {sp.max_new_tokens} < 1"
     if not _ints_fit([sp.top_k, *sp.stop_token_ids]):
         return "top_k or a stop token id does not fit int64"
+    g = sp.grammar
+    if g is not None and (g.type not in messages.GRAMMAR_KINDS or len(g.text) > _MAX_GRAMMAR):
+        return f"grammar of kind {g.type[:40]!r} and {len(g.text)} characters"
     return None
 
 
