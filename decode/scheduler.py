@@ -172,9 +172,7 @@ class DecodeScheduler:
                 self._ack(seq)
         for seq in [s for s in self.running if s.msg.rid == rid]:
             self.running.remove(seq)
-            self.pool.free(seq.pages)
-            self.states.release(seq.msg.bootstrap_room)
-            seq.done = True
+            self._free(seq)
 
     def fail_request(self, rid: str, error: str) -> None:
         """End a request still waiting for its KV with ``error`` (an output to its gateway) and drop it."""
@@ -216,9 +214,7 @@ class DecodeScheduler:
         self.metrics.on_error("forward_failed")
         for seq in self.running:
             log.debug("rid=%s failed: %s", seq.msg.rid, error)
-            self.pool.free(seq.pages)
-            self.states.release(seq.msg.bootstrap_room)
-            seq.done = True
+            self._free(seq)
             self._emit(seq, "error", error=error)
         self.running = []
         self.inflight = None
@@ -297,8 +293,7 @@ class DecodeScheduler:
                 err = self._copy_shared_kv(seq, transfer, slots)
                 if err:
                     self.metrics.on_kv_failure("shared_copy")
-                    self.pool.free(seq.pages)
-                    self.states.release(seq.msg.bootstrap_room)
+                    self._free(seq)
                     self._emit(seq, "error", error=err)
                     continue
             else:
@@ -394,14 +389,20 @@ class DecodeScheduler:
             if not seq.done:
                 self._append_token(seq, tok, tok_lp)
 
+    def _free(self, seq: _Seq) -> None:
+        """Give back what an admitted request holds (its KV pages, its state slot): it has ended, one way or
+        another, and is off the running list. Its outputs of a step still in flight are dropped."""
+        self.pool.free(seq.pages)
+        self.states.release(seq.msg.bootstrap_room)
+        seq.pages, seq.done = [], True
+
     def _append_token(self, seq: _Seq, tok: int, tok_lp: TokenLogprob | None = None) -> None:
         sp = seq.msg.sampling
         seq.output_ids.append(tok)
         finish, c = None, seq.constraint
         if c is not None and not c.accept(tok):  # only a first token sampled under another grammar
             self.running.remove(seq)
-            self.pool.free(seq.pages)
-            seq.pages, seq.done = [], True
+            self._free(seq)
             self._emit(seq, "error", error=f"token {tok} is not allowed by the request's grammar")
             return
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids) or (c is not None and c.terminated):
@@ -410,9 +411,7 @@ class DecodeScheduler:
             finish = "length"
         if finish is not None:
             self.running.remove(seq)
-            self.pool.free(seq.pages)
-            self.states.release(seq.msg.bootstrap_room)
-            seq.pages, seq.done = [], True
+            self._free(seq)
         self._emit(seq, finish, token_ids=[tok], logprobs=[tok_lp] if tok_lp is not None else [])
 
     def _emit(self, seq: _Seq, finish: str | None, *, token_ids: list[int] = (), error=None,

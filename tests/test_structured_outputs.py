@@ -284,10 +284,12 @@ def test_mask_logits_masks_constrained_rows_only_and_rejected_grammars_fail_thei
     assert ok.start() is None
 
 
-def test_schedulers_carry_the_grammar_from_prefill_to_decode_and_fail_only_bad_requests(tiny_model_path, compiler):
+@pytest.mark.parametrize("model", ["tiny_model_path", "tiny_qwen3_5_path"])
+def test_schedulers_carry_the_grammar_from_prefill_to_decode_and_fail_only_bad_requests(request, model):
     """Prefill masks the first token, decode's matcher accepts it and masks the rest, in a batch with an
     unconstrained request; a first token the grammar forbids, or a grammar that does not compile (sent past the
-    gateway), fails that request only, and every KV page comes back."""
+    gateway), fails that request only, and every KV page (and, for the hybrid Qwen3.5, every state slot) comes
+    back."""
     from dataclasses import replace
 
     from transformers import AutoTokenizer
@@ -297,10 +299,14 @@ def test_schedulers_carry_the_grammar_from_prefill_to_decode_and_fail_only_bad_r
     from epdserve.prefill.scheduler import PrefillScheduler
     from epdserve.wire.messages import DecodeRequest, GrammarSpec, KVRegister, PrefillRequest, SamplingParams
 
-    grammars, _ = compiler
+    from epdserve.engine.grammar import GrammarCompiler
+
+    tiny_model_path = request.getfixturevalue(model)
     runner = ModelRunner(tiny_model_path, device=torch.device("cpu"), dtype=torch.float32, num_pages=64, page_size=4)
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     prompt = tok.encode("The number is")
+    grammars = GrammarCompiler(tiny_model_path, runner.config.vocab_size, list(runner.config.eos_token_ids))
+    request.addfinalizer(grammars.close)
     prefill = PrefillScheduler(runner, context_length=4096, max_prefill_tokens=4096, timeout_s=30, grammars=grammars)
     decode = DecodeScheduler(runner, context_length=4096, max_running_requests=8, timeout_s=30, kv_endpoint="tcp://d",
                              grammars=grammars)
@@ -339,3 +345,4 @@ def test_schedulers_carry_the_grammar_from_prefill_to_decode_and_fail_only_bad_r
     assert final["bad"].finish_reason == final["other"].finish_reason == "error"
     assert "not allowed" in final["other"].error
     assert decode.pool.num_free == decode.pool.num_pages and not decode.running
+    assert decode.states.used == 0 and prefill.states.used == 0
