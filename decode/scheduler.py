@@ -394,7 +394,7 @@ class DecodeScheduler:
         another, and is off the running list. Its outputs of a step still in flight are dropped."""
         self.pool.free(seq.pages)
         self.states.release(seq.msg.bootstrap_room)
-        seq.pages, seq.done = [], True
+        seq.done = True
 
     def _append_token(self, seq: _Seq, tok: int, tok_lp: TokenLogprob | None = None) -> None:
         sp = seq.msg.sampling
@@ -403,6 +403,7 @@ class DecodeScheduler:
         if c is not None and not c.accept(tok):  # only a first token sampled under another grammar
             self.running.remove(seq)
             self._free(seq)
+            seq.pages = []
             self._emit(seq, "error", error=f"token {tok} is not allowed by the request's grammar")
             return
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids) or (c is not None and c.terminated):
@@ -412,6 +413,7 @@ class DecodeScheduler:
         if finish is not None:
             self.running.remove(seq)
             self._free(seq)
+            seq.pages = []
         self._emit(seq, finish, token_ids=[tok], logprobs=[tok_lp] if tok_lp is not None else [])
 
     def _emit(self, seq: _Seq, finish: str | None, *, token_ids: list[int] = (), error=None,
