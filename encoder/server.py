@@ -205,15 +205,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         else:
             on_host = await asyncio.to_thread(self._outbox.on_host, embeddings)
         self._outbox.keep(keys, results, on_host)
-        if not targets:
-            results = {h: (emb, *results[h][1:]) for h, emb in zip(keys, on_host)}
         response = encoder_pb2.EncodeResponse(request_id=rid)
         for pos, h in enumerate(keys):
-            emb, grid, hit = results[h]
+            _, grid, hit = results[h]
             item = (response.images if pos < num_images else response.videos).add(
                 image_hash=h, num_tokens=encoder.num_tokens(grid), grid_thw=grid, cache_hit=hit)
             if not targets:
-                item.embedding.CopyFrom(tensor_to_proto(emb))
+                item.embedding.CopyFrom(tensor_to_proto(on_host[pos]))
         hits = sum(results[h][2] for h in keys)
         log.debug("rid=%s encoded %d image(s)%s, %d from cache", rid, num_images,
                   f" and {len(request.videos)} video(s)" if request.videos else "", hits)

@@ -391,9 +391,9 @@ class VisionEncoder:
 
         Returns:
             One ``(embedding, grid_thw)`` per image, in order: ``embedding`` is ``[num_tokens_i, embed_width]`` in
-            the tower's dtype on the tower's device (on CUDA, the images of one batch are row slices of one
-            tensor) (Qwen3-VL: the DeepStack levels as extra columns,
-            see the module docstring), ``grid_thw`` the processor's ``[t, h, w]`` row. An empty list gives an
+            the tower's dtype on the tower's device (Qwen3-VL: the DeepStack levels as extra columns, see the
+            module docstring; on CUDA the images of one batch are row slices of one tensor), ``grid_thw`` the
+            processor's ``[t, h, w]`` row. An empty list gives an
             empty list.
         """
         if not images:
