@@ -17,11 +17,11 @@ import uuid
 
 import torch
 
+from epdserve.wire.codec import FLOAT_DTYPES
 from epdserve.wire.messages import KVPoolHandle
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 KV_TRANSFER_MODES = ("auto", "zmq", "shared")
@@ -82,9 +82,9 @@ def open_pool(handle: KVPoolHandle) -> torch.Tensor:
         ValueError: an unknown dtype or a handle with neither CUDA IPC fields nor a shm path.
         RuntimeError: the mapping fails (another machine, another IPC namespace, the peer exited).
     """
-    if handle.dtype not in _DTYPES:
+    if handle.dtype not in FLOAT_DTYPES:
         raise ValueError(f"unknown KV pool dtype {handle.dtype!r}")
-    dtype, shape = _DTYPES[handle.dtype], tuple(handle.shape)
+    dtype, shape = FLOAT_DTYPES[handle.dtype], tuple(handle.shape)
     numel = 1
     for n in shape:
         numel *= n

@@ -24,6 +24,8 @@ _DTYPES = {
     "int32": torch.int32,
     "uint8": torch.uint8,
 }
+# The float dtypes a wire tensor of activations may have (embeddings, KV, states), by name.
+FLOAT_DTYPES = {name: dtype for name, dtype in _DTYPES.items() if dtype.is_floating_point}
 
 
 class WireError(ValueError):

@@ -19,11 +19,10 @@ import logging
 
 import torch
 
+from epdserve.wire.codec import FLOAT_DTYPES
 from epdserve.wire.messages import ImageEmbeddings, SharedTensor
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class DeviceSharer:
@@ -75,9 +74,9 @@ def take(shared: SharedTensor, device: torch.device) -> torch.Tensor:
         ValueError: an unknown dtype or a handle without 8 fields.
         RuntimeError: the mapping fails (another machine, another IPC namespace, the sender exited).
     """
-    if shared.dtype not in _DTYPES or len(shared.cuda_ipc) != 8:
+    if shared.dtype not in FLOAT_DTYPES or len(shared.cuda_ipc) != 8:
         raise ValueError(f"not a shared {shared.dtype!r} tensor handle")
-    dtype, src = _DTYPES[shared.dtype], torch.device("cuda", int(shared.cuda_ipc[0]))
+    dtype, src = FLOAT_DTYPES[shared.dtype], torch.device("cuda", int(shared.cuda_ipc[0]))
     out = torch.empty(shared.shape, dtype=dtype, device=device)
     with torch.cuda.device(src):
         storage = torch.UntypedStorage._new_shared_cuda(*shared.cuda_ipc)

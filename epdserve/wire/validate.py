@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from epdserve.wire import messages
+from epdserve.wire.codec import FLOAT_DTYPES
 from epdserve.wire.messages import WireError
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -30,8 +31,7 @@ SEED_MIN, SEED_MAX = INT64_MIN, (1 << 64) - 1
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253})$")
 _TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253}):(\d{1,5})$")
 _HEX = re.compile(r"^[0-9a-fA-F]{15,128}$")
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_FLOAT_DTYPE_NAMES = tuple(str(t).removeprefix("torch.") for t in _FLOAT_DTYPES)
+_FLOAT_DTYPES = tuple(FLOAT_DTYPES.values())
 _MAX_RID = 512  # characters; gateway ids are ~41
 _MAX_GRAMMAR = 1 << 20  # characters of a grammar's text; the gateway's request bodies are bounded far below this
 
@@ -149,7 +149,7 @@ def _check_embeddings(msg: messages.ImageEmbeddings) -> str | None:
         return "image hashes and embeddings differ in number"
     for e in msg.embeddings:
         if isinstance(e, messages.SharedTensor):
-            if len(e.cuda_ipc) != 8 or len(e.shape) != 2 or e.dtype not in _FLOAT_DTYPE_NAMES \
+            if len(e.cuda_ipc) != 8 or len(e.shape) != 2 or e.dtype not in FLOAT_DTYPES \
                     or not _ints_fit(e.shape, 0):
                 return "a shared embedding is not a 2-D float tensor with an 8-field CUDA IPC handle"
         elif e.dim() != 2 or e.dtype not in _FLOAT_DTYPES:
