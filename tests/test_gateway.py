@@ -638,6 +638,18 @@ def test_image_request_reaches_prefill_before_the_encoder_answers(gw, tiny_model
     assert (span.length, span.grid_thw) == (expected.num_tokens, expected.grid_thw)
 
 
+def _chat_after_dispatch(base, model, prefill, encoder, content):
+    """``_chat``, with the encoder's answer held until prefill has one more request: otherwise the encoder can
+    fail before the gateway sends anything ahead, and there is nothing to drop."""
+    sent = len(prefill.messages(PrefillRequest))
+    encoder.hold.clear()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(_chat, base, model, content)
+        assert _wait_for(lambda: len(prefill.messages(PrefillRequest)) > sent)
+        encoder.hold.set()
+        return answer.result(30)
+
+
 def test_encoder_failure_after_dispatch_aborts_the_request(gw, tiny_model_path, photo_paths):
     """An image whose header reads but whose pixels do not (truncated) passes the gateway and fails at the
     encoder: 400 with the encoder's message, and prefill and decode drop the request sent ahead."""
@@ -645,16 +657,19 @@ def test_encoder_failure_after_dispatch_aborts_the_request(gw, tiny_model_path, 
     data = photo_paths["chelsea"].read_bytes()
     data = data[:len(data) // 2]
     url = "data:image/png;base64," + base64.b64encode(data).decode()
-    r = _chat(base, tiny_model_path, [{"type": "image_url", "image_url": {"url": url}}])
+    # Held until prefill has the request: otherwise the encoder can fail first, and nothing is sent ahead.
+    r = _chat_after_dispatch(base, tiny_model_path, prefill, encoder,
+                             [{"type": "image_url", "image_url": {"url": url}}])
     assert r.status_code == 400 and "cannot be decoded" in _error(r)["message"]
     (req,) = prefill.messages(PrefillRequest)
     for stage in (prefill, decode_):
         assert _wait_for(lambda: req.rid in [m.rid for m in stage.messages(AbortRequest)]), stage.role
     # An encoder that counts the image's tokens differently than the gateway: 500, and the request is dropped.
     encoder.extra_tokens = 4
-    r = _chat(base, tiny_model_path, _photo_content(photo_paths["chelsea"]))
+    r = _chat_after_dispatch(base, tiny_model_path, prefill, encoder, _photo_content(photo_paths["chelsea"]))
     assert r.status_code == 500 and "the gateway expected" in _error(r)["message"]
     rid = prefill.messages(PrefillRequest)[-1].rid
+    assert rid != req.rid
     for stage in (prefill, decode_):
         assert _wait_for(lambda: rid in [m.rid for m in stage.messages(AbortRequest)]), stage.role
     encoder.extra_tokens = 0
