@@ -5,7 +5,8 @@
 Per batch size it fills B requests' KV pages with random values at ``--context`` tokens each, then times
 ``--steps`` decode steps the way the decode server runs them (inputs built on the host from Python lists,
 ``runner.forward``, ``argmax``, one ``.tolist()``), wall clock per step. The roofline is the bytes one step must
-read (every LM weight once, the embedding table aside, plus every request's KV) over the device-to-device copy
+read (every LM weight once, the embedding table aside, plus every request's KV; hybrid models' states read and
+written) over the device-to-device copy
 bandwidth measured in the same run (bytes read + written). "GPU ms" is the replayed graph alone (no host work):
 the floor an overlapped server step can reach. The server's TPOT over these is the server's own overhead.
 """
@@ -39,14 +40,17 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) 
     return 2 * src.numel() * src.element_size() / statistics.median(times[3:])
 
 
-def step_bytes(runner: ModelRunner, kv_tokens: int) -> int:
-    """Bytes a decode step must read: LM weights (the input embedding table aside) + ``kv_tokens`` tokens of KV."""
+def step_bytes(runner: ModelRunner, kv_tokens: int, batch_size: int = 0) -> int:
+    """Bytes a decode step must move: LM weights (the input embedding table aside) + ``kv_tokens`` tokens of KV
+    (the attention layers' only: ``config.num_kv_layers``) read, + for hybrid models each of the ``batch_size``
+    requests' linear-attention state (conv and recurrent, every DeltaNet layer) read and written back."""
     model, cfg = runner.model, runner.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if not cfg.tie_word_embeddings:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    kv = kv_tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * runner.kv_pool.buffer.element_size()
-    return weights + kv
+    kv = kv_tokens * cfg.num_kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * runner.kv_pool.buffer.element_size()
+    state = 0 if runner.state_pool is None else 2 * batch_size * runner.state_pool.bytes_per_slot
+    return weights + kv + state
 
 
 def time_steps(runner: ModelRunner, batch_size: int, context: int, steps: int) -> list[float]:
@@ -58,7 +62,12 @@ def time_steps(runner: ModelRunner, batch_size: int, context: int, steps: int) -
                          f"the pool has {runner.num_pages}")
     pages = [list(range(r * per_req, (r + 1) * per_req)) for r in range(batch_size)]
     runner.kv_pool.buffer[:, :, :per_req * batch_size].normal_()  # random KV: never time on zeros
-    tokens = torch.randint(100, 1000, (batch_size,)).tolist()
+    tokens = torch.randint(0, min(1000, runner.config.vocab_size), (batch_size,)).tolist()
+    slots = None
+    if runner.state_pool is not None:  # hybrid models: one state slot per request, random like the KV
+        slots = [runner.state_pool.alloc() for _ in range(batch_size)]
+        for buf in (runner.state_pool.conv_buffer, runner.state_pool.recurrent_buffer):
+            buf.normal_()
     out = []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -67,9 +76,11 @@ def time_steps(runner: ModelRunner, batch_size: int, context: int, steps: int) -
             True, torch.tensor(tokens, dtype=torch.int64),
             decode_positions(torch.tensor(idx), torch.zeros(batch_size, dtype=torch.int64)),
             torch.tensor([p[i // ps] * ps + i % ps for p, i in zip(pages, idx)], dtype=torch.int64),
-            [1] * batch_size, [i + 1 for i in idx], pages)
+            [1] * batch_size, [i + 1 for i in idx], pages, state_slots=slots)
         tokens = runner.forward(batch).argmax(-1).tolist()
         out.append(time.perf_counter() - t0)
+    for slot in slots or ():
+        runner.state_pool.free(slot)
     return out
 
 
@@ -104,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     runner = ModelRunner(args.model_path, device=dev, dtype=torch.bfloat16, num_pages=args.num_pages, page_size=16,
-                         cuda_graph_max_bs=0 if args.disable_cuda_graph else max(args.batch_sizes))
+                         cuda_graph_max_bs=0 if args.disable_cuda_graph else max(args.batch_sizes),
+                         num_state_slots=max(args.batch_sizes))
     bw = copy_bandwidth(dev)
     rows = []
     for bs in args.batch_sizes:
@@ -112,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         median = statistics.median(times)
         gpu = graph_gpu_time(runner, bs)
         kv_tokens = bs * (args.context + args.steps // 2)
-        roof = step_bytes(runner, kv_tokens) / bw
+        roof = step_bytes(runner, kv_tokens, bs) / bw
         rows.append(dict(batch_size=bs, context=args.context, step_ms=median * 1e3,
                          graph_gpu_ms=None if gpu is None else gpu * 1e3, roofline_ms=roof * 1e3,
                          roofline_fraction=roof / median, tokens_per_s=bs / median,

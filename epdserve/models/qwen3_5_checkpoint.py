@@ -24,6 +24,14 @@ QWEN3_5_SIZES = {
                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                            linear_value_head_dim=32, linear_conv_kernel_dim=4, mrope_section=[3, 3, 2]),
                  vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4)),
+    # small (GPU tests): the 9B's head shapes (attention head_dim 256; DeltaNet 16 key / 32 value heads of 128, so
+    # flash-linear-attention's kernels run at their real tile sizes) on two 3 + 1 layer groups of width 1024.
+    "small": dict(text=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                            num_key_value_heads=2, head_dim=256,
+                            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+                            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                            linear_value_head_dim=128, linear_conv_kernel_dim=4, mrope_section=[11, 11, 10]),
+                  vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4)),
 }
 
 

@@ -107,7 +107,7 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
     Args:
         out_dir: target directory (created; existing files are overwritten).
         arch: ``"qwen2_5_vl"``, ``"qwen2_vl"`` or ``"qwen3_vl"`` (or an alias of ``ARCH_ALIASES``, e.g.
-            ``"qwen3-vl"``), or ``"qwen3_5"`` (``"qwen3.5"``: the hybrid LM, tiny size only, see
+            ``"qwen3-vl"``), or ``"qwen3_5"`` (``"qwen3.5"``: the hybrid LM, sizes ``tiny`` and ``small``, see
             :mod:`epdserve.models.qwen3_5_checkpoint`). Qwen3-VL:
             :func:`epdserve.models.qwen3_vl_checkpoint.make_tiny_qwen3_vl` (its own sizes, patch 16, DeepStack from
             two vision blocks; ``max_pixels`` defaults to ``512 * 32**2`` there).

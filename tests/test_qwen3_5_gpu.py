@@ -1,0 +1,107 @@
+"""Qwen3.5's hybrid LM on CUDA (skipped without one): the GPU kernels (flash-linear-attention's gated delta rule
+and whatever transformers' wrappers pick for the conv, flashinfer or SDPA attention) against the torch reference
+that the CPU tests hold equal to transformers, and decode CUDA graphs against eager steps, on the ``small`` random
+checkpoint (the 9B's head shapes, so the kernels run at their real tile sizes).
+
+The float32 comparison is teacher-forced on the CPU reference's tokens, so one near-tie cannot derail the rest:
+every step's logits must agree within a bound, and a differing argmax is allowed only where the reference's own
+top-two margin is within twice the step's measured logit difference (a near-tie)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model_runtime import Pages, Seq, make_batch
+
+from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.engine.model_runner import ModelRunner
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+PAGE = 16
+# Prompt lengths: inside the conv window, across several 64-token delta-rule chunks, and long.
+LENGTHS = (3, 150, 700)
+
+
+@pytest.fixture(scope="module")
+def small35(tmp_path_factory) -> str:
+    from epdserve.models.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("small-qwen3.5"), arch="qwen3.5", size="small"))
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(10, min(vocab, 1000), (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+class _Req:
+    def __init__(self, runner: ModelRunner, ids: list[int], pages: Pages, steps: int):
+        self.runner = runner
+        self.seq = Seq(ids, [], pages.take(-(-(len(ids) + steps + 1) // PAGE)), PAGE)
+        self.slot = runner.state_pool.alloc()
+
+    def close(self):
+        self.runner.state_pool.free(self.slot)
+
+
+def _forward(runner: ModelRunner, reqs: list[_Req], parts: list[dict], is_decode: bool) -> torch.Tensor:
+    b = make_batch(parts, is_decode)
+    batch = ForwardBatch(b.is_decode, b.input_ids, b.positions, b.out_slots, b.q_lens, b.kv_lens, b.page_table,
+                         state_slots=[r.slot for r in reqs])
+    return runner.forward(batch).float().cpu()
+
+
+def _teacher_forced(runner: ModelRunner, prompts: list[list[int]], forced: list[list[int]] | None, steps: int):
+    """Logits ``[steps + 1][B, vocab]`` (float32, host): the prompts prefilled in one batch, then ``steps`` decode
+    steps fed ``forced``'s tokens (None: the runner's own greedy tokens). Returns (logits, tokens fed)."""
+    pages = Pages(runner.num_pages)
+    reqs = [_Req(runner, p, pages, steps) for p in prompts]
+    try:
+        out = [_forward(runner, reqs, [r.seq.extend_part(len(p)) for r, p in zip(reqs, prompts)], False)]
+        fed = [[] for _ in prompts]
+        for step in range(steps):
+            toks = [f[step] for f in forced] if forced else out[-1].argmax(-1).tolist()
+            for f, t in zip(fed, toks):
+                f.append(t)
+            out.append(_forward(runner, reqs, [r.seq.decode_part(t) for r, t in zip(reqs, toks)], True))
+        return out, fed
+    finally:
+        for r in reqs:
+            r.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_kernels_equal_the_torch_reference_in_float32(small35):
+    steps = 24
+    kw = dict(dtype=torch.float32, num_pages=512, page_size=PAGE, num_state_slots=4)
+    ref = ModelRunner(small35, device=torch.device("cpu"), attention_backend="sdpa", **kw)
+    gpu = ModelRunner(small35, device=torch.device("cuda"), **kw)
+    prompts = _prompts(ref.config.vocab_size)
+    want, fed = _teacher_forced(ref, prompts, None, steps)
+    got, _ = _teacher_forced(gpu, prompts, fed, steps)
+    scale = max(float(w.abs().max()) for w in want)
+    for step, (w, g) in enumerate(zip(want, got)):
+        err = float((w - g).abs().max())
+        # float32 kernels (fla's chunked delta rule runs its matmuls in TF32 at most) stay far below the logits'
+        # own scale; a wrong state (slot, chunk carry, conv window) moves them by O(scale).
+        assert err <= 0.02 * scale, f"step {step}: max |logit difference| {err:.4g} (logit scale {scale:.3g})"
+        top2 = w.topk(2, dim=-1).values
+        for row in (w.argmax(-1) != g.argmax(-1)).nonzero().flatten().tolist():
+            margin = float(top2[row, 0] - top2[row, 1])
+            assert margin <= 2 * err, f"step {step}, prompt {row}: argmax differs at margin {margin:.4g} > 2*{err:.4g}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_decode_graphs_equal_eager_steps(small35):
+    steps = 32
+    kw = dict(device=torch.device("cuda"), dtype=torch.bfloat16, num_pages=512, page_size=PAGE, num_state_slots=8)
+    eager = ModelRunner(small35, **kw)
+    graphed = ModelRunner(small35, cuda_graph_max_bs=8, **kw)
+    assert eager.graphs is None and graphed.graphs is not None
+    prompts = _prompts(eager.config.vocab_size)
+    for batch in (prompts[:1], prompts):
+        _, fed = _teacher_forced(eager, batch, None, steps)
+        _, fed_graphed = _teacher_forced(graphed, batch, None, steps)
+        assert fed_graphed == fed, f"batch {len(batch)}: graph replays diverged from eager steps"
