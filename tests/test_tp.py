@@ -199,6 +199,44 @@ def test_gateway_tp2_greedy_matches_transformers(servers, references, tiny_model
     assert streamed == ref_text
 
 
+_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "tag": {"enum": ["cat", "dog"]},
+                                          "words": {"type": "array", "items": {"type": "string", "maxLength": 3},
+                                                    "minItems": 1, "maxItems": 2}},
+           "required": ["n", "tag", "words"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_gateway_tp2_structured_outputs_follow_their_grammar(servers, tiny_model_path, photo_paths, stream):
+    """Constrained decoding across TP ranks (issue 28): the TP=2 prefill samples the first token under the grammar,
+    the TP=2 decode continues it; a JSON schema (greedy and seeded sampling, an image in the prompt) and a regex."""
+    import jsonschema
+
+    turns = _resolve("one_photo", photo_paths)
+    bodies = [dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": _SCHEMA}},
+                   temperature=t, seed=3) for t in (0, 1)]
+    bodies.append(dict(structured_outputs={"regex": r"(yes|no), [0-9]{2}"}, temperature=1, seed=4))
+    for extra in bodies:
+        body = {"model": tiny_model_path, "messages": _openai_messages(turns), "max_completion_tokens": 80,
+                "stream": stream, **extra}
+        if stream:
+            with httpx.stream("POST", f"{servers['url']}/v1/chat/completions", json=body, timeout=120) as r:
+                assert r.status_code == 200
+                chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            text = "".join(c["delta"].get("content") or "" for ch in chunks for c in ch["choices"])
+            finish = [c["finish_reason"] for ch in chunks for c in ch["choices"] if c.get("finish_reason")]
+        else:
+            r = httpx.post(f"{servers['url']}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            text, finish = r.json()["choices"][0]["message"]["content"], [r.json()["choices"][0]["finish_reason"]]
+        assert finish == ["stop"], (extra, text)
+        if "structured_outputs" in extra:
+            assert re.fullmatch(r"(yes|no), [0-9]{2}", text), text
+        else:
+            jsonschema.validate(json.loads(text), _SCHEMA)
+
+
 # ---------------------------------------------------------------------------------------------------- direct
 
 def _reference(hf, references, case, turns):
