@@ -18,6 +18,7 @@ there instead.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -128,6 +129,23 @@ def kv_transfer_bytes(transfer: Any) -> int:
     return len(transfer.kv_pages) * layers * kv * page_size * heads * head_dim * _ITEMSIZE.get(pool.dtype, 2)
 
 
+def state_transfer_bytes(transfer: Any) -> int:
+    """Bytes of linear-attention state a hybrid model's ``KVTransfer`` hands off (``transfer.state``, a
+    ``StateHandoff``): its ``conv`` and ``recurrent`` tensors (host path), or one slot of each pool it lends
+    (shared path: ``[layers, slots + 1, ...]`` handles, one slot's ``layers * prod(shape[2:])`` elements); 0 for
+    none."""
+    state = getattr(transfer, "state", None)
+    if state is None:
+        return 0
+    if state.conv is not None and state.recurrent is not None:
+        return sum(t.numel() * t.element_size() for t in (state.conv, state.recurrent))
+    total = 0
+    for pool in (state.conv_pool, state.recurrent_pool):
+        if pool is not None:
+            total += math.prod([pool.shape[0], *pool.shape[2:]]) * _ITEMSIZE.get(pool.dtype, 2)
+    return total
+
+
 class LMStageMetrics(StageMetrics):
     """What the prefill and decode servers share: scheduler gauges, queue time, KV hand-off, batch sizes."""
 
@@ -142,6 +160,8 @@ class LMStageMetrics(StageMetrics):
         self.batch_size = self._histogram("batch_size", "Requests per forward", BATCH_BUCKETS)
         self.kv_bytes = self._counter("kv_transfer_bytes", "Prompt KV bytes handed off (prefill: sent, decode: "
                                                            "received)")
+        self.state_bytes = self._counter("state_transfer_bytes", "Hybrid models' linear-attention state bytes "
+                                         "handed off with the KV (prefill: sent, decode: received)")
         self._kv_failures = self._counter("kv_transfer_failures", "KV hand-offs that failed, by reason",
                                           ("reason",))
 
@@ -226,6 +246,7 @@ class PrefillMetrics(LMStageMetrics):
         count its bytes (:func:`kv_transfer_bytes`)."""
         transfer.sent_at = time.time()
         self.kv_bytes.inc(kv_transfer_bytes(transfer))
+        self.state_bytes.inc(state_transfer_bytes(transfer))
 
 
 class DecodeMetrics(LMStageMetrics):
@@ -245,6 +266,7 @@ class DecodeMetrics(LMStageMetrics):
         """A ``KVTransfer`` arrived: count its bytes (:func:`kv_transfer_bytes`) and the hand-off latency (errors
         are counted elsewhere)."""
         self.kv_bytes.inc(kv_transfer_bytes(transfer))
+        self.state_bytes.inc(state_transfer_bytes(transfer))
         if getattr(transfer, "sent_at", 0.0) > 0:
             self.kv_latency.observe(max(0.0, time.time() - transfer.sent_at))
 

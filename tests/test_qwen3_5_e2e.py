@@ -14,10 +14,12 @@ and a killed decode server leave every state slot and KV page back at baseline.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -163,6 +165,28 @@ def test_shared_path_took_kv_and_state(server35):
     if name == "shared":
         assert "mapped a prefill KV pool (shm" in log
         assert log.count("KV copied by decode, pages released") >= len(CASES)
+
+
+def test_state_bytes_counted_per_hand_off(server35, tiny_qwen3_5_path):
+    """``state_transfer_bytes`` on both LM stages: every hand-off so far carried one whole request state (every
+    DeltaNet layer's conv state in the model dtype and recurrent state in float32), sent and received alike."""
+    _, _, log_path = server35
+    cfg = json.loads((Path(tiny_qwen3_5_path) / "config.json").read_text())["text_config"]
+    layers = cfg["layer_types"].count("linear_attention")
+    conv_dim = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"] + \
+        cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    per_request = layers * (conv_dim * cfg["linear_conv_kernel_dim"] * 4 + cfg["linear_num_value_heads"] *
+                            cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"] * 4)  # CPU: float32 model
+    urls = launch_metrics_urls(log_path)
+
+    def value(role: str, name: str) -> float:
+        text = httpx.get(urls[role], timeout=5).text
+        return float(re.search(rf"^epdserve:{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
+
+    handoffs = value("decode", "kv_transfer_latency_seconds_count")
+    assert handoffs > 0
+    assert value("decode", "state_transfer_bytes_total") == handoffs * per_request
+    assert value("prefill", "state_transfer_bytes_total") == handoffs * per_request
 
 
 # ---------------------------------------------------------------------------------------------- killed decode
