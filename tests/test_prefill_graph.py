@@ -41,18 +41,27 @@ def _extend(runner: ModelRunner, ids, positions, pages, start: int, end: int, mm
     return logits, runner.read_kv(slots).float()
 
 
+def _rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).pow(2).mean().sqrt())
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_prefill_graph_replay_matches_eager(gpu_test_models):
-    """Prompts of 5 .. 1,500 tokens (sizes on and between the captured ones), some with image rows, some after a
-    cached prefix: the graph runner's logits and KV equal the eager runner's (bf16 tolerance; the graphs run the
-    same kernels), and the greedy token is the same."""
+    """Prompts of 5 .. 2,048 tokens (sizes on and between the captured ones), some with image rows, some after a
+    cached prefix, through a float32 eager runner (the reference), a bf16 eager one and a bf16 graph one. The graph
+    replays the same kernels on a padded row count, so cuBLAS may pick other GEMM tiles and round differently
+    (issue 32 saw 11 of 151,936 logits past atol 0.05 on the 3B preset): instead of an atol between the two bf16
+    runs, the graph's error against float32 must be no larger than eager's (RMS over all logits and over all KV
+    elements, 5 % slack for the draw of roundings), and its greedy token equal eager's unless the float32 margin
+    between the two tokens is within their errors (a near-tie)."""
     pytest.importorskip("flashinfer")
     for path in gpu_test_models:
-        kw = dict(device=torch.device("cuda"), dtype=torch.bfloat16, num_pages=1024, page_size=16)
-        eager = ModelRunner(path, **kw)
-        graphed = ModelRunner(path, prefill_graph_max_tokens=2048, **kw)
-        assert eager.prefill_graphs is None and graphed.prefill_graphs is not None
+        kw = dict(device=torch.device("cuda"), num_pages=1024, page_size=16)
+        ref = ModelRunner(path, dtype=torch.float32, attention_backend="sdpa", **kw)  # the plainest kernels
+        eager = ModelRunner(path, dtype=torch.bfloat16, **kw)
+        graphed = ModelRunner(path, dtype=torch.bfloat16, prefill_graph_max_tokens=2048, **kw)
+        assert eager.prefill_graphs is None and graphed.prefill_graphs is not None and ref.prefill_graphs is None
         hidden = eager.config.embed_width  # Qwen3-VL: the DeepStack levels as extra columns
         vocab = min(eager.config.vocab_size, 1000)
         gen = torch.Generator().manual_seed(0)
@@ -63,10 +72,10 @@ def test_prefill_graph_replay_matches_eager(gpu_test_models):
             positions = torch.arange(n).expand(3, -1).clone()
             mm_rows = set(range(n // 4, n // 2)) if images else set()
             outs = []
-            for runner in (eager, graphed):
+            for runner in (ref, eager, graphed):
                 pool = PagePool(runner.num_pages, runner.page_size)
                 pages = pool.alloc(pool.pages_for(n))
-                if cached:  # the prefix is computed eagerly on both: a batch of two is never replayed
+                if cached:  # the prefix is computed eagerly on all: a batch of two is never replayed
                     pages_other = pool.alloc(pool.pages_for(8))
                     runner.forward(ForwardBatch(
                         False, torch.cat([ids[:cached], ids[:8]]), torch.cat([positions[:, :cached],
@@ -76,10 +85,16 @@ def test_prefill_graph_replay_matches_eager(gpu_test_models):
                         [cached, 8], [cached, 8], [pages, pages_other],
                         mm_embeds=None, mm_mask=None))
                 outs.append(_extend(runner, ids, positions, pages, cached, n, mm_rows, hidden))
-            (want, want_kv), (got, got_kv) = outs
+            (ref_logits, ref_kv), (want, want_kv), (got, got_kv) = outs
             what = f"{path}: {n} tokens, {cached} cached, images={images}"
-            torch.testing.assert_close(got, want, atol=0.05, rtol=0.02, msg=lambda m: f"{what}: logits: {m}")
-            torch.testing.assert_close(got_kv, want_kv, atol=0.02, rtol=0.02, msg=lambda m: f"{what}: KV: {m}")
-            assert int(got.argmax()) == int(want.argmax()), what
-        del eager, graphed
+            for name, r, e, g in (("logits", ref_logits, want, got), ("KV", ref_kv, want_kv, got_kv)):
+                err_eager, err_graph = _rms(e, r), _rms(g, r)
+                assert err_graph <= 1.05 * err_eager + 1e-6, \
+                    f"{what}: {name}: graph RMS error {err_graph:.3g} > eager's {err_eager:.3g} (vs float32)"
+            a, b = int(got.argmax()), int(want.argmax())
+            if a != b:
+                margin = abs(float(ref_logits[0, a] - ref_logits[0, b]))
+                bound = float((got - ref_logits).abs().max() + (want - ref_logits).abs().max())
+                assert margin <= bound, f"{what}: greedy {a} vs eager {b} at float32 margin {margin:.3g} > {bound:.3g}"
+        del ref, eager, graphed
         torch.cuda.empty_cache()
