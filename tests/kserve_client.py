@@ -7,7 +7,7 @@ Usage:
     python kserve_client.py jobs GRPC_ADDR HTTP_ADDR MODEL < jobs.json   (prints one JSON result per job, a list)
     python kserve_client.py watch GRPC_ADDR HTTP_ADDR MODEL SECONDS      (prints a JSON line at every readiness change)
 
-A job: ``{"proto": "grpc"|"http", "op": "infer"|"stream"|"ready"|"metadata", "inputs": [tensor, ...],
+A job: ``{"proto": "grpc"|"http", "op": "infer"|"stream"|"cancel"|"ready"|"metadata", "inputs": [tensor, ...],
 "outputs": [name, ...] (optional), "id": str (optional)}``; a stream job has ``"requests": [{"inputs", "id"}]``
 instead (all sent on one stream). A tensor: ``{"name", "datatype", "shape", "data"}``, BYTES data as strings or
 ``{"path": file}`` for a file's bytes.
@@ -91,6 +91,16 @@ def _stream(client: grpcclient.InferenceServerClient, model: str, job: dict) -> 
     return {"ok": True, "events": got}
 
 
+def _cancel(client: grpcclient.InferenceServerClient, model: str, job: dict) -> dict:
+    """Start a stream, wait for its first response, then cancel the request by closing the stream."""
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put(error))
+    client.async_stream_infer(model, _inputs(grpcclient, job["inputs"]), request_id=job.get("id", ""))
+    error = events.get(timeout=120)
+    client.stop_stream(cancel_requests=True)
+    return {"ok": error is None, "error": None if error is None else error.message()}
+
+
 def _run(job: dict, clients: dict, model: str) -> dict:
     client = clients[job["proto"]]
     mod = grpcclient if job["proto"] == "grpc" else httpclient
@@ -99,6 +109,8 @@ def _run(job: dict, clients: dict, model: str) -> dict:
             return _infer(client, mod, model, job)
         if job["op"] == "stream":
             return _stream(client, model, job)
+        if job["op"] == "cancel":
+            return _cancel(client, model, job)
         if job["op"] == "ready":
             return {"ok": True, "live": client.is_server_live(), "server": client.is_server_ready(),
                     "model": client.is_model_ready(model)}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import serve_gateway, wait_for
+from cluster import at_baseline, details, serve_gateway, wait_for
 from conftest import hf_reference_model
 from test_e2e import NEW_TOKENS, _hf_reference, _resolve
 
@@ -229,6 +229,20 @@ def test_http_routes_health_metadata_and_errors(triton_python, v2):
     assert metadata["server"]["name"] == "epdserve" and metadata["model"]["name"] == MODEL
 
 
+def test_a_cancelled_stream_frees_everything(triton_python, v2):
+    base, _, app = v2
+    gw = app.state.server
+    long = _inputs("Tell me everything.", stream=True, max_tokens=2000)
+    cancelled, unary_stream = _client(triton_python, v2, [
+        {"proto": "grpc", "op": "cancel", "inputs": long, "id": "v2-cancelled"},
+        # stream=true is for ModelStreamInfer: ModelInfer refuses it.
+        {"proto": "grpc", "op": "infer", "inputs": _inputs("Hi", stream=True)}])
+    assert cancelled["ok"], cancelled
+    assert unary_stream["status"] == "StatusCode.INVALID_ARGUMENT" and "ModelStreamInfer" in unary_stream["error"]
+    assert wait_for(lambda: not at_baseline(details(base)) and len(gw.requests) == 0, 15), at_baseline(details(base))
+    assert gw.metrics.value("epdserve:errors_total", kind="client_disconnected") >= 1
+
+
 def _watch(python: str, v2, seconds: float) -> subprocess.Popen:
     base, grpc_addr, _ = v2
     return subprocess.Popen([python, str(CLIENT), "watch", grpc_addr, base.removeprefix("http://"), MODEL,
@@ -277,3 +291,42 @@ def test_launch_passes_the_grpc_port_to_the_gateway(tiny_model_path):
     gateway = commands["gateway"]
     assert gateway[gateway.index("--kserve-grpc-port") + 1] == "8765"
 
+
+
+def test_a_starting_gateway_is_live_not_ready_and_guards_its_key(tiny_model_path):
+    """No stage answers this gateway: v2 says live, not ready, and refuses inference with UNAVAILABLE / 503; with
+    --api-key every route but health needs the key (epdserve's own stubs of the protocol, in this process)."""
+    import grpc
+
+    from epdserve.config import GatewayConfig
+    from epdserve.proto import grpc_predict_v2_pb2 as pb
+    from epdserve.proto import grpc_predict_v2_pb2_grpc as pb_grpc
+
+    grpc_port, nowhere = free_port(), free_port()
+    config = GatewayConfig(model_path=tiny_model_path, served_model_name=MODEL, kserve_grpc_port=grpc_port,
+                           api_key="sesame", encoder_addr=f"127.0.0.1:{nowhere}",
+                           prefill_addr=f"tcp://127.0.0.1:{nowhere}", decode_addr=f"tcp://127.0.0.1:{nowhere}")
+    key = [("authorization", "Bearer sesame")]
+    request = pb.ModelInferRequest(model_name=MODEL, inputs=[pb.ModelInferRequest.InferInputTensor(
+        name="text_input", datatype="BYTES", shape=[1], contents=pb.InferTensorContents(bytes_contents=[b"hi"]))])
+    with serve_gateway(config, wait_healthy=False) as (base, _), grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        stub = pb_grpc.GRPCInferenceServiceStub(ch)
+        assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live
+        assert not stub.ServerReady(pb.ServerReadyRequest(), timeout=10).ready
+        assert not stub.ModelReady(pb.ModelReadyRequest(name=MODEL), timeout=10).ready
+        assert httpx.get(f"{base}/v2/health/live").status_code == 200
+        assert httpx.get(f"{base}/v2/health/ready").status_code == 503
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(request, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(request, metadata=key, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+        assert stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL), metadata=key, timeout=10).name == MODEL
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelMetadata(pb.ModelMetadataRequest(name="other"), metadata=key, timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert httpx.post(f"{base}/v2/models/{MODEL}/generate", json={"text_input": "hi"}).status_code == 401
+        r = httpx.post(f"{base}/v2/models/{MODEL}/generate", json={"text_input": "hi"},
+                       headers={"Authorization": "Bearer sesame"})
+        assert r.status_code == 503 and "error" in r.json(), r.text
