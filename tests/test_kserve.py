@@ -12,6 +12,7 @@ OpenAI route's and transformers' ``generate()`` (test_e2e.py's cases and referen
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -154,9 +155,27 @@ def test_greedy_text_equals_openai_and_transformers(triton_python, v2, hf, photo
     assert len(deltas) > 1 and "".join(d["text_output"] for d in deltas) == ref_text, stream.text
 
 
-def _b64(path: Path) -> str:
-    import base64
+def test_video_equals_transformers(triton_python, v2, hf, tiny_model_path, tmp_path):
+    """A ``video`` tensor (an MP4's bytes over gRPC, base64 in ``generate``'s JSON) is the OpenAI route's
+    ``video_url`` part: the same greedy text as transformers (test_video_e2e.py's clip and reference)."""
+    from test_video import make_clip
+    from test_video_e2e import CLIP, video_messages, video_reference
 
+    clip = make_clip(**CLIP)
+    messages = video_messages("video", clip)
+    _, _, ref_text = video_reference(tiny_model_path, hf, messages, clip, None)
+    question = messages[0]["content"][-1]["text"]
+    (tmp_path / "clip.mp4").write_bytes(clip)
+    tensors = _inputs(question) + [_bytes("video", {"path": str(tmp_path / "clip.mp4")})]
+    (whole,) = _client(triton_python, v2, [{"proto": "grpc", "op": "infer", "inputs": tensors}])
+    assert whole["ok"] and whole["outputs"]["text_output"] == [ref_text], whole
+    body = {"text_input": question, "video": base64.b64encode(clip).decode(), "exclude_input_in_output": True,
+            "sampling_parameters": {"temperature": 0, "max_tokens": NEW_TOKENS, "ignore_eos": True}}
+    r = httpx.post(f"{v2[0]}/v2/models/{MODEL}/generate", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["text_output"] == ref_text, r.text
+
+
+def _b64(path: Path) -> str:
     return base64.b64encode(path.read_bytes()).decode()
 
 

@@ -180,9 +180,10 @@ def parse_v2(model: str, rid: str, tensors: list[Tensor], parameters: dict[str, 
     sampling = {k: v for k, v in parameters.items() if k in SAMPLING}
     if "sampling_parameters" in by_name:
         sampling |= _sampling_json(by_name["sampling_parameters"])
+    for name in ("apply_chat_template", "stream"):
+        if not isinstance(parameters.get(name, False), bool):
+            raise APIError(400, f"the parameter {name!r} must be a boolean", param=name)
     template = parameters.get("apply_chat_template", True)
-    if not isinstance(template, bool):
-        raise APIError(400, "the parameter 'apply_chat_template' must be a boolean", param="apply_chat_template")
     names = [n for n in OUTPUTS if n == "text_output" or flags.get(f"return_{n}")] if outputs is None else outputs
     for name in names:
         if name not in OUTPUTS:

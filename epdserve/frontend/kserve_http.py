@@ -111,7 +111,7 @@ def parse_infer(body: bytes, header_length: str | None, model: str, rid: str) ->
         else:
             values, at = raw_values(t.datatype, binary[at:at + size]), at + size
         tensors.append(Tensor(t.name, t.datatype, t.shape, values))
-    outputs = None if doc.outputs is None else [o.name for o in doc.outputs]
+    outputs = [o.name for o in doc.outputs or []] or None
     return parse_v2(model, doc.id or rid, tensors, doc.parameters or {}, outputs), doc
 
 
