@@ -302,14 +302,25 @@ def test_server_ready_follows_decode(triton_python, v2, stage_procs):
     assert after["ok"], after
 
 
-def test_launch_passes_the_grpc_port_to_the_gateway(tiny_model_path):
-    from epdserve.config import LaunchConfig
+def test_launch_passes_the_grpc_port_to_the_gateway():
+    """``epdserve launch --kserve-grpc-port`` reaches the gateway's own config through its command line (off by
+    default)."""
+    import argparse
+
+    from epdserve.config import GatewayConfig, LaunchConfig, add_config_args, config_from_args
     from epdserve.entry.launch import _commands
 
-    commands, _, _ = _commands(LaunchConfig(kserve_grpc_port=8765), tiny_model_path)
-    gateway = commands["gateway"]
-    assert gateway[gateway.index("--kserve-grpc-port") + 1] == "8765"
+    def gateway_config(launch_flags: list[str]) -> GatewayConfig:
+        parser = argparse.ArgumentParser()
+        add_config_args(parser, LaunchConfig)
+        commands, _, _ = _commands(config_from_args(LaunchConfig, parser.parse_args(launch_flags)), "/models/m")
+        cmd = commands["gateway"]
+        gw_parser = argparse.ArgumentParser()
+        add_config_args(gw_parser, GatewayConfig)
+        return config_from_args(GatewayConfig, gw_parser.parse_args(cmd[cmd.index("gateway") + 1:]))
 
+    assert gateway_config([]).kserve_grpc_port == GatewayConfig().kserve_grpc_port == 0
+    assert gateway_config(["--kserve-grpc-port", "8765"]).kserve_grpc_port == 8765
 
 
 def test_a_starting_gateway_is_live_not_ready_and_guards_its_key(tiny_model_path):
@@ -345,7 +356,8 @@ def test_a_starting_gateway_is_live_not_ready_and_guards_its_key(tiny_model_path
         with pytest.raises(grpc.RpcError) as e:
             stub.ModelMetadata(pb.ModelMetadataRequest(name="other"), metadata=key, timeout=10)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
-        assert httpx.post(f"{base}/v2/models/{MODEL}/generate", json={"text_input": "hi"}).status_code == 401
+        r = httpx.post(f"{base}/v2/models/{MODEL}/generate", json={"text_input": "hi"})
+        assert r.status_code == 401 and "API key" in r.json()["error"], r.text
         r = httpx.post(f"{base}/v2/models/{MODEL}/generate", json={"text_input": "hi"},
                        headers={"Authorization": "Bearer sesame"})
-        assert r.status_code == 503 and "error" in r.json(), r.text
+        assert r.status_code == 503 and "starting" in r.json()["error"], r.text

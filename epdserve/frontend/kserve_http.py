@@ -7,7 +7,8 @@ reason), ``GET /v2/models/{name}`` (model metadata), ``GET /v2/models/{name}/rea
 inputs in, ``{"model_name", "model_version", "text_output", ...}`` out) and ``/generate_stream`` (one SSE event
 per text delta). Each model route also answers under ``/v2/models/{name}/versions/1/...``. ``infer`` speaks
 Triton's binary tensor data extension (``Inference-Header-Content-Length``), which ``tritonclient.http`` uses by
-default. Errors are ``{"error": "message"}`` (the protocol's shape) with 400 for bad input, 404 for another model.
+default. Errors are ``{"error": "message"}`` (the protocol's shape, written by the app's error handler for every
+``/v2`` route) with 400 for bad input, 404 for another model, 401 without the API key.
 The health routes are open (probes); the others are behind the server's API key.
 """
 
@@ -218,10 +219,7 @@ def v2_router(path: RequestPath, not_ready: Callable[[], str | None], authorize:
                 where = "generate_stream or gRPC ModelStreamInfer" if v2.stream else "generate"
                 raise APIError(400, f"stream={str(v2.stream).lower()} is served by {where}", param="stream")
             return req
-        try:
-            return await path.serve(request, None, make_call, parse=parsed)
-        except APIError as e:
-            return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
+        return await path.serve(request, None, make_call, parse=parsed)
 
     @router.get("/v2/health/live")
     async def live() -> Response:
@@ -238,10 +236,7 @@ def v2_router(path: RequestPath, not_ready: Callable[[], str | None], authorize:
 
     @router.get("/v2/models/{name:path}/ready")
     async def model_ready(name: str) -> Response:
-        try:
-            model(name)
-        except APIError as e:
-            return JSONResponse({"error": e.message}, status_code=e.status)
+        model(name)
         return await ready()
 
     @router.post("/v2/models/{name:path}/infer", dependencies=auth)
@@ -266,9 +261,6 @@ def v2_router(path: RequestPath, not_ready: Callable[[], str | None], authorize:
 
     @router.get("/v2/models/{name:path}", dependencies=auth)
     async def model_metadata_route(name: str) -> Response:
-        try:
-            return JSONResponse(model_metadata(model(name)))
-        except APIError as e:
-            return JSONResponse({"error": e.message}, status_code=e.status)
+        return JSONResponse(model_metadata(model(name)))
 
     return router
