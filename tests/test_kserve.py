@@ -205,7 +205,8 @@ def test_bad_inputs_get_invalid_argument_and_the_server_keeps_serving(triton_pyt
     jobs += [{"proto": "grpc", "op": "infer", "inputs": good}, {"proto": "http", "op": "infer", "inputs": good},
              # On a stream a bad request is an error response; the stream and the next request go on.
              {"proto": "grpc", "op": "stream", "requests": [{"inputs": BAD["bad_sampling_json"][0]},
-                                                            {"inputs": _inputs("Hello", stream=True)}]}]
+                                                            {"inputs": _inputs("Hello", stream=True,
+                                                                               exclude=False)}]}]
     results = _client(triton_python, v2, jobs)
     for (proto, (name, (_, words))), got in zip([(p, b) for p in ("grpc", "http") for b in BAD.items()], results):
         assert not got["ok"], (proto, name, got)
@@ -219,6 +220,9 @@ def test_bad_inputs_get_invalid_argument_and_the_server_keeps_serving(triton_pyt
     assert len(errors) == 1 and "sampling_parameters" in errors[0], events
     answers = [e for e in events if "error" not in e]
     assert answers[-1]["final"] and "".join(e["outputs"]["text_output"][0] for e in answers), events
+    # exclude_input_in_output false: the prompt leads the first response only.
+    texts = [e["outputs"]["text_output"][0] for e in answers]
+    assert texts[0].startswith("Hello") and not any(t.startswith("Hello") for t in texts[1:]), texts
     assert metrics.value("epdserve:errors_total", kind="http_400") - before == 2 * len(BAD) + 1
 
 
