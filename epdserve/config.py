@@ -151,6 +151,9 @@ class GatewayConfig:
     max_inflight_requests: int = _f(1024, "chat requests in flight at once; more wait in the queue (0 = no limit)")
     max_queued_requests: int = _f(1024, "requests waiting for a slot; beyond this 429 with Retry-After")
     queue_timeout_s: float = _f(30.0, "longest wait for a slot in seconds, then 503 with Retry-After")
+    kserve_grpc_port: int = _f(0, "port of the Open Inference Protocol v2 gRPC service (inference."
+                                  "GRPCInferenceService, KServe's and Triton's; bound on --host); 0 = off. The v2 "
+                                  "HTTP routes (/v2/...) are always on --port")
 
 
 @dataclass
@@ -166,6 +169,7 @@ class LaunchConfig:
     page_size: int = _like(LMServerConfig, "page_size")
     num_pages: int = _like(LMServerConfig, "num_pages", "KV pages per pool (prefill and decode each); 0 = automatic")
     api_key: str = _like(GatewayConfig, "api_key")
+    kserve_grpc_port: int = _like(GatewayConfig, "kserve_grpc_port")
     max_video_bytes: int = _like(GatewayConfig, "max_video_bytes")
     # One pair of video limits for the gateway (400 before encoding) and every encoder (its own check).
     max_video_frames: int = _like(GatewayConfig, "max_video_frames")

@@ -1,7 +1,9 @@
 """The gateway: the OpenAI-compatible HTTP server in front of one encoder pool, one prefill and one decode server.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
-(:mod:`epdserve.frontend.openai`), ``POST /generate`` (:mod:`epdserve.frontend.native`), ``GET /health``
+(:mod:`epdserve.frontend.openai`), ``POST /generate`` (:mod:`epdserve.frontend.native`), the Open Inference Protocol
+v2 under ``/v2`` (:mod:`epdserve.frontend.kserve_http`; over gRPC on ``--kserve-grpc-port``:
+:mod:`epdserve.gateway.kserve_grpc`), ``GET /health``
 (readiness: 200 once the processor is loaded, prefill and decode have answered and are up, and at least one encoder
 serves, else 503 with the reason; ``?details=1`` adds a JSON body with every stage's liveness and load, ``&fresh=1``
 asks prefill and decode for their load now), ``GET /health/live`` (liveness: 200 while the process answers at all),
@@ -20,18 +22,21 @@ import time
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from epdserve.config import GatewayConfig
 from epdserve.frontend.app import create_app as create_server_app
+from epdserve.frontend.chat import PreparedChat
 from epdserve.frontend.errors import APIError, StageError
 from epdserve.frontend.httputil import server_config, until_disconnect
+from epdserve.frontend.kserve_http import v2_router
 from epdserve.frontend.lifetime import RequestLifetime
 from epdserve.frontend.native import native_router
 from epdserve.frontend.observability import RequestIdHeader, metrics_router
 from epdserve.frontend.openai import openai_router
 from epdserve.frontend.serving import Call, RequestPath
-from epdserve.gateway.routes import gateway_router
+from epdserve.gateway.kserve_grpc import KServeGrpcServer
+from epdserve.gateway.routes import gateway_router, not_ready
 from epdserve.gateway.server import Gateway
 from epdserve.gateway.stages import GatewayStages
 from epdserve.logging_setup import set_request_context
@@ -53,8 +58,18 @@ class GatewayPath(RequestPath):
         Raises:
             APIError: 400 when that id is in flight already.
         """
+        lifetime = self.take(request.headers.get("x-request-id"))
+        request.state.rid = lifetime.rid
+        return lifetime
+
+    def take(self, rid: str | None) -> RequestLifetime:
+        """``rid`` (or a new id) registered as in flight; its lifetime.
+
+        Raises:
+            APIError: 400 when that id is in flight already.
+        """
         gw = self.server
-        rid = request.state.rid = gw.requests.open(request.headers.get("x-request-id"))
+        rid = gw.requests.open(rid)
         set_request_context(rid)  # this task serves one request: its log lines all name it
         return RequestLifetime(rid, gw.stages, gw.requests)
 
@@ -66,6 +81,20 @@ class GatewayPath(RequestPath):
                 own failure.
             ClientGone: the client left before the answer began.
         """
+        call, prepared = await self.start(lifetime, make_call, request)
+        if call.stream:
+            return lifetime.stream(call.events(prepared))
+        return call.response(await until_disconnect(request, call.complete(prepared)))
+
+    async def start(self, lifetime: RequestLifetime, make_call: Callable[[], Call],
+                    request: Request | None = None) -> tuple[Call, PreparedChat]:
+        """Check readiness and the stages, wait for admission, prepare under the deadline.
+
+        Raises:
+            APIError: 503 while starting or with a stage down, 429/503 from admission control, or the request's
+                own failure.
+            ClientGone: the HTTP client left before the request was prepared.
+        """
         gw = self.server
         if not gw.ready:
             raise APIError(503, "the server is starting: the stages are not ready yet")
@@ -76,10 +105,9 @@ class GatewayPath(RequestPath):
         timeout = gw.config.request_timeout_s
         deadline = time.monotonic() + timeout if timeout > 0 else None
         lifetime.staging()
-        prepared = lifetime.prepared = await until_disconnect(request, call.prepare(deadline))
-        if call.stream:
-            return lifetime.stream(call.events(prepared))
-        return JSONResponse(await until_disconnect(request, call.complete(prepared)))
+        work = call.prepare(deadline)
+        prepared = lifetime.prepared = await (work if request is None else until_disconnect(request, work))
+        return call, prepared
 
     def failed(self, kind: str, outcome: str = "error") -> None:
         """Count the failure in the gateway's metrics."""
@@ -113,8 +141,11 @@ def create_app(config: GatewayConfig, stages: GatewayStages | None = None, *,
                            code="invalid_api_key")
 
     path = GatewayPath(gw, logger)
+    if config.kserve_grpc_port:
+        gw.services.append(KServeGrpcServer(path, lambda: not_ready(gw), config.host, config.kserve_grpc_port,
+                                            config.api_key))
     routers = [gateway_router(gw, authorize), metrics_router(gw.metrics), openai_router(path, authorize),
-               native_router(path, authorize)]
+               native_router(path, authorize), v2_router(path, lambda: not_ready(gw), authorize)]
     return create_server_app(gw, routers, title="epdserve gateway", middleware=[RequestIdHeader])
 
 

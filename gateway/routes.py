@@ -1,5 +1,6 @@
 """The gateway's own routes: ``GET /health`` (readiness, ``?details=1`` every stage's liveness and load),
-``GET /get_model_info`` and ``GET /get_server_info``."""
+``GET /get_model_info`` and ``GET /get_server_info``; :func:`not_ready`, the one readiness rule of every
+protocol."""
 
 from __future__ import annotations
 
@@ -25,11 +26,9 @@ def gateway_router(gw: Gateway, authorize: Callable) -> APIRouter:
 
     @router.get("/health")
     async def health(details: bool = False, fresh: bool = False) -> Response:
-        why = gw.stages.not_ready() if gw.chat is not None else None
-        if gw.ready and why is None and not details:
+        why = not_ready(gw)
+        if why is None and not details:
             return Response(status_code=200)
-        if not gw.ready:
-            why = f"not ready: {gw.startup_error}" if gw.startup_error else "not ready: waiting for the stages"
         status = 200 if why is None else 503
         if not details:
             return JSONResponse(APIError(503, why).body().model_dump(), status_code=503)
@@ -50,6 +49,14 @@ def gateway_router(gw: Gateway, authorize: Callable) -> APIRouter:
         return JSONResponse(await server_info(gw))
 
     return router
+
+
+def not_ready(gw: Gateway) -> str | None:
+    """Why ``gw`` cannot serve every kind of request it takes now (still starting, prefill or decode down, no
+    encoder serving), or None: what ``/health``, ``/v2/health/ready`` and the v2 gRPC ``ServerReady`` answer."""
+    if not gw.ready:
+        return f"not ready: {gw.startup_error}" if gw.startup_error else "not ready: waiting for the stages"
+    return gw.stages.not_ready()
 
 
 def model_info(gw: Gateway) -> dict[str, Any]:

@@ -41,6 +41,9 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.requests = RequestIds(self.metrics)
         self.admission = Admission(config.max_inflight_requests, config.max_queued_requests, config.queue_timeout_s)
+        # More listeners of this gateway (the KServe v2 gRPC service), each with ``start()`` and ``stop()``: started
+        # first, so they answer liveness while the stages load.
+        self.services: list = []
 
     @property
     def ready(self) -> bool:
@@ -54,6 +57,8 @@ class Gateway:
     async def start(self) -> None:
         """Load the processor and handshake with the stages; failures are logged and kept in ``startup_error``."""
         try:
+            for service in self.services:
+                await service.start()
             builder = await asyncio.to_thread(PromptBuilder.from_pretrained, self.model_path)
             await self.stages.start(self.startup_timeout_s)
             for info in (self.stages.prefill_info, self.stages.decode_info):
@@ -73,7 +78,9 @@ class Gateway:
             logger.error("gateway startup failed: %s", e)
 
     async def close(self) -> None:
-        """Stop the tokenizer thread, close the stages and the image-fetching client."""
+        """Stop the other listeners and the tokenizer thread, close the stages and the image-fetching client."""
+        for service in self.services:
+            await service.stop()
         if self.chat is not None:
             self.chat.close()
         await self.stages.close()

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Regenerate encoder_pb2.py, encoder_pb2_grpc.py and encoder_pb2.pyi from encoder.proto.
+# Regenerate NAME_pb2.py, NAME_pb2_grpc.py and NAME_pb2.pyi from each NAME.proto here: encoder.proto (epdserve's
+# encoder service) and grpc_predict_v2.proto (the Open Inference Protocol v2 of KServe and Triton; its source and
+# licence are in its header).
 #
 # protoc names generated imports after the .proto's path under its include root, so the .proto is copied into a
 # temporary tree epdserve/proto/ first: the generated gRPC module then reads `from epdserve.proto import encoder_pb2`,
@@ -16,9 +18,11 @@ fi
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$tmp/src/epdserve/proto" "$tmp/out"
-cp "$here/encoder.proto" "$tmp/src/epdserve/proto/"
-"$py" -m grpc_tools.protoc -I "$tmp/src" --python_out="$tmp/out" --pyi_out="$tmp/out" --grpc_python_out="$tmp/out" \
-  "$tmp/src/epdserve/proto/encoder.proto"
-cp "$tmp/out/epdserve/proto/encoder_pb2.py" "$tmp/out/epdserve/proto/encoder_pb2.pyi" \
-  "$tmp/out/epdserve/proto/encoder_pb2_grpc.py" "$here/"
-echo "generated $here/encoder_pb2{.py,.pyi,_grpc.py}"
+for name in encoder grpc_predict_v2; do
+  cp "$here/$name.proto" "$tmp/src/epdserve/proto/"
+  "$py" -m grpc_tools.protoc -I "$tmp/src" --python_out="$tmp/out" --pyi_out="$tmp/out" --grpc_python_out="$tmp/out" \
+    "$tmp/src/epdserve/proto/$name.proto"
+  cp "$tmp/out/epdserve/proto/${name}_pb2.py" "$tmp/out/epdserve/proto/${name}_pb2.pyi" \
+    "$tmp/out/epdserve/proto/${name}_pb2_grpc.py" "$here/"
+  echo "generated $here/${name}_pb2{.py,.pyi,_grpc.py}"
+done

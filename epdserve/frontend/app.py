@@ -1,7 +1,8 @@
 """The one FastAPI app factory of every epdserve HTTP server (the gateway, the prefill and decode fronts).
 
 The app starts its server in the background from its lifespan (so ``/health`` answers 503 while the server
-loads), answers every error as OpenAI error JSON (schema errors and malformed JSON are 400, not FastAPI's 422),
+loads), answers every error as OpenAI error JSON (schema errors and malformed JSON are 400, not FastAPI's 422;
+under ``/v2`` the Open Inference Protocol's ``{"error": "message"}``),
 serves ``GET /health/live`` (200 while the process answers at all) and whatever routers it is given.
 """
 
@@ -48,7 +49,10 @@ def create_app(server: Server, routers: Sequence[APIRouter], *, title: str, erro
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body().model_dump(), status_code=e.status, headers=e.headers if error_headers else None)
+        path = request.url.path
+        # The Open Inference Protocol's error shape on its routes (epdserve.frontend.kserve_http), OpenAI's elsewhere.
+        body = {"error": e.message} if path == "/v2" or path.startswith("/v2/") else e.body().model_dump()
+        return JSONResponse(body, status_code=e.status, headers=e.headers if error_headers else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -44,15 +44,19 @@ class RequestLifetime:
         self.streaming = False  # the answer is a stream, which closes this lifetime when it is over
         self.closed = False
 
-    async def admit(self, request: Request, admission: Admission) -> None:
-        """Wait for a slot of ``admission`` (given back by :meth:`close`).
+    async def admit(self, request: Request | None, admission: Admission) -> None:
+        """Wait for a slot of ``admission`` (given back by :meth:`close`). ``request``: the HTTP request whose
+        client may leave meanwhile, or None where the transport cancels the waiting task itself (gRPC).
 
         Raises:
             APIError: 429 or 503 with ``Retry-After`` when admission control refuses the request.
             ClientGone: the client left while the request waited.
         """
         try:
-            await until_disconnect(request, admission.acquire())
+            if request is None:
+                await admission.acquire()
+            else:
+                await until_disconnect(request, admission.acquire())
         except Overloaded as e:
             raise APIError(e.status, e.message, headers={"Retry-After": str(e.retry_after_s)}) from None
         self._admission = admission

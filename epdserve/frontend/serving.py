@@ -1,9 +1,10 @@
 """The request path every protocol router calls: open a request, parse it, admit and prepare it, answer it.
 
-A protocol module (``epdserve.frontend.openai``, ``epdserve.frontend.native``; later e.g. KServe v2 over HTTP) only
-turns its wire format into a :class:`Call` and hands it to :meth:`RequestPath.serve`. A protocol on another
-transport (smg's gRPC) would drive the same pieces below HTTP: a :class:`Call`, a
-:class:`~epdserve.frontend.lifetime.RequestLifetime` and the server's :class:`~epdserve.frontend.chat.ChatService`.
+A protocol module (``epdserve.frontend.openai``, ``epdserve.frontend.native``, ``epdserve.frontend.kserve_http``)
+only turns its wire format into a :class:`Call` and hands it to :meth:`RequestPath.serve`. A protocol on another
+transport (the KServe v2 gRPC service, ``epdserve.gateway.kserve_grpc``) drives the same pieces below HTTP:
+:meth:`RequestPath.take` and :meth:`RequestPath.start` give it a :class:`~epdserve.frontend.lifetime.RequestLifetime`
+and a prepared request for the server's :class:`~epdserve.frontend.chat.ChatService`.
 A :class:`RequestPath` subclass says how this kind of server takes requests: the gateway's (``gateway/app.py``:
 request ids, admission control, deadlines, metrics) or a PD front's (``epdserve.frontend.pd``: the router's
 bootstrap fields).
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from epdserve.frontend.chat import ChatService, PreparedChat
@@ -36,13 +37,15 @@ class Call:
         events: the SSE events of a streamed answer.
         complete: the JSON body of a whole answer.
         as_event: a whole answer's body as the data of one SSE event (a prefill leg's streamed answer).
+        response: the HTTP response of a whole answer's body (JSON by default; KServe v2 may answer binary).
     """
 
     prepare: Callable[[float | None], Awaitable[PreparedChat]]
     stream: bool
     events: Callable[[PreparedChat], AsyncIterator[str]]
-    complete: Callable[[PreparedChat], Awaitable[dict]]
+    complete: Callable[[PreparedChat], Awaitable[Any]]
     as_event: Callable[[dict], str]
+    response: Callable[[Any], Response] = JSONResponse
 
 
 # (request id, the parsed body) -> its Call
@@ -86,8 +89,10 @@ class RequestPath:
         self.server = server
         self.logger = logger
 
-    async def serve(self, request: Request, schema: type[BaseModel], make_call: CallFactory) -> Response:
-        """Serve one request whose body is a ``schema``; always ends its lifetime.
+    async def serve(self, request: Request, schema: type[BaseModel] | None, make_call: CallFactory, *,
+                    parse: Callable[[bytes], Any] | None = None) -> Response:
+        """Serve one request whose body is a ``schema`` (or whatever ``parse(body)`` makes of it: a body that is
+        not one JSON document); always ends its lifetime.
 
         Raises:
             APIError: the answer to a refused or failed request (FastAPI's handler writes it); an unexpected
@@ -96,8 +101,11 @@ class RequestPath:
         lifetime = await self.open(request)
         rid = lifetime.rid
         try:
-            model = self.server.model_name if "model" in schema.model_fields else None
-            req = parse_request(await request.body(), schema, model)
+            if parse is not None:
+                req = parse(await request.body())
+            else:
+                model = self.server.model_name if "model" in schema.model_fields else None
+                req = parse_request(await request.body(), schema, model)
             # Built once the server is ready: until then it has no chat service.
             return await self.answer(request, lifetime, lambda: make_call(rid, req))
         except APIError as e:
@@ -131,6 +139,25 @@ class RequestPath:
         Raises:
             APIError: refused or failed.
             ClientGone: the client left before the answer began.
+        """
+        raise NotImplementedError
+
+    def take(self, rid: str | None) -> RequestLifetime:
+        """Take a request that did not come as an HTTP request (gRPC): register ``rid`` (None or empty: a new id).
+
+        Raises:
+            APIError: the request is refused before it has anything to clean up (its id is in flight).
+        """
+        raise NotImplementedError
+
+    async def start(self, lifetime: RequestLifetime, make_call: Callable[[], Call],
+                    request: Request | None = None) -> tuple[Call, PreparedChat]:
+        """Check readiness, admit and prepare ``make_call()`` (called once the server is ready); ``request``: the
+        HTTP request whose client may leave meanwhile, or None where the transport cancels the task itself.
+
+        Raises:
+            APIError: refused or failed.
+            ClientGone: the client left before the request was prepared.
         """
         raise NotImplementedError
 
