@@ -44,7 +44,9 @@ def build_grammar(spec: GrammarSpec) -> Any:
 
     JSON is compact (``any_whitespace=False``: ``", "`` and ``": "`` separators, no other whitespace), so a model
     cannot spend its whole budget on whitespace, and xgrammar's ``strict_mode`` forbids properties and items the
-    schema does not name, so every output validates against the schema.
+    schema does not name, so every output validates against the schema. ``structural_tag``: xgrammar's
+    structural-tag JSON (``{"type": "structural_tag", "format": ...}``), e.g. the tool calls of
+    :mod:`epdserve.frontend.tools`.
 
     Raises:
         GrammarError: xgrammar rejects it (its message, see :func:`library_message`), or an unknown kind.
@@ -61,6 +63,8 @@ def build_grammar(spec: GrammarSpec) -> Any:
             return xgr.Grammar.from_regex(spec.text)
         if spec.type == "ebnf":
             return xgr.Grammar.from_ebnf(spec.text)
+        if spec.type == "structural_tag":
+            return xgr.Grammar.from_structural_tag(spec.text)
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError for C++ parse errors
         raise GrammarError(library_message(e)) from None
     raise GrammarError(f"unknown grammar kind {spec.type!r}")
