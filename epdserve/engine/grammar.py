@@ -30,6 +30,13 @@ log = logging.getLogger(__name__)
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
+# xgrammar 0.2 writes the characters of a string with minLength/maxLength as [^"\\\r\n], which lets raw control
+# characters (U+0000-U+001F) through: JSON forbids them in strings (json.loads refuses the output). Such strings get
+# JSON's own class instead (no escapes either way: the bounded rule counts characters).
+_LOOSE_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'
+
+
 class GrammarError(ValueError):
     """xgrammar rejected a grammar (a schema it does not support, a regex or EBNF that does not parse)."""
 
@@ -55,7 +62,11 @@ def build_grammar(spec: GrammarSpec) -> Any:
 
     try:
         if spec.type == "json_schema":
-            return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False, strict_mode=True)
+            grammar = xgr.Grammar.from_json_schema(spec.text, any_whitespace=False, strict_mode=True)
+            ebnf = str(grammar)
+            if _LOOSE_STRING_CHARS in ebnf:
+                grammar = xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS))
+            return grammar
         if spec.type == "json_object":
             # Any JSON object (OpenAI's json_object mode): the schema of an object with any properties.
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
