@@ -107,7 +107,7 @@ class ChatService:
         """
         bias = self._logit_bias(req.logit_bias)  # before any image goes to an encoder
         grammar = await chat_grammar(req.response_format, req.structured_outputs)
-        tools = await tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, grammar is not None)
+        tools = await tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls is not False, grammar is not None)
         grammar = tools.grammar if tools is not None and tools.grammar is not None else grammar
         trace = self.metrics.trace()
         hf_messages, urls, video_urls = to_hf_messages(req.messages)

@@ -149,7 +149,7 @@ class ChatCompletionRequest(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     tools: list[Tool] | None = None  # see epdserve.frontend.tools
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
     mm_processor_kwargs: MMProcessorKwargs | None = None
 
     def unsupported(self) -> str | None:
