@@ -3,8 +3,8 @@
 A template that renders tools (Qwen3-VL's; Qwen2.5's text models') gets them as transformers' ``tools=`` argument
 and the history as in HF's tool-use docs: assistant messages with ``tool_calls`` whose ``arguments`` are dicts,
 ``role: "tool"`` messages. Qwen2-VL's and Qwen2.5-VL's released templates (``chat_template.json``) ignore all of
-that, though the models were trained on the hermes format; for them (:func:`renders_tools` says no) the same text
-the Qwen2.5 template writes goes into the messages themselves (:func:`hermes_messages`): the tools block at the end
+that, though the models were trained on the hermes format; for them (:func:`renders_tools` says no) the text a
+tools template writes goes into the messages themselves (:func:`hermes_messages`): the tools block at the end
 of the system message (the template's default system prompt when there is none), each call as a ``<tool_call>``
 block in its assistant message, and each run of tool results as one user message of ``<tool_response>`` blocks.
 vLLM passes the tools to such a template and the model never sees them; epdserve renders them, so ``auto``
@@ -62,7 +62,8 @@ def _as_parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def hermes_messages(hf_messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None) -> list[dict]:
     """``hf_messages`` with the tools (``functions``, None or empty: none), tool calls and tool results written
-    into plain system, assistant and user messages, as the Qwen2.5 template renders them."""
+    into plain system, assistant and user messages: the text Qwen3-VL's template renders for them (its tools block
+    is Qwen2.5's word for word), checked in tests/test_tool_calls.py."""
     out: list[dict[str, Any]] = []
     prev_tool = False  # the last message was a tool result: the next one joins its user message
     for msg in hf_messages:
