@@ -424,7 +424,7 @@ def test_logit_bias_matches_transformers_and_unsupported_fields_are_refused(serv
                                                                             photo_paths):
     # logit_bias bans the unbiased greedy first token and favours two others; transformers' generate() with the
     # same bias as a logits processor (every step, the first included) gives the same ids. A JSON schema xgrammar
-    # rejects and tools are refused with 400, not silently ignored.
+    # rejects and a tool_choice naming no tool are refused with 400, not silently ignored.
     from transformers import LogitsProcessor, LogitsProcessorList
 
     url, _ = server
@@ -448,7 +448,8 @@ def test_logit_bias_matches_transformers_and_unsupported_fields_are_refused(serv
     for extra, word in (({"logit_bias": {"99999999": 1}}, "vocabulary"), ({"logit_bias": {"5": 101}}, "logit_bias"),
                         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
                          "Unsupported type"),
-                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+                        ({"tools": [{"type": "function", "function": {"name": "f"}}],
+                          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not in tools")):
         r = httpx.post(f"{url}/v1/chat/completions", json={"model": tiny_model_path, "messages": msgs, **extra})
         assert r.status_code == 400 and word in r.text, (extra, r.text)
     ok = _chat(url, tiny_model_path, msgs, response_format={"type": "text"}, tools=[])

@@ -129,6 +129,9 @@ _part = st.one_of(
 _message = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "", "x"]),
                            "content": st.one_of(st.text(max_size=80), st.lists(_part, max_size=3), _json)}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "tool_calls": st.lists(st.fixed_dictionaries({
+        "id": st.text(max_size=6), "function": st.fixed_dictionaries({"name": st.text(max_size=8), "arguments": (
+            st.text(max_size=20) | st.just('{"a": 1}') | _json)})}) | _json, max_size=2)}),
     _json,
 )
 _bad_values = {
@@ -149,6 +152,14 @@ _bad_values = {
     "return_token_ids": _json,
     "logprobs": _json,
     "presence_penalty": _json,
+    # tool calling: tool lists whose schemas may be anything (xgrammar must refuse, never crash), choices naming
+    # tools that may not exist, and history messages carrying calls
+    "tools": st.one_of(st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]), "function": (
+        st.fixed_dictionaries({"name": st.text(max_size=8), "parameters": st.one_of(
+            _json, st.just({"type": "object", "properties": {"a": {"type": "integer"}}}))}) | _json)}),
+        max_size=2), _json),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "x"]), st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.text(max_size=8)})}), _json),
 }
 
 

@@ -32,6 +32,7 @@ from epdserve.frontend.protocol import (
 )
 from epdserve.frontend.stages import Stages
 from epdserve.frontend.structured import chat_grammar, generate_grammar
+from epdserve.frontend.tools import ToolPlan, ToolStream, finish_reason, tool_message, tool_plan
 from epdserve.wire.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenLogprob, TokenOutput
 from epdserve.metrics import GatewayMetrics, RequestTrace
 from epdserve.video import VideoLimits
@@ -51,6 +52,7 @@ class PreparedChat:
     deadline: float | None = None  # time.monotonic() value after which the request ends with 504
     # (first output, the rest) of a request whose outputs began before its answer did (ChatService.prime)
     head: tuple[TokenOutput, AsyncIterator[TokenOutput]] | None = None
+    tools: ToolPlan | None = None  # the request's tools (epdserve.frontend.tools); None: none
 
 
 class ChatService:
@@ -105,6 +107,8 @@ class ChatService:
         """
         bias = self._logit_bias(req.logit_bias)  # before any image goes to an encoder
         grammar = await chat_grammar(req.response_format, req.structured_outputs)
+        tools = await tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls is not False, grammar is not None)
+        grammar = tools.grammar if tools is not None and tools.grammar is not None else grammar
         trace = self.metrics.trace()
         hf_messages, urls, video_urls = to_hf_messages(req.messages)
         logger.debug("rid=%s received (%d images, %d videos)", rid, len(urls), len(video_urls))
@@ -113,7 +117,8 @@ class ChatService:
         images, videos = media.images, media.videos
         # The chat template and the text's tokens do not depend on the images: they run while the encoder works.
         pieces = asyncio.get_running_loop().run_in_executor(self._executor, self.builder.tokenize_template,
-                                                            hf_messages, [v.placeholder for v in videos])
+                                                            hf_messages, [v.placeholder for v in videos],
+                                                            tools.functions if tools is not None else None)
         encoding = (asyncio.ensure_future(self._encode(trace, rid, images, [v.input for v in videos], deadline))
                     if (images or videos) and self.stages.encodes else None)
         try:
@@ -146,7 +151,7 @@ class ChatService:
             raise
         logger.debug("rid=%s prompt_tokens=%d images=%d videos=%d max_new_tokens=%d", rid, len(prompt.input_ids),
                      len(images), len(videos), max_new)
-        return PreparedChat(rid, req, prompt, prefill, decode, trace, deadline)
+        return PreparedChat(rid, req, prompt, prefill, decode, trace, deadline, tools=tools)
 
     async def _encode(self, trace: RequestTrace, rid: str, images: list[bytes], videos: list[VideoInput],
                       deadline: float | None) -> list[EncodedImage]:
@@ -339,9 +344,11 @@ class ChatService:
         """
         text, token_ids, logprobs, final = await self.collect(chat)
         rti = chat.request.return_token_ids
+        content, calls = tool_message(chat.tools, text)
         return ChatCompletionResponse(
             id=chat.rid, model=self.model_name, usage=self.usage(chat, final, len(token_ids)),
-            choices=[Choice(message=AssistantMessage(content=text), finish_reason=final.finish_reason,
+            choices=[Choice(message=AssistantMessage(content=content, tool_calls=calls),
+                            finish_reason=finish_reason(final.finish_reason, bool(calls)),
                             token_ids=token_ids if rti else None,
                             logprobs=self._logprobs(chat, token_ids, logprobs))],
             prompt_token_ids=chat.prompt.input_ids if rti else None,
@@ -369,14 +376,18 @@ class ChatService:
         yield event([ChunkChoice(delta=Delta(role="assistant", content=""))],
                     prompt_token_ids=chat.prompt.input_ids if rti else None)
         n_tokens = 0
+        tools = ToolStream(chat.tools)  # tool-call text becomes tool_calls deltas, never content
         async with aclosing(self.outputs(chat)) as outputs:
             async for text, final in outputs:
                 n_tokens += len(final.token_ids)
-                if text or final.token_ids and (rti or final.logprobs):
-                    yield event([ChunkChoice(delta=Delta(content=text), token_ids=final.token_ids if rti else None,
+                text, calls = tools.feed(text, last=final.finish_reason is not None)
+                if text or calls or final.token_ids and (rti or final.logprobs):
+                    delta = Delta(content=text if text or not calls else None, tool_calls=calls)
+                    yield event([ChunkChoice(delta=delta, token_ids=final.token_ids if rti else None,
                                              logprobs=self._logprobs(chat, final.token_ids, final.logprobs))])
                 if final.finish_reason is not None:
-                    yield event([ChunkChoice(delta=Delta(), finish_reason=final.finish_reason)])
+                    yield event([ChunkChoice(delta=Delta(), finish_reason=finish_reason(final.finish_reason,
+                                                                                        tools.called))])
         if opts and opts.include_usage:
             yield event([], usage=self.usage(chat, final, n_tokens))
 

@@ -15,6 +15,7 @@ from epdserve.frontend.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, CompletionRequest, Delta, ModelCard, ModelList,
 )
 from epdserve.frontend.serving import Call, RequestPath
+from epdserve.frontend.tool_protocol import DeltaFunctionCall, DeltaToolCall
 
 
 async def no_auth() -> None:
@@ -29,8 +30,10 @@ def chat_call(chat: ChatService, rid: str, req: ChatCompletionRequest) -> Call:
 
     def as_event(body: dict) -> str:
         choice = body["choices"][0]
+        calls = [DeltaToolCall(index=i, id=c["id"], type="function", function=DeltaFunctionCall(**c["function"]))
+                 for i, c in enumerate(choice["message"].get("tool_calls") or [])]
         return ChatCompletionChunk(id=rid, created=body["created"], model=chat.model_name, choices=[ChunkChoice(
-            delta=Delta(role="assistant", content=choice["message"]["content"]),
+            delta=Delta(role="assistant", content=choice["message"]["content"], tool_calls=calls or None),
             finish_reason=choice["finish_reason"])]).model_dump_json()
 
     return Call(lambda deadline: chat.prepare(rid, req, deadline), req.stream, chat.stream, complete, as_event)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epdserve.frontend.protocol import ChatMessage, ImagePart, TextPart, VideoPart
+from epdserve.frontend.tool_prompt import hermes_messages, renders_tools
 from epdserve.models.video_layout import VideoLayout, video_mrope_entries
 from epdserve.wire.messages import ImageSpan
 
@@ -97,6 +98,8 @@ def to_hf_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], l
 
     Image parts become ``{"type": "image"}``, video parts ``{"type": "video"}``, text parts ``{"type": "text",
     "text": ...}``; string content stays a string; ``developer`` becomes ``system``; ``None`` content becomes ``""``.
+    An assistant message's ``tool_calls`` keep their ids with ``arguments`` as dicts, a tool message its
+    ``tool_call_id`` (HF's tool-use format; see :mod:`epdserve.frontend.tool_prompt`).
 
     Returns:
         ``(hf_messages, image_urls, video_urls)``: ``image_urls[i]`` is the i-th image of the prompt,
@@ -107,8 +110,14 @@ def to_hf_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], l
     video_urls: list[str] = []
     for msg in messages:
         role = "system" if msg.role == "developer" else msg.role
+        extra: dict[str, Any] = {}
+        if msg.role == "assistant" and msg.tool_calls:
+            extra["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments_object()}} for c in msg.tool_calls]
+        elif msg.role == "tool":
+            extra = {"tool_call_id": msg.tool_call_id} | ({"name": msg.name} if msg.name else {})
         if msg.content is None or isinstance(msg.content, str):
-            hf.append({"role": role, "content": msg.content or ""})
+            hf.append({"role": role, "content": msg.content or "", **extra})
             continue
         parts: list[dict[str, Any]] = []
         for part in msg.content:
@@ -120,7 +129,7 @@ def to_hf_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], l
                 video_urls.append(part.video_url.url)
             elif isinstance(part, TextPart):
                 parts.append({"type": "text", "text": part.text})
-        hf.append({"role": role, "content": parts})
+        hf.append({"role": role, "content": parts, **extra})
     return hf, urls, video_urls
 
 
@@ -145,6 +154,7 @@ class PromptBuilder:
         self.video_token_id: int = self.tokenizer.convert_tokens_to_ids(self.video_token)
         self.model_config = model_config
         self._slot = re.compile(f"({re.escape(self.image_token)}|{re.escape(self.video_token)})")
+        self._renders_tools: bool | None = None  # probed on first use (tool_prompt.renders_tools)
 
     @classmethod
     def from_pretrained(cls, model_path: str) -> PromptBuilder:
@@ -154,9 +164,19 @@ class PromptBuilder:
         return cls(AutoProcessor.from_pretrained(model_path, local_files_only=True),
                    AutoConfig.from_pretrained(model_path, local_files_only=True))
 
-    def template(self, hf_messages: list[dict[str, Any]]) -> str:
-        """The chat-template text with the generation prompt appended, image and video slots unexpanded."""
-        return self.processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    def template(self, hf_messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat-template text with the generation prompt appended, image and video slots unexpanded.
+
+        ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` entries) go to the template when it renders
+        tools; otherwise they, and any tool calls and results in the history, are written into the messages as
+        the Qwen2.5 template would (:func:`epdserve.frontend.tool_prompt.hermes_messages`).
+        """
+        if self._renders_tools is None:
+            self._renders_tools = renders_tools(self.processor)
+        if not self._renders_tools:
+            hf_messages, tools = hermes_messages(hf_messages, tools), None
+        return self.processor.apply_chat_template(hf_messages, tools=tools or None, add_generation_prompt=True,
+                                                  tokenize=False)
 
     def build(self, hf_messages: list[dict[str, Any]], images: list[EncodedImage],
               videos: Sequence[VideoSlot] = ()) -> Prompt:
@@ -164,11 +184,11 @@ class PromptBuilder:
         j-th video slot (see :meth:`splice`)."""
         return self.splice(self.tokenize_template(hf_messages, [v.placeholder for v in videos]), images, videos)
 
-    def tokenize_template(self, hf_messages: list[dict[str, Any]],
-                          video_placeholders: Sequence[str] = ()) -> TemplatePieces:
-        """Apply the chat template and tokenize the text between slots (no image counts needed yet), and each
-        video's placeholder text (:attr:`VideoSlot.placeholder`)."""
-        text = self.template(hf_messages)
+    def tokenize_template(self, hf_messages: list[dict[str, Any]], video_placeholders: Sequence[str] = (),
+                          tools: list[dict[str, Any]] | None = None) -> TemplatePieces:
+        """Apply the chat template (with ``tools``, see :meth:`template`) and tokenize the text between slots (no
+        image counts needed yet), and each video's placeholder text (:attr:`VideoSlot.placeholder`)."""
+        text = self.template(hf_messages, tools)
         cut = self._slot.split(text)  # pieces at even indices, the slot tokens between them
         pieces, slots = cut[0::2], cut[1::2]
         ids = self.tokenizer(pieces, add_special_tokens=False)["input_ids"]

@@ -5,6 +5,7 @@ SDK send fields like ``user``), but fields that would change the answer and are 
 ``repetition_penalty``, ``min_p``; ``logprobs`` outside chat completions) are rejected by each request's
 ``unsupported()`` rather than silently dropped. Extensions shared with vLLM/SGLang: ``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``return_token_ids``, ``structured_outputs`` (see :mod:`epdserve.frontend.structured`).
+Tool calling: :mod:`epdserve.frontend.tool_protocol` and :mod:`epdserve.frontend.tools`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from epdserve.frontend.structured_formats import ResponseFormat, StructuredOutputs
+from epdserve.frontend.tool_protocol import DeltaToolCall, HistoryToolCall, Tool, ToolCall, ToolChoice
 
 
 def _is_none(value: object) -> bool:
@@ -98,12 +100,16 @@ class MMProcessorKwargs(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One input message. ``developer`` (the newer OpenAI name for ``system``) is treated as ``system``."""
+    """One input message. ``developer`` (the newer OpenAI name for ``system``) is treated as ``system``; an
+    assistant message may carry ``tool_calls``, and a ``tool`` message answers one (``tool_call_id``)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[HistoryToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -141,7 +147,9 @@ class ChatCompletionRequest(BaseModel):
     logit_bias: _LogitBias = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    tools: list | None = None
+    tools: list[Tool] | None = None  # see epdserve.frontend.tools
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
     mm_processor_kwargs: MMProcessorKwargs | None = None
 
     def unsupported(self) -> str | None:
@@ -151,8 +159,6 @@ class ChatCompletionRequest(BaseModel):
             return "n > 1 is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true"
-        if self.tools:
-            return "tools (function calling) are not supported"
         return None
 
     def requested_max_tokens(self) -> int | None:
@@ -184,7 +190,8 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = _Extension
 
 
 class TopLogprob(BaseModel):
@@ -227,6 +234,7 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = _Extension
     content: str | None = _Extension
+    tool_calls: list[DeltaToolCall] | None = _Extension
 
 
 class ChunkChoice(BaseModel):

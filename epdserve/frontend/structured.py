@@ -8,8 +8,9 @@ the stages take (``SamplingParams.grammar``), and checked with xgrammar before a
 - SGLang ``/generate``: ``sampling_params`` ``json_schema`` (text; ``"$$ANY$$"``: any JSON object), ``regex`` or
   ``ebnf``.
 
-Two constraints on one request get a 400, as does anything xgrammar rejects (its message). Tool calling will add
-its ``tool_choice: required`` grammar here as one more kind.
+Two constraints on one request get a 400, as does anything xgrammar rejects (its message). Tool calling's grammar
+(``tool_choice`` required or a named function, a ``structural_tag``) is built by :mod:`epdserve.frontend.tools` and
+checked with :func:`checked` here.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from epdserve.wire.tp_messages import (
 
 
 # The constraint kinds a GrammarSpec may name (the future ``tool_choice: required`` grammar becomes one more kind).
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text; the stages refuse longer ones (wire/validate.py)
 
 
 @dataclass
@@ -36,8 +37,9 @@ class GrammarSpec:
 
     ``type`` is one of ``GRAMMAR_KINDS`` (the field is not named ``kind``: the codec tags nested messages with
     that key): ``json_schema`` (``text`` a JSON Schema document), ``json_object`` (any JSON object; ``text``
-    empty), ``regex`` (xgrammar's regex dialect) or ``ebnf`` (xgrammar's EBNF, whose start
-    rule is ``root``). The gateway has already checked that xgrammar parses it.
+    empty), ``regex`` (xgrammar's regex dialect), ``ebnf`` (xgrammar's EBNF, whose start
+    rule is ``root``) or ``structural_tag`` (xgrammar's structural-tag JSON; the tool calls of
+    ``tool_choice`` required or named). The gateway has already checked that xgrammar parses it.
     """
 
     type: str

@@ -33,7 +33,7 @@ _TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253}):(
 _HEX = re.compile(r"^[0-9a-fA-F]{15,128}$")
 _FLOAT_DTYPES = tuple(FLOAT_DTYPES.values())
 _MAX_RID = 512  # characters; gateway ids are ~41
-_MAX_GRAMMAR = 1 << 20  # characters of a grammar's text; the gateway's request bodies are bounded far below this
+_MAX_GRAMMAR = messages.MAX_GRAMMAR_CHARS  # the gateway's request bodies are bounded far below this
 
 
 @cache
