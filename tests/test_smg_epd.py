@@ -3,9 +3,10 @@ fronts today.
 
 smg 1.13 runs ``--epd-disaggregation`` only over gRPC with TokenSpeed workers (its encode stage calls
 ``tokenspeed.grpc.encoder.TokenSpeedEncoder/Encode`` and hands the prefill a TokenSpeed ``EncodeBootstrapInfo``;
-docs/architecture.md, "smg's own EPD mode"). The first test pins that evidence, so a newer smg that lifts it fails
-here and points at the work. The others run the topology that does work: smg in PD mode in front of two epdserve
-encoders, one prefill and one decode server, the prefill spreading images over the encoders by content hash.
+docs/architecture.md, "smg's own EPD mode"). Two tests pin that evidence (HTTP workers are refused; our encoder
+as a ``grpc://`` encode worker is never registered), so a newer smg that lifts it fails here and points at the
+work. The others run the topology that does work: smg in PD mode in front of two epdserve encoders, one prefill
+and one decode server, the prefill spreading images over the encoders by content hash.
 Checks: the parity prompts (text, one photo, two photos, two turns) through the official openai client equal
 transformers' generate(), streaming and not; each image's embedding is cached on exactly the encoder that
 rendezvous hashing picks for it, and a repeated request hits that cache without encoding anything again.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -49,6 +51,30 @@ def cluster(tiny_model_path, tmp_path_factory):
                       policy="cache_aware")
     yield c
     c.stop()
+
+
+def test_smg_epd_mode_does_not_register_our_encoder(cluster, tmp_path):
+    """With ``grpc://`` workers smg starts, then detects each worker's runtime by the scheduler ``HealthCheck`` of
+    SGLang, vLLM, TRT-LLM, MLX and TokenSpeed in turn; our encoder answers none of them (it serves
+    ``epdserve.v1.Encoder`` and ``grpc.health.v1``), so smg never takes it as an encode worker."""
+    enc = next(s.grpc for s in cluster.servers.values() if s.grpc)
+    log_path = tmp_path / "smg-epd.log"
+    cmd = [smg_executable(), "launch", "--epd-disaggregation", "--encode", f"grpc://{enc}",
+           "--prefill", f"grpc://127.0.0.1:{free_port()}", str(free_port()), "--decode", f"grpc://127.0.0.1:{free_port()}",
+           "--host", "127.0.0.1", "--port", str(free_port()), "--prometheus-port", str(free_port())]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        want = f"worker URL grpc://{enc}: gRPC not reachable"
+        while want not in log_path.read_text(errors="replace"):
+            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        assert "tokenspeed=" in log_path.read_text(errors="replace")  # TokenSpeed's health was tried too
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def _encoder_stats(cluster) -> dict[str, encoder_pb2.GetServerInfoResponse]:
