@@ -77,7 +77,7 @@ class Choices:
 
 async def collect_choices(outputs: AsyncIterator[tuple[str, TokenOutput]], n: int) -> list[ChoiceResult]:
     """Every choice of a request whose ``(text delta, output)`` pairs are ``outputs`` (``ChatService.outputs``),
-    in index order."""
+    in index order; only those that had an output (a PD prefill leg's answer is choice 0's first token alone)."""
     results = [ChoiceResult(i) for i in range(n)]
     async for text, out in outputs:
         r = results[out.index]
@@ -85,7 +85,7 @@ async def collect_choices(outputs: AsyncIterator[tuple[str, TokenOutput]], n: in
         r.token_ids += out.token_ids
         r.logprobs += out.logprobs
         r.final = out
-    return results
+    return [r for r in results if r.final is not None]
 
 
 def detokenize(detok: IncrementalDetokenizer, out: TokenOutput) -> tuple[str, TokenOutput]:
