@@ -3,7 +3,8 @@ continuous batching (every running request advances one token per forward; reque
 forwards, as in Orca, Yu et al., OSDI 2022, and vLLM/SGLang).
 
 Pages for the whole output (prompt + ``max_new_tokens``, capped at the context) are reserved at admission, so a
-running request never runs out of KV space and no preemption is needed.
+running request never runs out of KV space and no preemption is needed. A request of ``n`` choices is admitted
+as ``n`` forks sharing its prompt's full pages (:mod:`epdserve.decode.forks`).
 
 Overlap (SGLang's overlap scheduler, mini-sglang ``scheduler.py``): one decode step stays in flight on the GPU
 while the host builds the next one and handles the previous one's tokens. Step N+1 takes its input ids straight

@@ -245,3 +245,30 @@ def test_bad_n_gets_400_and_an_aborted_n4_stream_frees_everything(server, tiny_m
             if len(seen) == 4:
                 break  # every fork is running: the client leaves
     assert wait_for(lambda: not at_baseline(details(url)), 20, 0.3), at_baseline(details(url))
+
+
+def test_choices_demultiplex_cut_stop_strings_per_choice_and_sum_usage(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    from epdserve.frontend.choices import Choices
+    from epdserve.frontend.detokenizer import IncrementalDetokenizer, special_ids
+    from epdserve.wire.messages import TokenOutput
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    first, rest0, rest1 = tok.encode(" red"), tok.encode(" blue sky"), tok.encode(" green sky")
+    choices = Choices(2, lambda: IncrementalDetokenizer(tok, ["green"], special_ids(tok)))
+
+    def out(i, token_ids, done=0, finish=None, last=True):
+        return TokenOutput(rid="r", token_ids=token_ids, index=i, finish_reason=finish, completion_tokens=done,
+                           last=last)
+
+    text0, _ = choices.feed(out(0, first, len(first)))
+    text1, _ = choices.feed(out(1, first, len(first)))
+    assert text0 == text1 and not choices.done
+    # Choice 1 hits the stop string: it ends here (cut before "green"), its fork's later tokens are dropped.
+    text, final = choices.feed(out(1, rest1, len(first + rest1)))
+    assert final.finish_reason == "stop" and "green" not in text1 + text and len(final.token_ids) < len(rest1) + 1
+    assert choices.feed(out(1, first, 9, "length", last=False)) is None and not choices.done
+    text, final0 = choices.feed(out(0, rest0, len(first + rest0), "length"))
+    assert final0.finish_reason == "length" and text0 + text == " red blue sky" and choices.done
+    assert choices.completion_tokens() == final.completion_tokens + len(first + rest0)

@@ -3,7 +3,8 @@
 Steps: fetch images -> start encoding (embeddings go straight to prefill) -> image slots from the file headers,
 tokenize with them, check lengths -> send ``DecodeRequest`` then ``PrefillRequest`` (an image request before the
 encoder answers) -> check the encoder's answer against the slots -> detokenize the ``TokenOutput``s' ids (one
-:class:`IncrementalDetokenizer` per request, stop strings matched here) -> collect or stream the text.
+:class:`IncrementalDetokenizer` per choice, stop strings matched here: :mod:`epdserve.frontend.choices`) -> collect
+or stream the text.
 """
 
 from __future__ import annotations
