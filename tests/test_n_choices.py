@@ -167,7 +167,7 @@ def test_n4_seeded_sampling_is_reproducible_and_choices_differ(server, tiny_mode
 
     url, _ = server
     body = {"model": tiny_model_path, "n": 4, "temperature": 1.0, "seed": 1234, "max_completion_tokens": 24,
-            "ignore_eos": True, "return_token_ids": True,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": True,
             "messages": _openai_messages([("user", [photo_paths["rocket"], "What is this?"])])}
     runs = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120) for _ in range(2)]
     assert all(r.status_code == 200 for r in runs), runs[0].text
@@ -175,6 +175,8 @@ def test_n4_seeded_sampling_is_reproducible_and_choices_differ(server, tiny_mode
     assert ids[0] == ids[1]  # choice i draws from seed + i: the same on every call
     assert len({tuple(t) for t in ids[0]}) > 1 and all(len(t) == 24 for t in ids[0])
     assert all(c["finish_reason"] == "length" for c in runs[0].json()["choices"])
+    for c in runs[0].json()["choices"]:  # each choice's own logprobs, its prefill-sampled first token's included
+        assert len(c["logprobs"]["content"]) == 24 and all(t["logprob"] <= 0 for t in c["logprobs"]["content"])
 
 
 def test_n_on_completions_and_generate(server, tiny_model_path):
