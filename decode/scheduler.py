@@ -3,7 +3,8 @@ continuous batching (every running request advances one token per forward; reque
 forwards, as in Orca, Yu et al., OSDI 2022, and vLLM/SGLang).
 
 Pages for the whole output (prompt + ``max_new_tokens``, capped at the context) are reserved at admission, so a
-running request never runs out of KV space and no preemption is needed.
+running request never runs out of KV space and no preemption is needed. A request of ``n`` choices is admitted
+as ``n`` forks sharing its prompt's full pages (:mod:`epdserve.decode.forks`).
 
 Overlap (SGLang's overlap scheduler, mini-sglang ``scheduler.py``): one decode step stays in flight on the GPU
 while the host builds the next one and handles the previous one's tokens. Step N+1 takes its input ids straight
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from epdserve.decode.forks import ForkGroup, fork_copy_plan, fork_pages
+from epdserve.decode.steps import Step, output_ids
 from epdserve.device import to_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.engine.grammar import Constraint, GrammarCompiler, constraint_for, mask_logits
@@ -33,8 +36,8 @@ from epdserve.wire.messages import DecodeRequest, KVAck, KVRegister, KVTransfer,
 from epdserve.metrics import DecodeMetrics
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.mrope import decode_positions
-from epdserve.engine.sampling import (apply_logit_bias, apply_penalties, has_penalties, sample, sampled_logprobs,
-                               token_logprobs)
+from epdserve.engine.sampling import (apply_logit_bias, apply_penalties, choice_generator, has_penalties, sample,
+                                      sampled_logprobs)
 
 log = logging.getLogger(__name__)
 
@@ -62,33 +65,14 @@ class _Seq:
     kv_at: float = 0.0
     admitted: float | None = None
     constraint: Constraint | None = None  # structured outputs: the request's grammar state
+    index: int = 0  # n > 1: this fork's choice
+    group: ForkGroup | None = None  # the prompt pages this fork shares with the request's other forks
+    shared: int = 0  # how many of ``pages`` (the first) are the group's
 
-
-class _Step:
-    """A launched decode step: its requests (row order) and sampled ids ``[B]`` int64 on the device, with their
-    copy to pinned host memory already queued behind them; and, when a request asked, the rows' log-probabilities
-    (:func:`epdserve.engine.sampling.sampled_logprobs`, on the device)."""
-
-    def __init__(self, seqs: list[_Seq], tokens: torch.Tensor,
-                 logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-        self.seqs, self.tokens, self.logprobs = seqs, tokens, logprobs
-        self._host, self._ready = tokens, None
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-
-    def host_tokens(self) -> list[int]:
-        """The sampled ids as a list, waiting for the device if it is not done yet."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        return self._host.tolist()
-
-    def host_logprobs(self) -> list[TokenLogprob | None]:
-        """Per row, the sampled token's :class:`TokenLogprob` (None for rows that did not ask). Call after
-        :meth:`host_tokens`: the values are then computed, and copying them is all that is left."""
-        return token_logprobs(self.logprobs, [s.msg.sampling for s in self.seqs])
+    @property
+    def key(self) -> tuple[int, int]:
+        """This fork's state-slot key."""
+        return self.msg.bootstrap_room, self.index
 
 
 class DecodeScheduler:
@@ -119,7 +103,7 @@ class DecodeScheduler:
         self.pending: dict[int, _Seq] = {}  # room -> request waiting for its KV
         self.ready: deque[_Seq] = deque()  # KV arrived, waiting for pages
         self.running: list[_Seq] = []
-        self.inflight: _Step | None = None  # the launched step whose sampled ids the host has not read yet
+        self.inflight: Step | None = None  # the launched step whose sampled ids the host has not read yet
         self.outputs: list[tuple[bytes, TokenOutput]] = []
         self.metrics = metrics if metrics is not None else DecodeMetrics()
         self.accept_shared, self.host_id, self.peer_pools = accept_shared, host_id(), PeerPools()
@@ -235,8 +219,9 @@ class DecodeScheduler:
             return (f"tokenization mismatch: the prefill server computed the KV of other token ids than this decode "
                     f"server's (input digest {msg.input_digest} != {seq.msg.input_digest}); do both serve the same "
                     f"model and processor?")
-        if not 0 <= msg.first_token_id < cfg.vocab_size:
-            return f"first token {msg.first_token_id} out of the vocabulary"
+        firsts = msg.first_token_ids or [msg.first_token_id]
+        if len(firsts) != seq.msg.sampling.n or not all(0 <= t < cfg.vocab_size for t in firsts):
+            return f"first tokens {firsts[:4]} out of the vocabulary or not one per choice (n={seq.msg.sampling.n})"
         state_err = self.states.check_handoff(msg.state, shared=msg.pool is not None)
         if state_err:
             return state_err
@@ -268,6 +253,7 @@ class DecodeScheduler:
     def _admit(self) -> None:
         while self.ready and len(self.running) < self.max_running:
             seq = self.ready[0]
+            n = seq.msg.sampling.n
             if (c := seq.constraint) is not None and c.matcher is None:
                 if not c.ready():
                     break  # first come, first served: its grammar is still compiling
@@ -277,51 +263,77 @@ class DecodeScheduler:
                     self._emit(seq, "error", error=err)
                     continue
             total = min(seq.msg.prompt_len + seq.msg.sampling.max_new_tokens, self.context_length)
-            need = self.pool.pages_for(total)
-            if need > self.pool.num_pages:
+            shared, own = fork_pages(self.pool, seq.msg.prompt_len, total, n)
+            need = shared + n * own
+            if need > self.pool.num_pages or n > self.max_running:
                 self.ready.popleft()
                 self.metrics.on_error("kv_pool_too_small")
-                self._emit(seq, "error", error=f"{total} tokens need more KV pages than the pool has")
+                self._emit(seq, "error", error=f"{n} x {total} tokens need more KV pages than the pool has, or "
+                                               f"more running requests than --max-running-requests {self.max_running}")
                 continue
-            if need > self.pool.num_free or not self.states.acquire(seq.msg.bootstrap_room):
+            if need > self.pool.num_free or len(self.running) + n > self.max_running or not self.states.acquire_all(
+                    [(seq.msg.bootstrap_room, i) for i in range(n)]):
                 break  # first come, first served
             self.ready.popleft()
-            seq.pages = self.pool.alloc(need)
+            forks = self._fork(seq, shared, own)
             transfer, seq.transfer = seq.transfer, None
-            slots = torch.tensor(self.pool.slots(seq.pages, 0, seq.msg.prompt_len), dtype=torch.int64)
+            idx, slots = fork_copy_plan(self.pool, [f.pages for f in forks], seq.msg.prompt_len)
             if transfer.pool is not None:
-                err = self._copy_shared_kv(seq, transfer, slots)
+                err = self._copy_shared_kv(forks, transfer, idx, slots)
                 if err:
                     self.metrics.on_kv_failure("shared_copy")
-                    self._free(seq)
+                    for f in forks:
+                        self._free(f)
                     self._emit(seq, "error", error=err)
                     continue
             else:
-                self.runner.write_kv(slots, transfer.kv)
-                self.states.load(seq.msg.bootstrap_room, transfer.state)
-            seq.cached_tokens, seq.mrope_delta = transfer.cached_tokens, transfer.mrope_position_delta
-            seq.max_out, seq.launched = total - seq.msg.prompt_len, 1
-            if seq.msg.sampling.seed is not None:
-                seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.msg.sampling.seed)
-            self.running.append(seq)
+                self.runner.write_kv(slots, transfer.kv if n == 1 else transfer.kv.index_select(2, idx))
+                self._load_states(forks, transfer)
+            firsts = transfer.first_token_ids or [transfer.first_token_id]
+            lps = transfer.first_logprobs or [transfer.first_logprob]
             seq.admitted = time.monotonic()
             self.metrics.on_admit(seq.kv_at)
-            log.debug("rid=%s admitted (batch of %d)", seq.msg.rid, len(self.running))
-            self._append_token(seq, transfer.first_token_id, transfer.first_logprob)
+            for f in forks:
+                f.cached_tokens, f.mrope_delta = transfer.cached_tokens, transfer.mrope_position_delta
+                f.max_out, f.launched, f.admitted = total - seq.msg.prompt_len, 1, seq.admitted
+                f.generator = choice_generator(seq.msg.sampling.seed, f.index, self.runner.device)
+                self.running.append(f)
+            log.debug("rid=%s admitted (%d choices, batch of %d)", seq.msg.rid, n, len(self.running))
+            for f in forks:
+                self._append_token(f, firsts[f.index], lps[f.index] if f.index < len(lps) else None)
 
-    def _copy_shared_kv(self, seq: _Seq, transfer: KVTransfer, slots: torch.Tensor) -> str | None:
-        """Copy ``seq``'s KV out of the prefill pool that ``transfer.pool`` maps into ``slots``; queue its
+    def _fork(self, seq: _Seq, shared: int, own: int) -> list[_Seq]:
+        """``seq`` (fork 0) and its other forks (n > 1), each with the shared prompt pages then pages of its own,
+        and its own grammar state (a started matcher of the same grammar)."""
+        group = ForkGroup(self.pool.alloc(shared), seq.msg.sampling.n)
+        forks = [seq] + [replace(seq, index=i, output_ids=[], transfer=None,
+                                 constraint=seq.constraint and seq.constraint.fork())
+                         for i in range(1, seq.msg.sampling.n)]
+        for f in forks:
+            f.group, f.shared, f.pages = group, shared, group.pages + self.pool.alloc(own)
+        return forks
+
+    def _load_states(self, forks: list[_Seq], transfer: KVTransfer) -> None:
+        """Load the handed-off state (hybrid models) into fork 0's slot and copy it into the other forks'."""
+        self.states.load(forks[0].key, transfer.state, self.peer_pools)
+        self.states.copy_to(forks[0].key, [f.key for f in forks[1:]])
+
+    def _copy_shared_kv(self, forks: list[_Seq], transfer: KVTransfer, idx: torch.Tensor,
+                        slots: torch.Tensor) -> str | None:
+        """Copy prompt tokens ``idx`` of the KV in the prefill pool that ``transfer.pool`` maps into ``slots`` (the
+        forks' pages, :func:`~epdserve.decode.forks.fork_copy_plan`) and the state into the forks' slots; queue the
         ``KVAck`` for when the copy has run. Returns an error message when the pool cannot be mapped."""
+        seq = forks[0]
         # The prefill pool's page size (shape[3]) may differ from this pool's.
         src = torch.tensor(page_slots(transfer.kv_pages, transfer.pool.shape[3], 0, seq.msg.prompt_len),
-                           dtype=torch.int64)
+                           dtype=torch.int64)[idx]
         if transfer.lend_until and time.time() > transfer.lend_until - _LEND_MARGIN_S:
             self._ack(seq)
             return ("KV hand-off expired: the prefill server releases lent pages after its --request-timeout-s, and "
                     "this request waited too long for decode pages to copy them into")
         try:
             self.runner.copy_kv_from(self.peer_pools.get(transfer.pool), src, slots)
-            self.states.load(seq.msg.bootstrap_room, transfer.state, self.peer_pools)  # before the ack's event
+            self._load_states(forks, transfer)  # before the ack's event
         except (RuntimeError, ValueError) as e:
             log.error("rid=%s cannot copy KV from the prefill pool (%s); start decode with --kv-transfer zmq if "
                       "the stages cannot share memory", seq.msg.rid, e)
@@ -339,7 +351,7 @@ class DecodeScheduler:
         device has passed ``done`` (the copy out of them)."""
         self._acks.append((done, _bootstrap(seq.msg), KVAck(rid=seq.msg.rid, bootstrap_room=seq.msg.bootstrap_room)))
 
-    def _launch(self) -> _Step:
+    def _launch(self) -> Step:
         """Build and launch one decode step over the running requests that may still need a token; returns it
         without waiting for the device."""
         seqs = [s for s in self.running if s.launched < s.max_out]
@@ -362,14 +374,14 @@ class DecodeScheduler:
             q_lens=[1] * len(seqs),
             kv_lens=[i + 1 for i in idx],
             page_table=[s.pages for s in seqs],
-            state_slots=self.states.slots([s.msg.bootstrap_room for s in seqs]),
+            state_slots=self.states.slots([s.key for s in seqs]),
         )
         logits = self.runner.forward(batch)
         self.metrics.on_step(len(seqs))
         params = [s.msg.sampling for s in seqs]
         adjusted = apply_logit_bias(logits, params)
         if has_penalties(params):
-            adjusted = apply_penalties(adjusted, _output_ids(seqs, input_ids, dev), params)
+            adjusted = apply_penalties(adjusted, output_ids(seqs, input_ids, dev), params)
         if any(s.constraint is not None for s in seqs):
             # A matcher must see step N's tokens before it can mask step N+1: read them now, while this step's
             # forward runs on the device, and fill the bitmask meanwhile (SGLang's overlap with grammars).
@@ -381,9 +393,9 @@ class DecodeScheduler:
         lp = sampled_logprobs(logits, tokens, params)  # now: a graph's logits are a view the next replay overwrites
         for row, seq in enumerate(seqs):
             seq.row, seq.launched = row, seq.launched + 1
-        return _Step(seqs, tokens, lp)
+        return Step(seqs, tokens, lp)
 
-    def _collect(self, step: _Step) -> None:
+    def _collect(self, step: Step) -> None:
         """Wait for ``step``'s sampled ids and append them (finished or aborted requests' rows are dropped)."""
         for seq, tok, tok_lp in zip(step.seqs, step.host_tokens(), step.host_logprobs()):
             if not seq.done:
@@ -392,8 +404,12 @@ class DecodeScheduler:
     def _free(self, seq: _Seq) -> None:
         """Give back what an admitted request holds (its KV pages, its state slot): it has ended, one way or
         another, and is off the running list. Its outputs of a step still in flight are dropped."""
-        self.pool.free(seq.pages)
-        self.states.release(seq.msg.bootstrap_room)
+        if seq.done:
+            return
+        self.pool.free(seq.pages[seq.shared:])
+        if seq.group is not None:
+            self.pool.free(seq.group.release())  # the prompt's shared pages go with the last fork
+        self.states.release(seq.key)
         seq.done = True
 
     def _append_token(self, seq: _Seq, tok: int, tok_lp: TokenLogprob | None = None) -> None:
@@ -424,18 +440,8 @@ class DecodeScheduler:
         self.outputs.append((seq.peer, TokenOutput(
             rid=seq.msg.rid, token_ids=list(token_ids), finish_reason=finish,
             prompt_tokens=seq.msg.prompt_len, completion_tokens=len(seq.output_ids),
-            cached_tokens=seq.cached_tokens, error=error, logprobs=list(logprobs))))
-
-
-def _output_ids(seqs: list[_Seq], newest: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """``[B, L]`` int64 on ``dev``: each request's output ids so far, padded with -1. The newest one of each row
-    is ``newest`` (this step's input ids, maybe still on the device from the previous step); the ones before it
-    are on the host."""
-    before = [s.output_ids[:s.launched - 1] for s in seqs]
-    width = max(map(len, before))
-    host = torch.tensor([ids + [-1] * (width - len(ids)) for ids in before], dtype=torch.int64).view(len(seqs), width)
-    newest = newest if newest.device.type == dev.type else to_device(newest, dev)
-    return torch.cat([to_device(host, dev), newest[:, None]], dim=1)
+            cached_tokens=seq.cached_tokens, error=error, logprobs=list(logprobs), index=seq.index,
+            last=seq.group is None or seq.group.live == 0)))
 
 
 def _bootstrap(msg: DecodeRequest) -> str:

@@ -39,7 +39,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from epdserve.frontend.app import create_app
 from epdserve.frontend.chat import ChatService, PreparedChat
@@ -69,6 +69,16 @@ class BootstrapFields(BaseModel):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_of_lists(cls, data: Any) -> Any:
+        """For ``n > 1`` a router sends each field as a list, one per sample (SGLang prefills every sample on its
+        own); here the ``n`` choices share one prefill (one room), so both legs take the first entry."""
+        if isinstance(data, dict):
+            return {k: v[0] if k.startswith("bootstrap_") and isinstance(v, list) and v else v
+                    for k, v in data.items()}
+        return data
 
 
 def check_bootstrap(role: str, fields: BootstrapFields) -> None:
