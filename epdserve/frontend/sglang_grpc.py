@@ -1,0 +1,287 @@
+"""SGLang's scheduler gRPC service (``sglang.grpc.scheduler.SglangScheduler``, the schema of the ``smg-grpc-proto``
+package) on a prefill or decode front's ``--grpc-port``: what smg talks to a ``grpc://`` worker, and what SGLang's
+``--grpc-mode`` serves.
+
+smg does the OpenAI API, chat templates, tokenization, stop strings, tool and reasoning parsing and image fetching
+itself, and sends each request to one prefill and one decode worker at once (PD dual dispatch) as a
+``GenerateRequest`` of token ids with ``disaggregated_params`` (the prefill server's bootstrap host and port, and
+a random room): the same legs, room semantics and scheduler path as the HTTP fronts
+(:mod:`epdserve.frontend.pd`), only without the template step. Conversion and checks are
+:mod:`epdserve.frontend.sglang_requests`.
+
+RPCs:
+- ``Generate`` (server-streaming): prefill leg: encodes the images (on the prefill front's encoders), prefills and
+  answers the first token (``finish_reason`` "length"); decode leg: the tokens as they come, one
+  ``GenerateStreamChunk`` per scheduler output and a ``GenerateComplete`` when ``stream``, else one
+  ``GenerateComplete`` with every output id. Bad input: INVALID_ARGUMENT; not ready or a stage down: UNAVAILABLE.
+- ``Abort``: ends that request's ``Generate`` with ``finish_reason`` "abort" and frees its KV pages and room at the
+  scheduler; a cancelled ``Generate`` (smg dropped the stream: client gone, stop string matched) does the same.
+- ``HealthCheck``: healthy once the front is ready and the scheduler answers a load query.
+- ``GetModelInfo``, ``GetServerInfo`` (``server_args`` has the keys smg reads: ``disaggregation_mode``,
+  ``tokenizer_path``, ``context_length``, ``max_running_requests``, ...), ``GetLoads``.
+- ``Embed`` and the rest: UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from functools import cached_property
+from typing import Any
+
+import grpc
+from google.protobuf.struct_pb2 import Struct
+
+from epdserve.frontend.errors import StageError
+from epdserve.frontend.pd import Front, loads_body
+from epdserve.frontend.sglang_requests import GrpcLeg, InvalidRequest, build_leg, check_encoded
+from epdserve.wire.messages import TokenOutput
+
+logger = logging.getLogger("epdserve.front")
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # pixel tensors and image files travel inside a GenerateRequest
+_ABORTED = 499  # the StageError status that ends an aborted request's Generate
+
+
+def _code(status: int) -> grpc.StatusCode:
+    """The gRPC status of a :class:`StageError`'s HTTP status."""
+    return {400: grpc.StatusCode.INVALID_ARGUMENT, 413: grpc.StatusCode.INVALID_ARGUMENT,
+            503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}.get(
+        status, grpc.StatusCode.INTERNAL)
+
+
+@dataclasses.dataclass
+class _Call:
+    """A ``Generate`` in progress; ``aborted`` once ``Abort`` named it."""
+
+    aborted: bool = False
+
+
+def _servicer_base() -> type:
+    """The generated servicer base class (imported late: ``smg-grpc-proto`` is the ``smg-grpc`` extra)."""
+    from smg_grpc_proto import sglang_scheduler_pb2_grpc
+
+    return sglang_scheduler_pb2_grpc.SglangSchedulerServicer
+
+
+def make_servicer(front: Front, config: Any) -> Any:
+    """A ``SglangScheduler`` servicer for ``front`` (a prefill or decode front) and its server's ``config``.
+
+    Raises:
+        ImportError: ``smg-grpc-proto`` is not installed (``pip install 'epdserve[smg-grpc]'``).
+    """
+    from smg_grpc_proto import sglang_scheduler_pb2 as pb
+
+    class SglangSchedulerServicer(_servicer_base()):
+        """See the module docstring."""
+
+        def __init__(self) -> None:
+            self.front, self.config, self.pb = front, config, pb
+            self.calls: dict[str, _Call] = {}
+            self.started = time.time()
+
+        @cached_property
+        def model(self):
+            from epdserve.models.config import ModelConfig
+
+            return ModelConfig.load(front.model_path)
+
+        async def Generate(self, request, context) -> AsyncIterator[Any]:
+            rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+            await self._ready(context)
+            if request.mm_inputs.image_data and (why := front.not_ready()) is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, why)  # a prefill front without an encoder
+            if rid in self.calls or rid in front.stages.scheduler.routes:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is in progress")
+            builder = front.chat.builder
+            try:
+                leg = await build_leg(request, rid, front.role, context_length=front.stages.context_length,
+                                      vocab_size=self.model.vocab_size, image_token_id=builder.image_token_id,
+                                      image_processor=builder.processor.image_processor)
+            except InvalidRequest as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            call = self.calls[rid] = _Call()
+            done = False
+            try:
+                async for item in self._legs(rid, leg, call):
+                    if isinstance(item, tuple):
+                        await context.abort(*item)
+                    yield item
+                done = True
+            finally:
+                # Cancelled (smg dropped the stream), aborted, failed or done: nothing stays at the scheduler.
+                self.calls.pop(rid, None)
+                if not done or call.aborted:
+                    front.stages.scheduler.drop(rid)
+                    front.stages.abort(rid)
+
+        async def _legs(self, rid: str, leg: GrpcLeg, call: _Call) -> AsyncIterator[Any]:
+            """The responses of one leg, or a ``(code, message)`` tuple to abort the call with."""
+            stages, ids, last = front.stages, [], None
+            try:
+                if leg.image_data:
+                    check_encoded(leg.prefill.images, await stages.encode(rid, leg.image_data))
+                if call.aborted:
+                    raise StageError("aborted", _ABORTED)
+                async for out in stages.generate(leg.prefill, leg.decode):
+                    if out.finish_reason == "error":
+                        yield grpc.StatusCode.INTERNAL, out.error or "generation failed"
+                        return
+                    ids += out.token_ids
+                    last = out
+                    if leg.stream:
+                        yield self._chunk(rid, out)
+            except InvalidRequest as e:
+                yield grpc.StatusCode.INVALID_ARGUMENT, str(e)
+                return
+            except StageError as e:
+                if e.status != _ABORTED:
+                    yield _code(e.status), e.message
+                    return
+                last = TokenOutput(rid, [], "abort", len(leg.prefill.input_ids), len(ids))
+            yield self._complete(rid, ids, last)
+
+        def _chunk(self, rid: str, out: TokenOutput) -> Any:
+            return pb.GenerateResponse(request_id=rid, chunk=pb.GenerateStreamChunk(
+                token_ids=out.token_ids, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                cached_tokens=out.cached_tokens, output_logprobs=self._logprobs(out.token_ids, out.logprobs)))
+
+        def _complete(self, rid: str, ids: list[int], last: TokenOutput) -> Any:
+            matched = {"matched_token_id": ids[-1]} if last.finish_reason == "stop" and ids else {}
+            return pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
+                output_ids=ids, finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
+                completion_tokens=last.completion_tokens, cached_tokens=last.cached_tokens, **matched))
+
+        def _logprobs(self, ids: list[int], logprobs: list) -> Any:
+            if not logprobs:
+                return None
+            return pb.OutputLogProbs(token_logprobs=[lp.logprob for lp in logprobs], token_ids=ids, top_logprobs=[
+                pb.TopLogProbs(values=[v for _, v in lp.top], token_ids=[t for t, _ in lp.top]) for lp in logprobs])
+
+        async def Abort(self, request, context) -> Any:
+            call = self.calls.get(request.request_id)
+            if call is None:
+                return pb.AbortResponse(success=False, message=f"request {request.request_id} not found")
+            call.aborted = True
+            route = front.stages.scheduler.routes.get(request.request_id)
+            if route is not None:
+                route.put(StageError(request.reason or "aborted", _ABORTED))
+            return pb.AbortResponse(success=True, message=f"request {request.request_id} aborted")
+
+        async def HealthCheck(self, request, context) -> Any:
+            if (why := front.not_ready()) is not None:
+                return pb.HealthCheckResponse(healthy=False, message=why)
+            try:
+                await front.stages.scheduler.load(timeout_s=5.0)
+            except TimeoutError:
+                return pb.HealthCheckResponse(healthy=False, message="the scheduler did not answer within 5 s")
+            return pb.HealthCheckResponse(healthy=True, message="ok")
+
+        async def _ready(self, context) -> None:
+            if not front.ready:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, front.not_ready() or "the server is starting")
+
+        async def GetModelInfo(self, request, context) -> Any:
+            await self._ready(context)
+            m, tok = self.model, front.chat.builder.tokenizer
+            archs = getattr(front.chat.builder.model_config, "architectures", None) or []
+            context_length = front.stages.context_length
+            return pb.GetModelInfoResponse(
+                model_path=front.model_path, tokenizer_path=front.model_path, is_generation=True,
+                served_model_name=front.model_name, max_context_length=context_length, vocab_size=m.vocab_size,
+                supports_vision=True, model_type=m.model_type, eos_token_ids=list(m.eos_token_ids),
+                pad_token_id=tok.pad_token_id or 0, bos_token_id=tok.bos_token_id or 0,
+                max_req_input_len=context_length - 1, architectures=list(archs))
+
+        def _server_args(self) -> dict[str, Any]:
+            info, c = front.stages.scheduler.info, self.config
+            args = {"model_path": front.model_path, "tokenizer_path": front.model_path,
+                    "served_model_name": front.model_name, "disaggregation_mode": front.role, "tp_size": c.tp,
+                    "dp_size": 1, "pp_size": 1, "context_length": info.context_length, "page_size": info.page_size,
+                    "max_total_tokens": info.num_pages * info.page_size, "is_embedding": False,
+                    "vocab_size": self.model.vocab_size, "grpc_port": c.grpc_port, "port": c.port}
+            if front.role == "prefill":
+                args["disaggregation_bootstrap_port"] = c.bootstrap_port
+            else:
+                args["max_running_requests"] = c.max_running_requests
+            return args
+
+        async def GetServerInfo(self, request, context) -> Any:
+            await self._ready(context)
+            from epdserve import __version__
+
+            args, sched = Struct(), Struct()
+            args.update(self._server_args())
+            info = front.stages.scheduler.info
+            sched.update({"max_total_num_tokens": info.num_pages * info.page_size, "is_generation": True})
+            return pb.GetServerInfoResponse(
+                server_args=args, scheduler_info=sched, active_requests=len(self.calls),
+                uptime_seconds=time.time() - self.started, sglang_version=f"epdserve-{__version__}",
+                server_type="grpc", max_total_num_tokens=info.num_pages * info.page_size)
+
+        async def GetLoads(self, request, context) -> Any:
+            await self._ready(context)
+            try:
+                load = await front.stages.scheduler.load()
+            except TimeoutError:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler did not answer")
+            rank = loads_body(load, front.stages.scheduler.info.page_size)["loads"][0]
+            fields = {f.name for f in pb.SchedulerLoad.DESCRIPTOR.fields if f.message_type is None}
+            sched = pb.SchedulerLoad(**{k: v for k, v in rank.items() if k in fields},
+                                     max_running_requests=getattr(self.config, "max_running_requests", 0))
+            sched.disaggregation.mode = front.role
+            return pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                       dp_rank_count=1, loads=[sched], aggregate=pb.AggregateMetrics(
+                                           total_running_reqs=sched.num_running_reqs,
+                                           total_waiting_reqs=sched.num_waiting_reqs, total_reqs=sched.num_total_reqs,
+                                           avg_token_usage=sched.token_usage))
+
+        async def Embed(self, request, context) -> Any:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "epdserve serves generation only, no embeddings")
+
+    return SglangSchedulerServicer()
+
+
+class SglangGrpcServer:
+    """The ``SglangScheduler`` gRPC server of one front on ``host``:``port`` (a front service: :meth:`start`
+    before the model loads, :meth:`stop` on shutdown).
+
+    Raises:
+        ImportError: (construction) ``smg-grpc-proto`` is not installed.
+    """
+
+    def __init__(self, front: Front, config: Any, host: str, port: int):
+        self.servicer = make_servicer(front, config)
+        self.host, self.port = host, port
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        """Bind and serve.
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        from smg_grpc_proto import sglang_scheduler_pb2_grpc
+
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                          ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(self.servicer, server)
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        try:
+            bound = server.add_insecure_port(f"{host}:{self.port}")
+        except RuntimeError as e:
+            raise OSError(f"cannot bind the SGLang gRPC port {host}:{self.port}: {e}") from None
+        if not bound:
+            raise OSError(f"cannot bind the SGLang gRPC port {host}:{self.port}")
+        await server.start()
+        self._server = server
+        logger.info("SGLang scheduler gRPC service (smg grpc:// worker) on %s:%d", self.host, bound)
+
+    async def stop(self) -> None:
+        """Stop serving; requests in flight get a second to finish (their ends abort them at the scheduler)."""
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+            self._server = None
