@@ -24,6 +24,7 @@ RPCs:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -43,6 +44,11 @@ logger = logging.getLogger("epdserve.front")
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # pixel tensors and image files travel inside a GenerateRequest
 _ABORTED = 499  # the StageError status that ends an aborted request's Generate
+# smg gives up on a prefill leg whose stream yields nothing for 3 s ("PD prefill leg produced nothing within its
+# silence bound"), as a wedged engine; encoding and prefilling images on a busy CPU take longer. The prefill leg
+# therefore sends an empty GenerateResponse (neither chunk nor complete, which smg skips) every this many seconds
+# until it has its answer; the scheduler's own --request-timeout-s still ends a request that never finishes.
+HEARTBEAT_S = 1.0
 
 
 def _code(status: int) -> grpc.StatusCode:
@@ -126,12 +132,22 @@ class SglangSchedulerServicer:
     async def _legs(self, rid: str, leg: GrpcLeg, call: _Call) -> AsyncIterator[Any]:
         """The responses of one leg, or a ``(code, message)`` tuple to abort the call with."""
         stages, ids, last = self.front.stages, [], None
+        beat = HEARTBEAT_S if self.front.role == "prefill" else None
         try:
             if leg.image_data:
-                check_encoded(leg.prefill.images, await stages.encode(rid, leg.image_data))
+                encoding = asyncio.ensure_future(stages.encode(rid, leg.image_data))
+                try:
+                    while not (await asyncio.wait({encoding}, timeout=beat))[0]:
+                        yield self.pb.GenerateResponse(request_id=rid)
+                    check_encoded(leg.prefill.images, encoding.result())
+                finally:
+                    encoding.cancel()
             if call.aborted:
                 raise StageError("aborted", _ABORTED)
-            async for out in stages.generate(leg.prefill, leg.decode):
+            async for out in self._outputs(rid, leg, beat):
+                if out is None:
+                    yield self.pb.GenerateResponse(request_id=rid)
+                    continue
                 if out.finish_reason == "error":
                     yield grpc.StatusCode.INTERNAL, out.error or "generation failed"
                     return
@@ -148,6 +164,28 @@ class SglangSchedulerServicer:
                 return
             last = TokenOutput(rid, [], "abort", len(leg.prefill.input_ids), len(ids))
         yield self._complete(rid, ids, last)
+
+    async def _outputs(self, rid: str, leg: GrpcLeg, beat: float | None) -> AsyncIterator[TokenOutput | None]:
+        """This leg's scheduler outputs, sending it first, up to the one with a finish reason; None whenever
+        ``beat`` seconds pass without one (None: wait as long as it takes).
+
+        Raises:
+            StageError: the request ended on a stage error, or was aborted (status 499).
+        """
+        scheduler = self.front.stages.scheduler
+        self.front.stages.send(leg.prefill, leg.decode)
+        route = scheduler.routes[rid]
+        while True:
+            try:
+                out = await route.take(beat)
+            except TimeoutError:
+                yield None
+                continue
+            if out.finish_reason is not None:
+                scheduler.routes.pop(rid, None)
+                yield out
+                return
+            yield out
 
     def _chunk(self, rid: str, out: TokenOutput) -> Any:
         return self.pb.GenerateResponse(request_id=rid, chunk=self.pb.GenerateStreamChunk(
