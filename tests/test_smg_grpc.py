@@ -253,7 +253,7 @@ def _bench(cluster, model: str, out_path, num: int, seed: int, concurrency: int 
 
 
 def test_concurrent_requests_with_images_through_smg_grpc(cluster, tiny_qwen3_vl_path, tmp_path):
-    doc = _bench(cluster, tiny_qwen3_vl_path, tmp_path / "bench.json", 30, seed=1, concurrency=6)
+    doc = _bench(cluster, tiny_qwen3_vl_path, tmp_path / "bench.json", 24, seed=1, concurrency=6)
     assert doc["summary"]["failed_requests"] == 0, [r["error"] for r in doc["requests"] if not r["success"]]
     assert all(r["completion_tokens"] == 6 for r in doc["requests"])
     _wait_baseline(cluster, ["prefill0", "decode0", "decode1"], TIMEOUT_S + 5)
