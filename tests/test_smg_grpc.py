@@ -219,6 +219,22 @@ def test_info_rpcs_answer_what_smg_reads(cluster, tiny_qwen3_vl_path):
         assert loads.dp_rank_count == 1 and loads.loads[0].max_total_num_tokens > 0
     args = MessageToDict(_stub(cluster, "prefill0").GetServerInfo(pb.GetServerInfoRequest(), timeout=10).server_args)
     assert args["disaggregation_bootstrap_port"] == cluster.servers["prefill0"].bootstrap_port
+    # GetTokenizer: the model directory's tokenizer files, zipped, in chunks; the last carries the SHA-256.
+    import hashlib
+    import io
+    import zipfile
+    from pathlib import Path
+
+    from smg_grpc_proto.generated import common_pb2
+
+    chunks = list(_stub(cluster, "decode0").GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=30))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest() and not any(c.sha256 for c in chunks[:-1])
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        assert zf.read("tokenizer.json") == (Path(tiny_qwen3_vl_path) / "tokenizer.json").read_bytes()
+        names = set(zf.namelist())
+    assert {"tokenizer_config.json", "config.json", "chat_template.jinja"} <= names
+    assert names & {"preprocessor_config.json", "processor_config.json"}
 
 
 def test_abort_and_cancel_free_kv_and_rooms(cluster, hf3, photo_paths):

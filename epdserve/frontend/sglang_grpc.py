@@ -19,6 +19,7 @@ RPCs:
 - ``HealthCheck``: healthy once the front is ready and the scheduler answers a load query.
 - ``GetModelInfo``, ``GetServerInfo`` (``server_args`` has the keys smg reads: ``disaggregation_mode``,
   ``tokenizer_path``, ``context_length``, ``max_running_requests``, ...), ``GetLoads``.
+- ``GetTokenizer``: the tokenizer files as a ZIP (for an smg without the model directory).
 - ``Embed`` and the rest: UNIMPLEMENTED.
 """
 
@@ -26,11 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import io
 import logging
 import time
 import uuid
+import zipfile
 from collections.abc import AsyncIterator
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -63,6 +68,33 @@ class _Call:
     """A ``Generate`` in progress; ``aborted`` once ``Abort`` named it."""
 
     aborted: bool = False
+
+
+# The files smg's tokenizer loader reads (smg's own servicers send this set, smg_grpc_servicer/
+# tokenizer_bundle.py), exact names and patterns; plus processor_config.json, where transformers 5 checkpoints
+# keep the image processor's settings.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
+                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "tiktoken.model",
+                    "chat_template.json", "preprocessor_config.json", "processor_config.json")
+_TOKENIZER_GLOBS = ("*.tiktoken", "*.jinja", "*.model")
+_CHUNK = 64 * 1024
+
+
+def tokenizer_zip(model_dir: Path) -> bytes:
+    """A ZIP (deflated, flat names) of the tokenizer files in ``model_dir`` (``GetTokenizer``).
+
+    Raises:
+        FileNotFoundError: none of them is there.
+    """
+    names = [n for n in _TOKENIZER_FILES if (model_dir / n).is_file()]
+    names += sorted({m.name for g in _TOKENIZER_GLOBS for m in model_dir.glob(g) if m.is_file()} - set(names))
+    if not names:
+        raise FileNotFoundError(f"no tokenizer files in {model_dir}")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name in names:
+            zf.write(model_dir / name, name)
+    return buf.getvalue()
 
 
 def _servicer_base() -> type:
@@ -290,6 +322,17 @@ class SglangSchedulerServicer:
                                        total_running_reqs=sched.num_running_reqs,
                                        total_waiting_reqs=sched.num_waiting_reqs, total_reqs=sched.num_total_reqs,
                                        avg_token_usage=sched.token_usage))
+
+    async def GetTokenizer(self, request, context) -> AsyncIterator[Any]:
+        """The checkpoint's tokenizer, chat template and processor files as one ZIP, in 64 KiB chunks, the last
+        with the archive's SHA-256: how smg gets a tokenizer where the model directory is not on its machine."""
+        from smg_grpc_proto.generated import common_pb2
+
+        data = await asyncio.to_thread(tokenizer_zip, Path(self.front.model_path))
+        digest = hashlib.sha256(data).hexdigest()
+        for start in range(0, len(data), _CHUNK):
+            last = start + _CHUNK >= len(data)
+            yield common_pb2.GetTokenizerChunk(data=data[start:start + _CHUNK], sha256=digest if last else "")
 
     async def Embed(self, request, context) -> Any:
         """UNIMPLEMENTED: a generation model."""
