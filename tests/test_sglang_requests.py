@@ -93,3 +93,42 @@ def test_image_inputs_refused_before_any_encoding():
     with pytest.raises(InvalidRequest, match="im_token_id"):
         image_spans(pb.MultimodalInputs(image_data=[b"x"], im_token_id=IMAGE + 1), ids, IMAGE, None)
     assert image_spans(pb.MultimodalInputs(), ids, IMAGE, None) == ([], [])
+
+
+def test_image_spans_check_smg_metadata_against_the_processor(tiny_model_path, photo_paths):
+    """Qwen2.5-VL (which smg 1.13 itself cannot send over gRPC): metadata as smg would send it for two photos
+    is accepted with the processor's grids; a grid or a run length the processor would not make is refused."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    ip = AutoProcessor.from_pretrained(tiny_model_path).image_processor
+    files = [photo_paths[n].read_bytes() for n in ("astronaut", "coffee")]
+    grids = ip(images=[Image.open(photo_paths[n]).convert("RGB") for n in ("astronaut", "coffee")],
+               return_tensors="np")["image_grid_thw"]
+    counts = [int(g.prod()) // ip.merge_size**2 for g in grids]
+    ids = [1, *[IMAGE] * counts[0], 2, 3, *[IMAGE] * counts[1], 4]
+    runs = [pb.PlaceholderRange(offset=1, length=counts[0]), pb.PlaceholderRange(offset=3 + counts[0],
+                                                                                 length=counts[1])]
+
+    def mm(grid=grids, holders=runs):
+        t = pb.TensorData(data=np.asarray(grid, "<i8").tobytes(), shape=list(np.shape(grid)), dtype="int64")
+        return pb.MultimodalInputs(image_data=files, mm_placeholders=holders, model_specific_tensors={
+            "image_grid_thw": t})
+
+    images, spans = image_spans(mm(), ids, IMAGE, ip)
+    assert images == files and [s.grid_thw for s in spans] == grids.tolist()
+    assert [(s.offset, s.length) for s in spans] == [(r.offset, r.length) for r in runs]
+    bad = grids.copy()
+    bad[1, 2] += 2
+    with pytest.raises(InvalidRequest, match="image 1: the gateway's image_grid_thw"):
+        image_spans(mm(bad), ids, IMAGE, ip)
+    short = [runs[0], pb.PlaceholderRange(offset=runs[1].offset, length=counts[1] - 1)]
+    with pytest.raises(InvalidRequest, match="image 1: .* placeholder tokens"):
+        image_spans(mm(holders=short), ids, IMAGE, ip)
+    broken = list(ids)
+    broken[1] = 9  # the first run no longer holds only image tokens
+    with pytest.raises(InvalidRequest, match="image 0: .* is not a run of the image token"):
+        image_spans(mm(), broken, IMAGE, ip)
+    with pytest.raises(InvalidRequest, match="outside the mm_placeholders"):
+        image_spans(mm(), ids + [IMAGE], IMAGE, ip)
