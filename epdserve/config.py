@@ -73,6 +73,9 @@ class LMServerConfig:
     request_timeout_s: float = _f(120.0, "drop a request whose inputs (embeddings, KV, registration) never come; "
                                          "also how long a bootstrap room whose partner never comes holds its KV")
     served_model_name: str = _f("", "model name the HTTP front serves (see --port); default: the model path")
+    grpc_port: int = _f(0, "port of SGLang's scheduler gRPC service (sglang.grpc.scheduler.SglangScheduler, for smg "
+                           "with grpc:// workers; needs the smg-grpc extra), served by the front process beside "
+                           "--port; 0 = off")
     kv_transfer: str = _f("auto", "prefill->decode KV path: 'zmq' (through host memory and ZeroMQ), 'shared' "
                                   "(decode maps the prefill KV pool when both run on this machine and copies pages "
                                   "device to device: CUDA IPC, or /dev/shm on CPU; zmq otherwise), or 'auto' "
