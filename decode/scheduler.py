@@ -33,8 +33,9 @@ from epdserve.wire.messages import DecodeRequest, KVAck, KVRegister, KVTransfer,
 from epdserve.metrics import DecodeMetrics
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.mrope import decode_positions
-from epdserve.engine.sampling import (apply_logit_bias, apply_penalties, has_penalties, sample, sampled_logprobs,
-                               token_logprobs)
+from epdserve.engine.sampling import apply_logit_bias, apply_penalties, has_penalties, sample, sampled_logprobs
+from epdserve.decode.steps import Step, output_ids
+from epdserve.kvcache.engine import KVEngine
 
 log = logging.getLogger(__name__)
 
@@ -64,33 +65,6 @@ class _Seq:
     constraint: Constraint | None = None  # structured outputs: the request's grammar state
 
 
-class _Step:
-    """A launched decode step: its requests (row order) and sampled ids ``[B]`` int64 on the device, with their
-    copy to pinned host memory already queued behind them; and, when a request asked, the rows' log-probabilities
-    (:func:`epdserve.engine.sampling.sampled_logprobs`, on the device)."""
-
-    def __init__(self, seqs: list[_Seq], tokens: torch.Tensor,
-                 logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-        self.seqs, self.tokens, self.logprobs = seqs, tokens, logprobs
-        self._host, self._ready = tokens, None
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-
-    def host_tokens(self) -> list[int]:
-        """The sampled ids as a list, waiting for the device if it is not done yet."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        return self._host.tolist()
-
-    def host_logprobs(self) -> list[TokenLogprob | None]:
-        """Per row, the sampled token's :class:`TokenLogprob` (None for rows that did not ask). Call after
-        :meth:`host_tokens`: the values are then computed, and copying them is all that is left."""
-        return token_logprobs(self.logprobs, [s.msg.sampling for s in self.seqs])
-
-
 class DecodeScheduler:
     """Owns the decode server's page pool and running batch.
 
@@ -104,12 +78,17 @@ class DecodeScheduler:
             shared hand-off path, :mod:`epdserve.kvcache.kv_share`) instead of receiving the KV in the message.
         metrics: where to record (the server's; a fresh one by default).
         grammars: compiles constrained requests' grammars (None: such requests fail).
+        engine: the transfer engine with this runner's pool registered (``--kv-transfer nixl|mooncake``): a
+            request's pages are reserved when it arrives and named in its registration, for the prefill server
+            to write its KV into (:mod:`epdserve.kvcache.engine`); with no pages free, it takes the host path.
     """
 
     def __init__(self, runner: ModelRunner, *, context_length: int, max_running_requests: int,
                  timeout_s: float, kv_endpoint: str, accept_shared: bool = False,
-                 metrics: DecodeMetrics | None = None, grammars: GrammarCompiler | None = None):
+                 metrics: DecodeMetrics | None = None, grammars: GrammarCompiler | None = None,
+                 engine: KVEngine | None = None):
         self.runner, self.grammars = runner, grammars
+        self.region = engine.describe() if engine is not None else None
         self.pool = PagePool(runner.num_pages, runner.page_size)
         self.context_length = context_length
         self.max_running = max_running_requests
@@ -119,7 +98,7 @@ class DecodeScheduler:
         self.pending: dict[int, _Seq] = {}  # room -> request waiting for its KV
         self.ready: deque[_Seq] = deque()  # KV arrived, waiting for pages
         self.running: list[_Seq] = []
-        self.inflight: _Step | None = None  # the launched step whose sampled ids the host has not read yet
+        self.inflight: Step | None = None  # the launched step whose sampled ids the host has not read yet
         self.outputs: list[tuple[bytes, TokenOutput]] = []
         self.metrics = metrics if metrics is not None else DecodeMetrics()
         self.accept_shared, self.host_id, self.peer_pools = accept_shared, host_id(), PeerPools()
@@ -132,12 +111,16 @@ class DecodeScheduler:
         """Track a request; returns ``(bootstrap endpoint, KVRegister)`` for the server to send."""
         now = time.monotonic()
         # The grammar compiles while prefill runs: by the time the KV arrives it is usually done.
-        self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=now + self.timeout_s, arrival=now,
-                                                constraint=constraint_for(self.grammars, msg.sampling.grammar))
+        seq = self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=now + self.timeout_s, arrival=now,
+                                                      constraint=constraint_for(self.grammars, msg.sampling.grammar))
+        need = self.pool.pages_for(min(msg.prompt_len + msg.sampling.max_new_tokens, self.context_length))
+        if self.region is not None and need <= self.pool.num_free:  # else the host path: KV in the message
+            seq.pages = self.pool.alloc(need)
         log.debug("rid=%s request received", msg.rid)
         return _bootstrap(msg), KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room,
                                            kv_endpoint=self.kv_endpoint, host_id=self.host_id,
-                                           accept_shared=self.accept_shared)
+                                           accept_shared=self.accept_shared, region=self.region if seq.pages else None,
+                                           kv_pages=list(seq.pages))
 
     def add_transfer(self, msg: KVTransfer) -> None:
         """KV (or an error) for a pending request; transfers for unknown rooms (aborted) are dropped."""
@@ -154,20 +137,25 @@ class DecodeScheduler:
         else:
             self.metrics.on_kv_failure("prefill_error")
         if msg.error is not None:
-            if msg.pool is not None:  # the prefill server holds pages for it: let them go
+            if msg.pool is not None or msg.engine_written:  # the prefill server holds pages for it: let them go
                 self._ack(seq)
+            self._free(seq)  # pages reserved for an engine write
             self._emit(seq, "error", error=msg.error)
             return
+        if msg.engine_written:  # the KV is in this server's pages: the prefill server may reuse its own
+            self._ack(seq)
         seq.transfer, seq.kv_at = msg, time.monotonic()
         self.ready.append(seq)
-        log.debug("rid=%s KV received", msg.rid)
+        log.debug("rid=%s KV received%s", msg.rid, f" (written by the engine: {msg.engine_bytes} bytes in "
+                  f"{msg.engine_seconds * 1e3:.1f} ms)" if msg.engine_written else "")
 
     def abort(self, rid: str) -> None:
         """Drop ``rid`` wherever it is and free its pages."""
         for room in [room for room, s in self.pending.items() if s.msg.rid == rid]:
-            del self.pending[room]
+            self._free(self.pending.pop(room))
         for seq in [s for s in self.ready if s.msg.rid == rid]:
             self.ready.remove(seq)
+            self._free(seq)
             if seq.transfer is not None and seq.transfer.pool is not None:  # the prefill server may free them now
                 self._ack(seq)
         for seq in [s for s in self.running if s.msg.rid == rid]:
@@ -177,7 +165,8 @@ class DecodeScheduler:
     def fail_request(self, rid: str, error: str) -> None:
         """End a request still waiting for its KV with ``error`` (an output to its gateway) and drop it."""
         for room in [room for room, s in self.pending.items() if s.msg.rid == rid]:
-            self._emit(self.pending.pop(room), "error", error=error)
+            self._free(seq := self.pending.pop(room))
+            self._emit(seq, "error", error=error)
 
     def load(self) -> Load:
         """What this scheduler holds now; with no request in flight every page is free and no room is held."""
@@ -224,6 +213,7 @@ class DecodeScheduler:
         the outputs are in :attr:`outputs`."""
         self.fail_running(error)
         for seq in [*self.ready, *self.pending.values()]:
+            self._free(seq)
             self._emit(seq, "error", error=error)
         self.ready.clear()
         self.pending.clear()
@@ -237,6 +227,8 @@ class DecodeScheduler:
                     f"model and processor?")
         if not 0 <= msg.first_token_id < cfg.vocab_size:
             return f"first token {msg.first_token_id} out of the vocabulary"
+        if msg.engine_written:
+            return None if seq.pages else "KV written by a transfer engine into pages this server did not reserve"
         state_err = self.states.check_handoff(msg.state, shared=msg.pool is not None)
         if state_err:
             return state_err
@@ -260,7 +252,7 @@ class DecodeScheduler:
         now = time.monotonic()
         for room, seq in list(self.pending.items()):
             if seq.deadline < now:
-                del self.pending[room]
+                self._free(self.pending.pop(room))
                 log.warning("rid=%s timed out waiting for KV", seq.msg.rid)
                 self.metrics.on_kv_failure("timeout")
                 self._emit(seq, "error", error="timed out waiting for KV from the prefill server")
@@ -272,7 +264,7 @@ class DecodeScheduler:
                 if not c.ready():
                     break  # first come, first served: its grammar is still compiling
                 if err := c.start():
-                    self.ready.popleft()
+                    self._free(self.ready.popleft())
                     self.metrics.on_error("bad_grammar")
                     self._emit(seq, "error", error=err)
                     continue
@@ -283,13 +275,15 @@ class DecodeScheduler:
                 self.metrics.on_error("kv_pool_too_small")
                 self._emit(seq, "error", error=f"{total} tokens need more KV pages than the pool has")
                 continue
-            if need > self.pool.num_free or not self.states.acquire(seq.msg.bootstrap_room):
+            if (not seq.pages and need > self.pool.num_free) or not self.states.acquire(seq.msg.bootstrap_room):
                 break  # first come, first served
             self.ready.popleft()
-            seq.pages = self.pool.alloc(need)
+            seq.pages = seq.pages or self.pool.alloc(need)  # reserved at arrival on the engine path
             transfer, seq.transfer = seq.transfer, None
             slots = torch.tensor(self.pool.slots(seq.pages, 0, seq.msg.prompt_len), dtype=torch.int64)
-            if transfer.pool is not None:
+            if transfer.engine_written:
+                pass  # the prefill server wrote the KV into seq.pages; acknowledged on arrival
+            elif transfer.pool is not None:
                 err = self._copy_shared_kv(seq, transfer, slots)
                 if err:
                     self.metrics.on_kv_failure("shared_copy")
@@ -339,7 +333,7 @@ class DecodeScheduler:
         device has passed ``done`` (the copy out of them)."""
         self._acks.append((done, _bootstrap(seq.msg), KVAck(rid=seq.msg.rid, bootstrap_room=seq.msg.bootstrap_room)))
 
-    def _launch(self) -> _Step:
+    def _launch(self) -> Step:
         """Build and launch one decode step over the running requests that may still need a token; returns it
         without waiting for the device."""
         seqs = [s for s in self.running if s.launched < s.max_out]
@@ -369,7 +363,7 @@ class DecodeScheduler:
         params = [s.msg.sampling for s in seqs]
         adjusted = apply_logit_bias(logits, params)
         if has_penalties(params):
-            adjusted = apply_penalties(adjusted, _output_ids(seqs, input_ids, dev), params)
+            adjusted = apply_penalties(adjusted, output_ids(seqs, input_ids, dev), params)
         if any(s.constraint is not None for s in seqs):
             # A matcher must see step N's tokens before it can mask step N+1: read them now, while this step's
             # forward runs on the device, and fill the bitmask meanwhile (SGLang's overlap with grammars).
@@ -381,9 +375,9 @@ class DecodeScheduler:
         lp = sampled_logprobs(logits, tokens, params)  # now: a graph's logits are a view the next replay overwrites
         for row, seq in enumerate(seqs):
             seq.row, seq.launched = row, seq.launched + 1
-        return _Step(seqs, tokens, lp)
+        return Step(seqs, tokens, lp)
 
-    def _collect(self, step: _Step) -> None:
+    def _collect(self, step: Step) -> None:
         """Wait for ``step``'s sampled ids and append them (finished or aborted requests' rows are dropped)."""
         for seq, tok, tok_lp in zip(step.seqs, step.host_tokens(), step.host_logprobs()):
             if not seq.done:
@@ -425,17 +419,6 @@ class DecodeScheduler:
             rid=seq.msg.rid, token_ids=list(token_ids), finish_reason=finish,
             prompt_tokens=seq.msg.prompt_len, completion_tokens=len(seq.output_ids),
             cached_tokens=seq.cached_tokens, error=error, logprobs=list(logprobs))))
-
-
-def _output_ids(seqs: list[_Seq], newest: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """``[B, L]`` int64 on ``dev``: each request's output ids so far, padded with -1. The newest one of each row
-    is ``newest`` (this step's input ids, maybe still on the device from the previous step); the ones before it
-    are on the host."""
-    before = [s.output_ids[:s.launched - 1] for s in seqs]
-    width = max(map(len, before))
-    host = torch.tensor([ids + [-1] * (width - len(ids)) for ids in before], dtype=torch.int64).view(len(seqs), width)
-    newest = newest if newest.device.type == dev.type else to_device(newest, dev)
-    return torch.cat([to_device(host, dev), newest[:, None]], dim=1)
 
 
 def _bootstrap(msg: DecodeRequest) -> str:

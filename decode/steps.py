@@ -1,0 +1,48 @@
+"""A launched decode step (:class:`Step`) and the output ids a penalised step reads (:func:`output_ids`): the
+parts of :class:`~epdserve.decode.scheduler.DecodeScheduler`'s overlap loop that hold device tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from epdserve.device import to_device
+from epdserve.engine.sampling import token_logprobs
+from epdserve.wire.messages import TokenLogprob
+
+
+class Step:
+    """A launched decode step: its requests (row order) and sampled ids ``[B]`` int64 on the device, with their
+    copy to pinned host memory already queued behind them; and, when a request asked, the rows' log-probabilities
+    (:func:`epdserve.engine.sampling.sampled_logprobs`, on the device)."""
+
+    def __init__(self, seqs: list, tokens: torch.Tensor,
+                 logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        self.seqs, self.tokens, self.logprobs = seqs, tokens, logprobs
+        self._host, self._ready = tokens, None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def host_tokens(self) -> list[int]:
+        """The sampled ids as a list, waiting for the device if it is not done yet."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+    def host_logprobs(self) -> list[TokenLogprob | None]:
+        """Per row, the sampled token's :class:`TokenLogprob` (None for rows that did not ask). Call after
+        :meth:`host_tokens`: the values are then computed, and copying them is all that is left."""
+        return token_logprobs(self.logprobs, [s.msg.sampling for s in self.seqs])
+
+
+def output_ids(seqs: list, newest: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``[B, L]`` int64 on ``dev``: each request's output ids so far, padded with -1. The newest one of each row
+    is ``newest`` (this step's input ids, maybe still on the device from the previous step); the ones before it
+    are on the host."""
+    before = [s.output_ids[:s.launched - 1] for s in seqs]
+    width = max(map(len, before))
+    host = torch.tensor([ids + [-1] * (width - len(ids)) for ids in before], dtype=torch.int64).view(len(seqs), width)
+    newest = newest if newest.device.type == dev.type else to_device(newest, dev)
+    return torch.cat([to_device(host, dev), newest[:, None]], dim=1)
