@@ -393,12 +393,12 @@ class PrefillScheduler:
                       (t1 - t0) * 1e3, (t2 - t1) * 1e3, gpu[0].elapsed_time(gpu[1]), (time.perf_counter() - t0) * 1e3)
         for req, tok, tok_lp in zip(reqs, first, first_lp):
             req.first_token, req.first_logprob, req.embeds, req.constraint = tok, tok_lp, None, None
+            log.debug("rid=%s prefilled %d tokens (%d cached)", req.msg.rid, req.n, req.cached)  # before any gather
             if self.pool_handle is None and self.engine is None:  # host path: the KV leaves the pages now
                 req.transfer = self._host_transfer(req)
             req.state, req.deadline = _State.FINISHED, time.monotonic() + self.timeout_s
             self._to_end(req)
             self.metrics.on_prefilled(req.arrival, req.n, req.cached, req.msg.images)
-            log.debug("rid=%s prefilled %d tokens (%d cached)", req.msg.rid, req.n, req.cached)
 
     def _hand_off(self, req: _Req) -> KVTransfer | None:
         """The transfer for a prefilled request (out of the table) whose decode server just registered: shared

@@ -3,7 +3,7 @@
 this machine has an RDMA device and TCP otherwise.
 
 Its Python binding offers no pollable one-sided write without a batch wait, so each write runs
-``batch_transfer_sync_write`` on one worker thread (the binding releases the GIL while it waits) and
+``batch_transfer_sync_write`` on a worker thread (the binding releases the GIL while it waits) and
 :meth:`MooncakeEngine.poll` asks the thread's future.
 """
 
@@ -44,7 +44,8 @@ class MooncakeEngine(KVEngine):
         if self.te.initialize(host, "P2PHANDSHAKE", proto, "") != 0:
             raise KVEngineError(f"Mooncake transfer engine cannot start on {host} ({proto})")
         self._session = f"{host}:{self.te.get_rpc_port()}"
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mooncake-write")
+        # A few workers: a write blocked on a stalled peer must not hold back writes to the others.
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="mooncake-write")
 
     def _register(self, buffer: torch.Tensor) -> None:
         if self.te.register_memory(buffer.data_ptr(), buffer.numel() * buffer.element_size()) != 0:
