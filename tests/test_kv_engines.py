@@ -69,7 +69,7 @@ def test_engine_writes_exactly_the_named_pages(name):
 def test_unknown_or_missing_engine_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="unknown KV transfer engine"):
         make_engine("rdma", "127.0.0.1")
-    monkeypatch.setitem(KV_ENGINES, "nixl", ("epdserve.kvcache.no_such_module", "X", "nixl"))
+    monkeypatch.setitem(KV_ENGINES, "nixl", ("epdserve.kvcache.no_such_module", "X", KV_ENGINES["nixl"][2]))
     with pytest.raises(KVEngineError, match=re.escape("pip install 'epdserve[nixl]'")):
         make_engine("nixl", "127.0.0.1")
 
@@ -151,3 +151,17 @@ def test_decode_killed_during_hand_off_frees_everything(name, tiny_model_path, t
             assert stream(base, req).token_ids == reference
     finally:
         procs.stop_all()
+
+
+@pytest.mark.skipif(not _importable("nixl"), reason="epdserve[nixl] not installed")
+def test_tp2_prefill_to_tp1_decode_falls_back_to_host_path(hf, tiny_model_path, photo_paths, tmp_path_factory):
+    """A TP prefill server takes the host path (its KV is split over its ranks); its TP=1 decode partner, which
+    reserved pages and offered its pool, takes the KV from the message into those pages."""
+    turns = _resolve("one_photo", photo_paths)
+    _, ref_ids, _ = _hf_reference(hf, turns)
+    with launched(tiny_model_path, tmp_path_factory.mktemp("launch-tp"), "--kv-transfer", "nixl",
+                  "--prefill-tp", "2") as (url, log_path):
+        assert _chat(url, tiny_model_path, _openai_messages(turns))["choices"][0]["token_ids"] == ref_ids
+        log = log_path.read_text()
+    assert "--kv-transfer nixl with --tp 2: KV goes through host memory (zmq)" in log
+    assert "KV received (written by the engine" not in log and "KV hand-off nixl" in log  # decode offered it

@@ -21,8 +21,11 @@ import torch
 from epdserve.wire.codec import FLOAT_DTYPES
 from epdserve.wire.messages import KVEngineRegion
 
-KV_ENGINES = {"nixl": ("epdserve.kvcache.engine_nixl", "NixlEngine", "nixl"),
-              "mooncake": ("epdserve.kvcache.engine_mooncake", "MooncakeEngine", "mooncake")}
+# name -> (module, class, how to install its package)
+KV_ENGINES = {"nixl": ("epdserve.kvcache.engine_nixl", "NixlEngine", "pip install 'epdserve[nixl]'"),
+              "mooncake": ("epdserve.kvcache.engine_mooncake", "MooncakeEngine",
+                           "pip install 'epdserve[mooncake]' (its CUDA build: needs libcudart.so.12), or "
+                           "'epdserve[mooncake-cpu]' on a machine without CUDA (needs libibverbs.so.1)")}
 
 
 class KVEngineError(RuntimeError):
@@ -104,11 +107,11 @@ def make_engine(name: str, host: str) -> KVEngine:
     """
     if name not in KV_ENGINES:
         raise ValueError(f"unknown KV transfer engine {name!r}; one of {sorted(KV_ENGINES)}")
-    module, cls, extra = KV_ENGINES[name]
+    module, cls, install = KV_ENGINES[name]
     try:
         impl = getattr(importlib.import_module(module), cls)
-    except ImportError as e:
-        raise KVEngineError(f"--kv-transfer {name} needs its package: pip install 'epdserve[{extra}]' ({e})") from e
+    except ImportError as e:  # not installed, or a build whose shared libraries this machine lacks
+        raise KVEngineError(f"--kv-transfer {name} cannot import its package ({e}); {install}") from e
     return impl(host)
 
 
