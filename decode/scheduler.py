@@ -105,6 +105,7 @@ class DecodeScheduler:
         self.states = StateSlots(runner)  # hybrid models: a state slot per running request (by bootstrap room)
         # KV copied out of prefill pools, acknowledged once the copy ran: (done event or None, bootstrap, ack).
         self._acks: list[tuple[torch.cuda.Event | None, str, KVAck]] = []
+        self._held_back: dict[int, tuple[float, list[int]]] = {}  # room -> (until, pages): see _drop_pending
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def add_request(self, msg: DecodeRequest, peer: bytes) -> tuple[str, KVRegister]:
@@ -127,6 +128,8 @@ class DecodeScheduler:
         seq = self.pending.pop(msg.bootstrap_room, None)
         if seq is None:
             log.debug("rid=%s KV for unknown room dropped", msg.rid)
+            if (held := self._held_back.pop(msg.bootstrap_room, None)) is not None:
+                self.pool.free(held[1])  # an aborted request's engine write has ended
             return
         self.metrics.on_kv_received(msg)
         if msg.error is None:
@@ -152,7 +155,7 @@ class DecodeScheduler:
     def abort(self, rid: str) -> None:
         """Drop ``rid`` wherever it is and free its pages."""
         for room in [room for room, s in self.pending.items() if s.msg.rid == rid]:
-            self._free(self.pending.pop(room))
+            self._drop_pending(room)
         for seq in [s for s in self.ready if s.msg.rid == rid]:
             self.ready.remove(seq)
             self._free(seq)
@@ -248,11 +251,22 @@ class DecodeScheduler:
             return f"KV transfer has shape {got}, expected {want}"
         return None
 
+    def _drop_pending(self, room: int) -> None:
+        """Take a request waiting for its KV out. Pages it offered a transfer engine stay held until its
+        ``KVTransfer`` still comes or ``timeout_s`` passed: a write already in flight may yet land in them."""
+        seq = self.pending.pop(room)
+        if seq.pages:
+            self._held_back[room] = (time.monotonic() + self.timeout_s, seq.pages)
+            seq.pages = []
+        self._free(seq)
+
     def _expire(self) -> None:
         now = time.monotonic()
+        for room in [r for r, (deadline, _) in self._held_back.items() if deadline < now]:
+            self.pool.free(self._held_back.pop(room)[1])
         for room, seq in list(self.pending.items()):
             if seq.deadline < now:
-                self._free(self.pending.pop(room))
+                self._drop_pending(room)
                 log.warning("rid=%s timed out waiting for KV", seq.msg.rid)
                 self.metrics.on_kv_failure("timeout")
                 self._emit(seq, "error", error="timed out waiting for KV from the prefill server")

@@ -4,8 +4,9 @@ every way a hand-off ends gives prefill's and decode's pages and rooms back.
 - Prefill: a write that completes is followed by a tensor-less ``KVTransfer`` and the pages stay held until
   decode's ``KVAck``; a write that fails frees them and sends decode an error; an abort during a write gives the
   write up (the engine's ``cancel``) and frees them.
-- Decode: the pages it reserves at arrival (named in its ``KVRegister``) come back on abort, on its KV deadline
-  and on an error transfer; with too few free pages it registers without a region (host path).
+- Decode: the pages it reserves at arrival (named in its ``KVRegister``) come back on an error transfer and on its
+  KV deadline; after an abort, once the write could no longer land in them (its transfer came, or the deadline);
+  with too few free pages it registers without a region (host path).
 """
 
 from __future__ import annotations
@@ -98,7 +99,14 @@ def test_decode_reserved_pages_come_back(runner):  # noqa: F811
     reg = ask("a", 1)
     assert reg.region is not None and reg.region.agent == "stand-in"
     assert len(reg.kv_pages) == dec.pool.pages_for(110) == free - dec.pool.num_free
-    dec.abort("a")
+    dec.abort("a")  # its pages stay held while a write into them may still be in flight ...
+    assert dec.pool.num_free == free - len(reg.kv_pages) and dec.load().rooms == 0
+    dec._held_back[1] = (time.monotonic() - 1, dec._held_back[1][1])
+    dec.step()  # ... until the KV deadline
+    assert dec.pool.num_free == free
+    reg = ask("a2", 6)
+    dec.abort("a2")
+    dec.add_transfer(KVTransfer(rid="a2", bootstrap_room=6, engine_written=True))  # ... or its transfer comes
     assert dec.pool.num_free == free
     ask("b", 2)
     dec.add_transfer(KVTransfer(rid="b", bootstrap_room=2, error="prefill failed"))
@@ -106,7 +114,10 @@ def test_decode_reserved_pages_come_back(runner):  # noqa: F811
     ask("c", 3)
     dec.pending[3].deadline = time.monotonic() - 1
     out = dec.step()
-    assert dec.pool.num_free == free and "timed out" in out[-1][1].error
+    assert "timed out" in out[-1][1].error
+    dec._held_back[3] = (time.monotonic() - 1, dec._held_back[3][1])
+    dec.step()
+    assert dec.pool.num_free == free
     # A request larger than the free pages registers without a region: its KV comes in the message.
     reg = ask("d", 4, prompt_len=10, new=free * PAGE)
     assert reg.region is None and reg.kv_pages == [] and dec.pool.num_free == free
