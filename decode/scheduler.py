@@ -3,7 +3,8 @@ continuous batching (every running request advances one token per forward; reque
 forwards, as in Orca, Yu et al., OSDI 2022, and vLLM/SGLang).
 
 Pages for the whole output (prompt + ``max_new_tokens``, capped at the context) are reserved at admission, so a
-running request never runs out of KV space and no preemption is needed.
+running request never runs out of KV space and no preemption is needed. A request of ``n`` choices is admitted
+as ``n`` forks sharing its prompt's full pages (:mod:`epdserve.decode.forks`).
 
 Overlap (SGLang's overlap scheduler, mini-sglang ``scheduler.py``): one decode step stays in flight on the GPU
 while the host builds the next one and handles the previous one's tokens. Step N+1 takes its input ids straight
@@ -23,9 +24,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from epdserve.decode.engine_pages import EnginePages
+from epdserve.decode.kv_checks import check_kv
+from epdserve.decode.forks import ForkGroup, fork_copy_plan, fork_pages
+from epdserve.decode.steps import Step, output_ids
 from epdserve.device import to_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.engine.grammar import Constraint, GrammarCompiler, constraint_for, mask_logits
+from epdserve.kvcache.engine import KVEngine
 from epdserve.kvcache.page_pool import PagePool, page_slots
 from epdserve.kvcache.kv_share import PeerPools, host_id
 from epdserve.kvcache.state_slots import StateSlots
@@ -33,9 +39,8 @@ from epdserve.wire.messages import DecodeRequest, KVAck, KVRegister, KVTransfer,
 from epdserve.metrics import DecodeMetrics
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.mrope import decode_positions
-from epdserve.engine.sampling import apply_logit_bias, apply_penalties, has_penalties, sample, sampled_logprobs
-from epdserve.decode.steps import Step, output_ids
-from epdserve.kvcache.engine import KVEngine
+from epdserve.engine.sampling import (apply_logit_bias, apply_penalties, choice_generator, has_penalties, sample,
+                                      sampled_logprobs)
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,14 @@ class _Seq:
     kv_at: float = 0.0
     admitted: float | None = None
     constraint: Constraint | None = None  # structured outputs: the request's grammar state
+    index: int = 0  # n > 1: this fork's choice
+    group: ForkGroup | None = None  # the prompt pages this fork shares with the request's other forks
+    shared: int = 0  # how many of ``pages`` (the first) are the group's
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """This fork's state-slot key."""
+        return self.msg.bootstrap_room, self.index
 
 
 class DecodeScheduler:
@@ -78,9 +91,8 @@ class DecodeScheduler:
             shared hand-off path, :mod:`epdserve.kvcache.kv_share`) instead of receiving the KV in the message.
         metrics: where to record (the server's; a fresh one by default).
         grammars: compiles constrained requests' grammars (None: such requests fail).
-        engine: the transfer engine with this runner's pool registered (``--kv-transfer nixl|mooncake``): a
-            request's pages are reserved when it arrives and named in its registration, for the prefill server
-            to write its KV into (:mod:`epdserve.kvcache.engine`); with no pages free, it takes the host path.
+        engine: the transfer engine with this runner's pool registered (``--kv-transfer nixl|mooncake``): pages
+            reserved at arrival for prefill to write into (:mod:`epdserve.decode.engine_pages`).
     """
 
     def __init__(self, runner: ModelRunner, *, context_length: int, max_running_requests: int,
@@ -88,8 +100,8 @@ class DecodeScheduler:
                  metrics: DecodeMetrics | None = None, grammars: GrammarCompiler | None = None,
                  engine: KVEngine | None = None):
         self.runner, self.grammars = runner, grammars
-        self.region = engine.describe() if engine is not None else None
         self.pool = PagePool(runner.num_pages, runner.page_size)
+        self.engine_pages = EnginePages(self.pool, engine, timeout_s)
         self.context_length = context_length
         self.max_running = max_running_requests
         self.timeout_s = timeout_s
@@ -105,7 +117,6 @@ class DecodeScheduler:
         self.states = StateSlots(runner)  # hybrid models: a state slot per running request (by bootstrap room)
         # KV copied out of prefill pools, acknowledged once the copy ran: (done event or None, bootstrap, ack).
         self._acks: list[tuple[torch.cuda.Event | None, str, KVAck]] = []
-        self._held_back: dict[int, tuple[float, list[int]]] = {}  # room -> (until, pages): see _drop_pending
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def add_request(self, msg: DecodeRequest, peer: bytes) -> tuple[str, KVRegister]:
@@ -114,39 +125,33 @@ class DecodeScheduler:
         # The grammar compiles while prefill runs: by the time the KV arrives it is usually done.
         seq = self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=now + self.timeout_s, arrival=now,
                                                       constraint=constraint_for(self.grammars, msg.sampling.grammar))
-        need = self.pool.pages_for(min(msg.prompt_len + msg.sampling.max_new_tokens, self.context_length))
-        if self.region is not None and need <= self.pool.num_free:  # else the host path: KV in the message
-            seq.pages = self.pool.alloc(need)
+        region, seq.pages = self.engine_pages.reserve(msg, self.context_length)  # None, []: KV in the message
         log.debug("rid=%s request received", msg.rid)
         return _bootstrap(msg), KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room,
                                            kv_endpoint=self.kv_endpoint, host_id=self.host_id,
-                                           accept_shared=self.accept_shared, region=self.region if seq.pages else None,
-                                           kv_pages=list(seq.pages))
+                                           accept_shared=self.accept_shared, region=region, kv_pages=list(seq.pages))
 
     def add_transfer(self, msg: KVTransfer) -> None:
         """KV (or an error) for a pending request; transfers for unknown rooms (aborted) are dropped."""
         seq = self.pending.pop(msg.bootstrap_room, None)
         if seq is None:
             log.debug("rid=%s KV for unknown room dropped", msg.rid)
-            if (held := self._held_back.pop(msg.bootstrap_room, None)) is not None:
-                self.pool.free(held[1])  # an aborted request's engine write has ended
+            self.engine_pages.late_transfer(msg.bootstrap_room)  # an aborted request's engine write has ended
             return
         self.metrics.on_kv_received(msg)
         if msg.error is None:
-            err = self._check_kv(seq, msg)
+            err = check_kv(self.runner.config, self.states, seq.msg, bool(seq.pages), msg)
             if err:
                 self.metrics.on_kv_failure("bad_kv")
                 msg = replace(msg, error=err)  # keeps ``pool``: pages lent for a rejected copy are acked too
         else:
             self.metrics.on_kv_failure("prefill_error")
+        if msg.engine_written or (msg.error is not None and msg.pool is not None):  # the prefill server's pages
+            self._ack(seq)  # held for it (lent, or written from): let them go
         if msg.error is not None:
-            if msg.pool is not None or msg.engine_written:  # the prefill server holds pages for it: let them go
-                self._ack(seq)
             self._free(seq)  # pages reserved for an engine write
             self._emit(seq, "error", error=msg.error)
             return
-        if msg.engine_written:  # the KV is in this server's pages: the prefill server may reuse its own
-            self._ack(seq)
         seq.transfer, seq.kv_at = msg, time.monotonic()
         self.ready.append(seq)
         log.debug("rid=%s KV received%s", msg.rid, f" (written by the engine: {msg.engine_bytes} bytes in "
@@ -155,7 +160,7 @@ class DecodeScheduler:
     def abort(self, rid: str) -> None:
         """Drop ``rid`` wherever it is and free its pages."""
         for room in [room for room, s in self.pending.items() if s.msg.rid == rid]:
-            self._drop_pending(room)
+            self.engine_pages.hold_back(room, self.pending.pop(room).pages)  # a write may still land in them
         for seq in [s for s in self.ready if s.msg.rid == rid]:
             self.ready.remove(seq)
             self._free(seq)
@@ -222,51 +227,12 @@ class DecodeScheduler:
         self.pending.clear()
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _check_kv(self, seq: _Seq, msg: KVTransfer) -> str | None:
-        cfg = self.runner.config
-        if seq.msg.input_digest and msg.input_digest and seq.msg.input_digest != msg.input_digest:
-            return (f"tokenization mismatch: the prefill server computed the KV of other token ids than this decode "
-                    f"server's (input digest {msg.input_digest} != {seq.msg.input_digest}); do both serve the same "
-                    f"model and processor?")
-        if not 0 <= msg.first_token_id < cfg.vocab_size:
-            return f"first token {msg.first_token_id} out of the vocabulary"
-        if msg.engine_written:
-            return None if seq.pages else "KV written by a transfer engine into pages this server did not reserve"
-        state_err = self.states.check_handoff(msg.state, shared=msg.pool is not None)
-        if state_err:
-            return state_err
-        if msg.pool is not None:
-            shape = msg.pool.shape
-            want = [cfg.num_kv_layers, 2, cfg.num_kv_heads, cfg.head_dim]
-            if len(shape) != 6 or [*shape[:2], *shape[4:]] != want or shape[3] <= 0:
-                return f"prefill KV pool has shape {shape}, expected [{cfg.num_kv_layers}, 2, pages, page size, " \
-                       f"{cfg.num_kv_heads}, {cfg.head_dim}]"
-            if len(msg.kv_pages) != -(-seq.msg.prompt_len // shape[3]) or \
-                    any(not 0 <= p < shape[2] for p in msg.kv_pages):
-                return f"KV transfer names {len(msg.kv_pages)} pages for a {seq.msg.prompt_len}-token prompt"
-            return None
-        want = (cfg.num_kv_layers, 2, seq.msg.prompt_len, cfg.num_kv_heads, cfg.head_dim)
-        if msg.kv is None or tuple(msg.kv.shape) != want:
-            got = None if msg.kv is None else tuple(msg.kv.shape)
-            return f"KV transfer has shape {got}, expected {want}"
-        return None
-
-    def _drop_pending(self, room: int) -> None:
-        """Take a request waiting for its KV out. Pages it offered a transfer engine stay held until its
-        ``KVTransfer`` still comes or ``timeout_s`` passed: a write already in flight may yet land in them."""
-        seq = self.pending.pop(room)
-        if seq.pages:
-            self._held_back[room] = (time.monotonic() + self.timeout_s, seq.pages)
-            seq.pages = []
-        self._free(seq)
-
     def _expire(self) -> None:
         now = time.monotonic()
-        for room in [r for r, (deadline, _) in self._held_back.items() if deadline < now]:
-            self.pool.free(self._held_back.pop(room)[1])
+        self.engine_pages.expire()
         for room, seq in list(self.pending.items()):
             if seq.deadline < now:
-                self._drop_pending(room)
+                self.engine_pages.hold_back(room, self.pending.pop(room).pages)  # a write may still land in them
                 log.warning("rid=%s timed out waiting for KV", seq.msg.rid)
                 self.metrics.on_kv_failure("timeout")
                 self._emit(seq, "error", error="timed out waiting for KV from the prefill server")
@@ -274,6 +240,7 @@ class DecodeScheduler:
     def _admit(self) -> None:
         while self.ready and len(self.running) < self.max_running:
             seq = self.ready[0]
+            n = seq.msg.sampling.n
             if (c := seq.constraint) is not None and c.matcher is None:
                 if not c.ready():
                     break  # first come, first served: its grammar is still compiling
@@ -283,53 +250,82 @@ class DecodeScheduler:
                     self._emit(seq, "error", error=err)
                     continue
             total = min(seq.msg.prompt_len + seq.msg.sampling.max_new_tokens, self.context_length)
-            need = self.pool.pages_for(total)
-            if need > self.pool.num_pages:
-                self.ready.popleft()
+            shared, own = fork_pages(self.pool, seq.msg.prompt_len, total, n)
+            need = shared + n * own
+            if need > self.pool.num_pages or n > self.max_running:
+                self._free(self.ready.popleft())
                 self.metrics.on_error("kv_pool_too_small")
-                self._emit(seq, "error", error=f"{total} tokens need more KV pages than the pool has")
+                self._emit(seq, "error", error=f"{n} x {total} tokens need more KV pages than the pool has, or "
+                                               f"more running requests than --max-running-requests {self.max_running}")
                 continue
-            if (not seq.pages and need > self.pool.num_free) or not self.states.acquire(seq.msg.bootstrap_room):
+            if need > self.pool.num_free + len(seq.pages) or len(self.running) + n > self.max_running \
+                    or not self.states.acquire_all([(seq.msg.bootstrap_room, i) for i in range(n)]):
                 break  # first come, first served
             self.ready.popleft()
-            seq.pages = seq.pages or self.pool.alloc(need)  # reserved at arrival on the engine path
+            forks = self._fork(seq, shared, own)
             transfer, seq.transfer = seq.transfer, None
-            slots = torch.tensor(self.pool.slots(seq.pages, 0, seq.msg.prompt_len), dtype=torch.int64)
+            idx, slots = fork_copy_plan(self.pool, [f.pages for f in forks], seq.msg.prompt_len)
             if transfer.engine_written:
-                pass  # the prefill server wrote the KV into seq.pages; acknowledged on arrival
+                pass  # the prefill server wrote the KV into the pages reserved at arrival; acknowledged then
             elif transfer.pool is not None:
-                err = self._copy_shared_kv(seq, transfer, slots)
+                err = self._copy_shared_kv(forks, transfer, idx, slots)
                 if err:
                     self.metrics.on_kv_failure("shared_copy")
-                    self._free(seq)
+                    for f in forks:
+                        self._free(f)
                     self._emit(seq, "error", error=err)
                     continue
             else:
-                self.runner.write_kv(slots, transfer.kv)
-                self.states.load(seq.msg.bootstrap_room, transfer.state)
-            seq.cached_tokens, seq.mrope_delta = transfer.cached_tokens, transfer.mrope_position_delta
-            seq.max_out, seq.launched = total - seq.msg.prompt_len, 1
-            if seq.msg.sampling.seed is not None:
-                seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.msg.sampling.seed)
-            self.running.append(seq)
+                self.runner.write_kv(slots, transfer.kv if n == 1 else transfer.kv.index_select(2, idx))
+                self._load_states(forks, transfer)
+            firsts = transfer.first_token_ids or [transfer.first_token_id]
+            lps = transfer.first_logprobs or [transfer.first_logprob]
             seq.admitted = time.monotonic()
             self.metrics.on_admit(seq.kv_at)
-            log.debug("rid=%s admitted (batch of %d)", seq.msg.rid, len(self.running))
-            self._append_token(seq, transfer.first_token_id, transfer.first_logprob)
+            for f in forks:
+                f.cached_tokens, f.mrope_delta = transfer.cached_tokens, transfer.mrope_position_delta
+                f.max_out, f.launched, f.admitted = total - seq.msg.prompt_len, 1, seq.admitted
+                f.generator = choice_generator(seq.msg.sampling.seed, f.index, self.runner.device)
+                self.running.append(f)
+            log.debug("rid=%s admitted (%d choices, batch of %d)", seq.msg.rid, n, len(self.running))
+            for f in forks:
+                self._append_token(f, firsts[f.index], lps[f.index] if f.index < len(lps) else None)
 
-    def _copy_shared_kv(self, seq: _Seq, transfer: KVTransfer, slots: torch.Tensor) -> str | None:
-        """Copy ``seq``'s KV out of the prefill pool that ``transfer.pool`` maps into ``slots``; queue its
+    def _fork(self, seq: _Seq, shared: int, own: int) -> list[_Seq]:
+        """``seq`` (fork 0) and its other forks (n > 1), each with the shared prompt pages then pages of its own,
+        and its own grammar state (a started matcher of the same grammar). Pages reserved at arrival (engine
+        path, n == 1; the prompt's full pages first) are used instead of new ones."""
+        reserved = seq.pages
+        take = (lambda k, at: reserved[at:at + k]) if reserved else (lambda k, at: self.pool.alloc(k))
+        group = ForkGroup(take(shared, 0), seq.msg.sampling.n)
+        forks = [seq] + [replace(seq, index=i, output_ids=[], transfer=None,
+                                 constraint=seq.constraint and seq.constraint.fork())
+                         for i in range(1, seq.msg.sampling.n)]
+        for f in forks:
+            f.group, f.shared, f.pages = group, shared, group.pages + take(own, shared)
+        return forks
+
+    def _load_states(self, forks: list[_Seq], transfer: KVTransfer) -> None:
+        """Load the handed-off state (hybrid models) into fork 0's slot and copy it into the other forks'."""
+        self.states.load(forks[0].key, transfer.state, self.peer_pools)
+        self.states.copy_to(forks[0].key, [f.key for f in forks[1:]])
+
+    def _copy_shared_kv(self, forks: list[_Seq], transfer: KVTransfer, idx: torch.Tensor,
+                        slots: torch.Tensor) -> str | None:
+        """Copy prompt tokens ``idx`` of the KV in the prefill pool that ``transfer.pool`` maps into ``slots`` (the
+        forks' pages, :func:`~epdserve.decode.forks.fork_copy_plan`) and the state into the forks' slots; queue the
         ``KVAck`` for when the copy has run. Returns an error message when the pool cannot be mapped."""
+        seq = forks[0]
         # The prefill pool's page size (shape[3]) may differ from this pool's.
         src = torch.tensor(page_slots(transfer.kv_pages, transfer.pool.shape[3], 0, seq.msg.prompt_len),
-                           dtype=torch.int64)
+                           dtype=torch.int64)[idx]
         if transfer.lend_until and time.time() > transfer.lend_until - _LEND_MARGIN_S:
             self._ack(seq)
             return ("KV hand-off expired: the prefill server releases lent pages after its --request-timeout-s, and "
                     "this request waited too long for decode pages to copy them into")
         try:
             self.runner.copy_kv_from(self.peer_pools.get(transfer.pool), src, slots)
-            self.states.load(seq.msg.bootstrap_room, transfer.state, self.peer_pools)  # before the ack's event
+            self._load_states(forks, transfer)  # before the ack's event
         except (RuntimeError, ValueError) as e:
             log.error("rid=%s cannot copy KV from the prefill pool (%s); start decode with --kv-transfer zmq if "
                       "the stages cannot share memory", seq.msg.rid, e)
@@ -370,7 +366,7 @@ class DecodeScheduler:
             q_lens=[1] * len(seqs),
             kv_lens=[i + 1 for i in idx],
             page_table=[s.pages for s in seqs],
-            state_slots=self.states.slots([s.msg.bootstrap_room for s in seqs]),
+            state_slots=self.states.slots([s.key for s in seqs]),
         )
         logits = self.runner.forward(batch)
         self.metrics.on_step(len(seqs))
@@ -400,8 +396,12 @@ class DecodeScheduler:
     def _free(self, seq: _Seq) -> None:
         """Give back what an admitted request holds (its KV pages, its state slot): it has ended, one way or
         another, and is off the running list. Its outputs of a step still in flight are dropped."""
-        self.pool.free(seq.pages)
-        self.states.release(seq.msg.bootstrap_room)
+        if seq.done:
+            return
+        self.pool.free(seq.pages[seq.shared:])
+        if seq.group is not None:
+            self.pool.free(seq.group.release())  # the prompt's shared pages go with the last fork
+        self.states.release(seq.key)
         seq.done = True
 
     def _append_token(self, seq: _Seq, tok: int, tok_lp: TokenLogprob | None = None) -> None:
@@ -432,7 +432,8 @@ class DecodeScheduler:
         self.outputs.append((seq.peer, TokenOutput(
             rid=seq.msg.rid, token_ids=list(token_ids), finish_reason=finish,
             prompt_tokens=seq.msg.prompt_len, completion_tokens=len(seq.output_ids),
-            cached_tokens=seq.cached_tokens, error=error, logprobs=list(logprobs))))
+            cached_tokens=seq.cached_tokens, error=error, logprobs=list(logprobs), index=seq.index,
+            last=seq.group is None or seq.group.live == 0)))
 
 
 def _bootstrap(msg: DecodeRequest) -> str:

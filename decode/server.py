@@ -79,7 +79,7 @@ class _DecodeServer(StageServer):
         log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages, KV hand-off %s, "
                  "metrics=%s)", c.host, c.zmq_port, self.kv_endpoint, self.info.model_path, self.runner.device,
                  self.runner.num_pages, "shared or zmq" if self.share else
-                 self.sched.region.engine if self.sched.region else "zmq", self.metrics_server.url)
+                 (r := self.sched.engine_pages.region) and r.engine or "zmq", self.metrics_server.url)
 
     def on_request(self, peer: bytes, msg) -> None:
         if isinstance(msg, DecodeRequest):

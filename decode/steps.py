@@ -1,5 +1,5 @@
-"""A launched decode step (:class:`Step`) and the output ids a penalised step reads (:func:`output_ids`): the
-parts of :class:`~epdserve.decode.scheduler.DecodeScheduler`'s overlap loop that hold device tensors."""
+"""A launched decode step of :class:`~epdserve.decode.scheduler.DecodeScheduler` (its rows and sampled ids on the
+device) and the output-id matrix its penalties read."""
 
 from __future__ import annotations
 

@@ -73,6 +73,9 @@ class LMServerConfig:
     request_timeout_s: float = _f(120.0, "drop a request whose inputs (embeddings, KV, registration) never come; "
                                          "also how long a bootstrap room whose partner never comes holds its KV")
     served_model_name: str = _f("", "model name the HTTP front serves (see --port); default: the model path")
+    grpc_port: int = _f(0, "port of SGLang's scheduler gRPC service (sglang.grpc.scheduler.SglangScheduler, for smg "
+                           "with grpc:// workers; needs the smg-grpc extra), served by the front process beside "
+                           "--port; 0 = off")
     kv_transfer: str = _f("auto", "prefill->decode KV path: 'zmq' (through host memory and ZeroMQ), 'shared' "
                                   "(decode maps the prefill KV pool when both run on this machine and copies pages "
                                   "device to device: CUDA IPC, or /dev/shm on CPU; zmq otherwise), or 'auto' "
@@ -146,6 +149,8 @@ class GatewayConfig:
     allow_remote_images: bool = _f(False, "allow http(s) image URLs (fetched by the gateway)")
     allowed_local_media_path: str = _f("", "allow file:// image URLs under this directory")
     max_tokens_default: int = _f(0, "max completion tokens when the request gives none; 0 = up to the context")
+    max_n: int = _f(16, "most choices (n, sampling_params.n) one request may ask for; more get 400. The choices "
+                        "share one prefill and the prompt's KV pages at decode, but each takes a decode batch slot")
     stage_timeout_s: float = _f(10.0, "seconds of silence after which prefill, decode or an encoder is taken as "
                                       "down: its requests end with 503, new ones get 503 until it answers again")
     heartbeat_interval_s: float = _f(1.0, "seconds between liveness probes of each stage")
@@ -174,6 +179,7 @@ class LaunchConfig:
     api_key: str = _like(GatewayConfig, "api_key")
     kserve_grpc_port: int = _like(GatewayConfig, "kserve_grpc_port")
     max_video_bytes: int = _like(GatewayConfig, "max_video_bytes")
+    max_n: int = _like(GatewayConfig, "max_n")
     # One pair of video limits for the gateway (400 before encoding) and every encoder (its own check).
     max_video_frames: int = _like(GatewayConfig, "max_video_frames")
     max_video_duration_s: float = _like(GatewayConfig, "max_video_duration_s")

@@ -72,7 +72,7 @@ class Gateway:
                                 max_video_bytes=self.config.max_video_bytes)
             limits = VideoLimits(self.config.max_video_frames, self.config.max_video_duration_s)
             self.chat = ChatService(self.stages, builder, self.model_name, media, self.config.max_tokens_default,
-                                    self._http, self.metrics, limits)
+                                    self._http, self.metrics, limits, self.config.max_n)
         except Exception as e:
             self.startup_error = e
             logger.error("gateway startup failed: %s", e)

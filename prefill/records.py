@@ -52,10 +52,24 @@ class PrefillRecord:
     node: object = None  # locked radix node of the matched prefix
     cached: int = 0  # tokens whose KV came from the radix cache
     computed: int = 0  # tokens with KV in this server's pages
-    first_token: int = -1  # sampled once the whole prompt is prefilled
-    first_logprob: TokenLogprob | None = None  # its log-probability, when the request asked
+    first_tokens: list[int] = field(default_factory=list)  # one per choice, sampled once the prompt is prefilled
+    first_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # theirs, when the request asked
     constraint: Constraint | None = None  # structured outputs: the grammar of the first token, until it is sampled
     write: object = None  # LENT, engine path: the EngineWrite (prefill/transfers.py) still in flight
+
+    @property
+    def first_token(self) -> int:
+        """Choice 0's first token (-1 before it is sampled)."""
+        return self.first_tokens[0] if self.first_tokens else -1
+
+    def choice_fields(self) -> dict:
+        """The first-token fields of this prefilled request's ``KVTransfer``: choice 0's, and every choice's when
+        it has more than one."""
+        lps = self.first_logprobs
+        many = len(self.first_tokens) > 1
+        return dict(first_token_id=self.first_token, first_logprob=lps[0] if lps else None,
+                    first_token_ids=list(self.first_tokens) if many else [],
+                    first_logprobs=[lp for lp in lps if lp is not None] if many else [])
 
     @property
     def n(self) -> int:

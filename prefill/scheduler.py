@@ -391,8 +391,8 @@ class PrefillScheduler:
             log.debug("forward of %d tokens for %s: batch built in %.1f ms, launched in %.1f ms, on the GPU %.1f ms, "
                       "first token %.1f ms after the start", len(batch.input_ids), ",".join(r.msg.rid for r in reqs),
                       (t1 - t0) * 1e3, (t2 - t1) * 1e3, gpu[0].elapsed_time(gpu[1]), (time.perf_counter() - t0) * 1e3)
-        for req, tok, tok_lp in zip(reqs, first, first_lp):
-            req.first_token, req.first_logprob, req.embeds, req.constraint = tok, tok_lp, None, None
+        for req, toks, lps in zip(reqs, first, first_lp):
+            req.first_tokens, req.first_logprobs, req.embeds, req.constraint = toks, lps, None, None
             log.debug("rid=%s prefilled %d tokens (%d cached)", req.msg.rid, req.n, req.cached)  # before any gather
             if self.pool_handle is None and self.engine is None:  # host path: the KV leaves the pages now
                 req.transfer = self._host_transfer(req)

@@ -20,19 +20,19 @@ def shared_transfer(req: PrefillRecord, pool: PagePool, handle: KVPoolHandle, st
                     lend_until: float) -> KVTransfer:
     """The shared-path transfer of prefilled ``req``: its pages of the KV pool ``handle`` maps (and its state
     slot's handles), lent until ``lend_until`` (wall clock). The caller keeps the pages and the slot held."""
-    return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
-                      cached_tokens=req.cached, mrope_position_delta=req.mrope_delta, pool=handle,
-                      kv_pages=req.pages[:pool.pages_for(req.n)], input_digest=req.msg.input_digest,
-                      lend_until=lend_until, first_logprob=req.first_logprob, state=states.shared_handoff(req.room))
+    return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, cached_tokens=req.cached,
+                      mrope_position_delta=req.mrope_delta, pool=handle, kv_pages=req.pages[:pool.pages_for(req.n)],
+                      input_digest=req.msg.input_digest, lend_until=lend_until, state=states.shared_handoff(req.room),
+                      **req.choice_fields())
 
 
 def host_transfer(req: PrefillRecord, pool: PagePool, runner, states: StateSlots) -> KVTransfer:
     """The host-path transfer of prefilled ``req``: its prompt's KV ``[layers, 2, n, kv_heads, head_dim]`` (and
     its whole state) read out to host memory through ``runner``; the caller then releases its pages and slot."""
     slots = torch.tensor(pool.slots(req.pages, 0, req.n), dtype=torch.int64)
-    return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
-                      cached_tokens=req.cached, mrope_position_delta=req.mrope_delta, kv=runner.read_kv(slots),
-                      input_digest=req.msg.input_digest, first_logprob=req.first_logprob,
+    return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, cached_tokens=req.cached,
+                      mrope_position_delta=req.mrope_delta, kv=runner.read_kv(slots), input_digest=req.msg.input_digest,
+                      **req.choice_fields(),
                       state=states.host_handoff(req.room))
 
 
@@ -60,7 +60,7 @@ def start_engine_write(engine: KVEngine, req: PrefillRecord, buffer: torch.Tenso
 
 def engine_transfer(req: PrefillRecord, write: EngineWrite) -> KVTransfer:
     """The tensor-less transfer that tells decode ``req``'s KV is in its pages (after ``write`` completed)."""
-    return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, first_token_id=req.first_token,
-                      cached_tokens=req.cached, mrope_position_delta=req.mrope_delta, input_digest=req.msg.input_digest,
-                      first_logprob=req.first_logprob, engine_written=True, engine_bytes=write.nbytes,
-                      engine_seconds=time.perf_counter() - write.started)
+    return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, cached_tokens=req.cached,
+                      mrope_position_delta=req.mrope_delta, input_digest=req.msg.input_digest, engine_written=True,
+                      engine_bytes=write.nbytes, engine_seconds=time.perf_counter() - write.started,
+                      **req.choice_fields())

@@ -38,6 +38,8 @@ def _k8s() -> dict[str, dict]:
 
 def _check_stage(stage: str, cfg, ports: set[int], probe_port) -> None:
     """The ports a stage's peers reach are exposed, and its probe hits the port it serves health on."""
+    if stage != "encoder" and cfg.grpc_port:  # SGLang's gRPC worker, for smg's grpc:// mode
+        assert cfg.grpc_port in ports
     if stage == "encoder":
         assert cfg.host == "0.0.0.0" and cfg.port in ports and probe_port == cfg.port
     elif stage == "prefill":

@@ -310,7 +310,7 @@ def test_generate_rejects_what_it_cannot_serve(server):
            ({"input_ids": [1], "image_data": "x.png"}, "image_data"),
            ({"input_ids": [10**9]}, "outside the vocabulary"),
            ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10**7}}, "context length"),
-           ({"input_ids": [1], "sampling_params": {"n": 2}}, "n > 1"),
+           ({"input_ids": [1], "sampling_params": {"n": 17}}, "--max-n"),
            ({"input_ids": "abc"}, "input_ids")]
     for body, message in bad:
         r = httpx.post(f"{url}/generate", json=body, timeout=30)

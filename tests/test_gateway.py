@@ -583,8 +583,8 @@ def test_request_errors(gw, tiny_model_path):
     assert r.status_code == 400 and _error(r)["param"] == "messages"
     r = _chat(base, tiny_model_path, [{"type": "input_audio", "input_audio": {}}])
     assert r.status_code == 400
-    r = _chat(base, tiny_model_path, n=2)
-    assert r.status_code == 400 and "n > 1" in _error(r)["message"]
+    r = _chat(base, tiny_model_path, n=17)  # over the default --max-n
+    assert r.status_code == 400 and "--max-n" in _error(r)["message"]
     r = _chat(base, tiny_model_path, temperature=-1)
     assert r.status_code == 400
     for bad_url, why in [("data:image/png;base64,!!!", "base64"), ("data:image/png;base64", "malformed"),

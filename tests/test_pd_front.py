@@ -81,6 +81,10 @@ def test_bootstrap_fields_are_required():
     f = BootstrapFields.model_validate_json(b'{"model": "m", "bootstrap_room": 9223372036854775807, '
                                             b'"bootstrap_host": "10.0.0.1", "bootstrap_port": 8998}')
     assert f.bootstrap_room == 2**63 - 1
+    # n > 1: a router sends one entry per sample; the choices share one prefill, so both legs take the first room.
+    f = BootstrapFields.model_validate_json(b'{"n": 2, "bootstrap_room": [7, 8], "bootstrap_host": ["h", "h"], '
+                                            b'"bootstrap_port": [8998, 8998]}')
+    assert (f.bootstrap_room, f.bootstrap_host, f.bootstrap_port) == (7, "h", 8998)
 
 
 def test_loads_body_is_sglang_shaped():

@@ -156,6 +156,19 @@ def test_aborted_stream_returns_state_slots_and_pages(server35, references, tiny
     assert _chat(url, tiny_qwen3_5_path, _openai_messages(CASES["text"]))["choices"][0]["token_ids"] == ref_ids
 
 
+def test_n2_greedy_forks_each_copy_the_state_and_equal_transformers(server35, references, tiny_qwen3_5_path,
+                                                                      photo_paths):
+    """n=2: one prefill, two decode forks sharing the prompt's KV pages, each with its own copy of the handed-off
+    DeltaNet state; both equal transformers (on the tp2 launch through decode TP=2) and every slot comes back."""
+    _, url, _ = server35
+    ref_prompt, ref_ids, ref_text = references["one_photo"]
+    resp = _chat(url, tiny_qwen3_5_path, _openai_messages(_resolve("one_photo", photo_paths)), n=2)
+    assert [(c["index"], c["token_ids"], c["message"]["content"]) for c in resp["choices"]] == \
+        [(0, ref_ids, ref_text), (1, ref_ids, ref_text)]
+    assert resp["usage"]["completion_tokens"] == 2 * NEW_TOKENS
+    assert wait_for(lambda: not _at_rest(url), 20, 0.3), _at_rest(url)
+
+
 def test_shared_path_took_kv_and_state(server35):
     """Runs after the parity cases: on the shared launch every KV and state was copied out of prefill's mapped
     pools and acknowledged; no transfer was rejected."""

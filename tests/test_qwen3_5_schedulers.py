@@ -7,7 +7,6 @@ a transfer without a (well-shaped) state is refused."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from epdserve.kvcache.kv_share import host_id
 from epdserve.prefill.scheduler import PrefillScheduler
 from epdserve.wire.messages import DecodeRequest, KVRegister, PrefillRequest, SamplingParams, decode, encode
 from epdserve.wire.messages import StateHandoff
-from test_schedulers import _decode_sched, _decode_tokens, _run
+from test_schedulers import _decode_sched, _decode_tokens, _fake_clock, _run
 
 PAGE = 4
 NEW = 6
@@ -113,8 +112,11 @@ def test_host_and_shared_hand_off_equal_transformers(runners, prompt, want):
         assert _at_rest(prefill) and prefill.load().state_slots_cached == 0
 
 
-def test_slots_bound_admission_and_come_back_on_abort_and_deadline(runners, prompt):
+def test_slots_bound_admission_and_come_back_on_abort_and_deadline(runners, prompt, monkeypatch):
+    import epdserve.prefill.scheduler as prefill_scheduler
+
     pre_runner, _ = runners
+    clock = _fake_clock(monkeypatch, prefill_scheduler)
     prefill = _prefill(pre_runner, chunk=8, timeout_s=0.5)
     for room in (1, 2, 3):
         prefill.add_request(_req(prompt, room))
@@ -131,7 +133,7 @@ def test_slots_bound_admission_and_come_back_on_abort_and_deadline(runners, prom
     (_, lent), = _run(prefill, 20)
     assert lent.bootstrap_room == 2 and lent.state.slot >= 0 and prefill.load().num_running_reqs == 0
     assert prefill.load().state_slots_used == 2
-    time.sleep(0.6)
+    clock.advance(0.6)
     prefill.step()
     assert _at_rest(prefill) and not prefill.reqs
 

@@ -44,6 +44,30 @@ def photo_request(tiny_model_path, photo_paths):
     return ids, span, emb
 
 
+class _Clock:
+    """``time`` for a scheduler under test with ``monotonic`` moved on by hand (:meth:`advance`): its deadlines
+    fire when the test says so, never because a loaded machine ran a step slowly. Everything else is real time."""
+
+    def __init__(self):
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def _fake_clock(monkeypatch, module) -> _Clock:
+    """Give ``module`` (a scheduler's module) a :class:`_Clock` as its ``time``."""
+    clock = _Clock()
+    monkeypatch.setattr(module, "time", clock)
+    return clock
+
+
 def _prefill(runner, **kw):
     return PrefillScheduler(runner, context_length=4096, max_prefill_tokens=kw.get("max_prefill_tokens", 8192),
                             timeout_s=kw.get("timeout_s", 60.0), chunked_prefill_size=kw.get("chunk", 0))
@@ -413,6 +437,7 @@ def test_prefill_records_expire_in_one_sweep_and_free_everything(runner, photo_r
     import epdserve.prefill.scheduler as prefill_scheduler
 
     monkeypatch.setattr(prefill_scheduler, "_LATE_S", 0.05)
+    clock = _fake_clock(monkeypatch, prefill_scheduler)
     sched = _prefill(runner, timeout_s=0.3)
     sched.add_embeddings(_embeds(photo_request, "orphan"))  # its request never comes
     sched.register(KVRegister(rid="nobody", bootstrap_room=9, kv_endpoint="tcp://d"))  # nor does this one's
@@ -423,10 +448,10 @@ def test_prefill_records_expire_in_one_sweep_and_free_everything(runner, photo_r
     sched.add_embeddings(_embeds(photo_request, "gone"))  # late: kept _LATE_S only
     load = sched.load()
     assert (load.rooms, load.embeddings, load.num_waiting_reqs, load.num_running_reqs) == (2, 2, 0, 0)
-    time.sleep(0.1)
+    clock.advance(0.1)
     sched.step()
     assert "gone" not in sched.embeds and "orphan" in sched.embeds  # the late ones went first
-    time.sleep(0.3)
+    clock.advance(0.3)
     assert sched.step() == []
     load = sched.load()
     assert (load.rooms, load.embeddings) == (0, 0) and not sched.reqs and _pages_accounted(sched)

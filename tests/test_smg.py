@@ -108,6 +108,25 @@ def test_generate_and_completions_through_smg_match_transformers(cluster, hf, ti
     assert r.json()["choices"][0]["token_ids"] == ref_ids and r.json()["choices"][0]["text"] == ref_text
 
 
+def test_n_choices_through_smg_match_transformers(cluster, hf, tiny_model_path, photo_paths):
+    """n=2 behind smg: the prefill leg samples both first tokens, the decode front answers both choices."""
+    turns = _resolve("one_photo", photo_paths)
+    ref_prompt, ref_ids, ref_text = _hf_reference(hf, turns, NEW_TOKENS)
+    body = {"model": tiny_model_path, "messages": _openai_messages(turns), "temperature": 0, "n": 2,
+            "max_completion_tokens": NEW_TOKENS, "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [(c["index"], c["token_ids"], c["message"]["content"]) for c in r.json()["choices"]] == \
+        [(0, ref_ids, ref_text), (1, ref_ids, ref_text)]
+    with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    for i in (0, 1):
+        mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == i]
+        assert "".join(c["delta"].get("content") or "" for c in mine) == ref_text
+        assert [c["finish_reason"] for c in mine if c.get("finish_reason")] == ["length"]
+
+
 def test_front_info_routes_and_protocol_errors(cluster, tiny_model_path):
     pre, dec = _front(cluster, "prefill0"), _front(cluster, "decode0")
     for url, role in ((pre, "prefill"), (dec, "decode")):

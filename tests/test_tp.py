@@ -199,6 +199,15 @@ def test_gateway_tp2_greedy_matches_transformers(servers, references, tiny_model
     assert streamed == ref_text
 
 
+def test_gateway_tp2_n2_greedy_forks_match_transformers(servers, references, tiny_model_path, photo_paths):
+    """n=2 through decode TP=2: both forks (sharing the prompt's KV pages on every rank) equal transformers."""
+    ref_prompt, ref_ids, ref_text = references["one_photo"]
+    resp = _chat(servers["url"], tiny_model_path, _openai_messages(_resolve("one_photo", photo_paths)), n=2,
+                 max_completion_tokens=NEW_TOKENS)
+    assert [(c["index"], c["token_ids"], c["message"]["content"]) for c in resp["choices"]] == \
+        [(0, ref_ids, ref_text), (1, ref_ids, ref_text)]
+
+
 _SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                           "tag": {"enum": ["cat", "dog"]},
                                           "words": {"type": "array", "items": {"type": "string", "maxLength": 3},

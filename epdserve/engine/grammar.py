@@ -162,6 +162,13 @@ class Constraint:
             return f"grammar compilation failed: {e}"
         return None
 
+    def fork(self) -> Constraint:
+        """A constraint over the same compiled grammar for another choice of the request (``n > 1``), its matcher
+        started (call on a started one: compilation has succeeded)."""
+        other = Constraint(self._future)
+        other.start()
+        return other
+
     def accept(self, token: int) -> bool:
         """Advance the matcher over ``token``; False when the grammar does not allow it."""
         return self.matcher.accept_token(token)

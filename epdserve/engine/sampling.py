@@ -137,3 +137,13 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     out = logits.clone()
     out.view(-1).index_add_(0, flat, to_device(torch.tensor(bias, dtype=logits.dtype), logits.device))
     return out
+
+
+def choice_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
+    """The generator of choice ``index`` of a request seeded with ``seed`` (None: unseeded, so None): seeded with
+    ``seed + index``, wrapped into the unsigned 64-bit range ``torch.Generator.manual_seed`` takes, so choice 0
+    of any request draws exactly what an ``n == 1`` request with the same seed draws."""
+    if seed is None:
+        return None
+    s = seed + index
+    return torch.Generator(device=device).manual_seed(s if s < 1 << 64 else s - (1 << 64))

@@ -3,7 +3,8 @@
 Steps: fetch images -> start encoding (embeddings go straight to prefill) -> image slots from the file headers,
 tokenize with them, check lengths -> send ``DecodeRequest`` then ``PrefillRequest`` (an image request before the
 encoder answers) -> check the encoder's answer against the slots -> detokenize the ``TokenOutput``s' ids (one
-:class:`IncrementalDetokenizer` per request, stop strings matched here) -> collect or stream the text.
+:class:`IncrementalDetokenizer` per choice, stop strings matched here: :mod:`epdserve.frontend.choices`) -> collect
+or stream the text.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import httpx
 
+from epdserve.frontend.choices import Choices, check_n, collect_choices, prepend
 from epdserve.frontend.detokenizer import IncrementalDetokenizer, special_ids
 from epdserve.frontend.logprobs import TokenBytes, logprob_content
 from epdserve.frontend.image_slots import image_slots
@@ -53,6 +55,7 @@ class PreparedChat:
     # (first output, the rest) of a request whose outputs began before its answer did (ChatService.prime)
     head: tuple[TokenOutput, AsyncIterator[TokenOutput]] | None = None
     tools: ToolPlan | None = None  # the request's tools (epdserve.frontend.tools); None: none
+    choices: Choices | None = None  # its choices' outputs so far, once they are read (ChatService.outputs)
 
 
 class ChatService:
@@ -66,12 +69,13 @@ class ChatService:
         max_tokens_default: completion budget when the request gives none (0 = up to the context length).
         metrics: the gateway's metrics (a fresh one by default).
         video_limits: bounds of a request's videos (duration, sampled frames).
+        max_n: most choices (``n``) one request may ask for.
     """
 
     def __init__(self, stages: Stages, builder: PromptBuilder, model_name: str, media: MediaPolicy,
                  max_tokens_default: int = 0, http: httpx.AsyncClient | None = None,
-                 metrics: GatewayMetrics | None = None, video_limits: VideoLimits = VideoLimits()):
-        self.video_limits = video_limits
+                 metrics: GatewayMetrics | None = None, video_limits: VideoLimits = VideoLimits(), max_n: int = 16):
+        self.video_limits, self.max_n = video_limits, max_n
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.stages = stages
         self.builder = builder
@@ -106,6 +110,7 @@ class ChatService:
                 or a stage goes down, 504 past ``deadline``. The stages have dropped the request whenever this raises.
         """
         bias = self._logit_bias(req.logit_bias)  # before any image goes to an encoder
+        check_n(req.n, self.max_n)
         grammar = await chat_grammar(req.response_format, req.structured_outputs)
         tools = await tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls is not False, grammar is not None)
         grammar = tools.grammar if tools is not None and tools.grammar is not None else grammar
@@ -175,6 +180,7 @@ class ChatService:
             presence_penalty=req.presence_penalty or 0.0,
             logit_bias=bias,
             grammar=grammar,
+            n=req.n,
         )
 
     async def prepare_ids(self, rid: str, req: GenerateRequest, deadline: float | None = None) -> PreparedChat:
@@ -198,13 +204,14 @@ class ChatService:
         if not ids:
             raise APIError(400, "the prompt is empty", param="text")
         sp = req.sampling_params
+        check_n(sp.n, self.max_n, "sampling_params.n")
         grammar = await generate_grammar(sp.json_schema, sp.regex, sp.ebnf, req.structured_outputs)
         max_new = self._max_new_tokens(sp.max_new_tokens, len(ids), "input_ids", "max_new_tokens")
         sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=max_new,
                                   stop=sp.stop_list(), stop_token_ids=list(sp.stop_token_ids or []),
                                   ignore_eos=sp.ignore_eos, seed=sp.sampling_seed,
                                   frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-                                  logit_bias=self._logit_bias(sp.logit_bias), grammar=grammar)
+                                  logit_bias=self._logit_bias(sp.logit_bias), grammar=grammar, n=sp.n)
         prompt = Prompt(ids, [], req.text or "")
         logger.debug("rid=%s /generate prompt_tokens=%d max_new_tokens=%d", rid, len(ids), max_new)
         return PreparedChat(rid, None, prompt, *self._stage_requests(rid, prompt, sampling), self.metrics.trace(),
@@ -255,21 +262,23 @@ class ChatService:
             APIError: 503 when a stage it needs is or goes down, 504 past the deadline.
         """
         t0 = time.monotonic()
-        detok = self._detokenizer(chat)
+        chat.choices = choices = Choices(chat.prefill.sampling.n, lambda: self._detokenizer(chat))
         n_tokens = 0
         try:
             async with aclosing(self._stage_outputs(chat)) as outputs:
                 async for out in outputs:
-                    text, final = _detokenize(detok, out)
+                    if out.finish_reason == "error":
+                        logger.warning("rid=%s failed: %s", chat.rid, out.error)
+                        raise GenerationFailed(500, out.error or "generation failed")
+                    if (fed := choices.feed(out)) is None:
+                        continue  # a choice that ended at a stop string: its fork's later tokens
+                    text, final = fed
                     chat.trace.output(len(final.token_ids))
-                    if final.finish_reason == "error":
-                        logger.warning("rid=%s failed: %s", chat.rid, final.error)
-                        raise GenerationFailed(500, final.error or "generation failed")
                     if n_tokens == 0:
                         logger.debug("rid=%s first output", chat.rid)
                     n_tokens += len(final.token_ids)
                     yield text, final
-                    if final.finish_reason is not None:
+                    if choices.done:
                         break  # on a stop string: the request's lifetime aborts it at prefill and decode
         except StageError as e:
             logger.warning("rid=%s failed: %s", chat.rid, e.message)
@@ -300,7 +309,7 @@ class ChatService:
         if chat.head is None:
             return self.stages.generate(chat.prefill, chat.decode, chat.deadline)
         head, chat.head = chat.head, None
-        return _prepend(*head)
+        return prepend(*head)
 
     async def collect(self, chat: PreparedChat) -> tuple[str, list[int], list[TokenLogprob], TokenOutput]:
         """Run ``chat`` to the end: its whole text, its output token ids, their log-probabilities (empty unless the
@@ -342,17 +351,19 @@ class ChatService:
         Raises:
             APIError: as :meth:`outputs`.
         """
-        text, token_ids, logprobs, final = await self.collect(chat)
-        rti = chat.request.return_token_ids
-        content, calls = tool_message(chat.tools, text)
+        async with aclosing(self.outputs(chat)) as outputs:
+            results = await collect_choices(outputs, chat.prefill.sampling.n)
+        rti, choices = chat.request.return_token_ids, []
+        for r in results:  # tools and structured outputs apply per choice
+            content, calls = tool_message(chat.tools, r.text)
+            choices.append(Choice(index=r.index, message=AssistantMessage(content=content, tool_calls=calls),
+                                  finish_reason=finish_reason(r.final.finish_reason, bool(calls)),
+                                  token_ids=r.token_ids if rti else None,
+                                  logprobs=self._logprobs(chat, r.token_ids, r.logprobs)))
         return ChatCompletionResponse(
-            id=chat.rid, model=self.model_name, usage=self.usage(chat, final, len(token_ids)),
-            choices=[Choice(message=AssistantMessage(content=content, tool_calls=calls),
-                            finish_reason=finish_reason(final.finish_reason, bool(calls)),
-                            token_ids=token_ids if rti else None,
-                            logprobs=self._logprobs(chat, token_ids, logprobs))],
-            prompt_token_ids=chat.prompt.input_ids if rti else None,
-        )
+            id=chat.rid, model=self.model_name, choices=choices,
+            usage=self.usage(chat, results[-1].final, sum(len(r.token_ids) for r in results)),
+            prompt_token_ids=chat.prompt.input_ids if rti else None)
 
     def stream(self, chat: PreparedChat) -> AsyncIterator[str]:
         """The SSE events of ``chat``: a role chunk, content chunks, a finish chunk, an optional usage chunk, then
@@ -373,21 +384,24 @@ class ChatService:
                                         **extra)
             return f"data: {chunk.model_dump_json()}\n\n"
 
-        yield event([ChunkChoice(delta=Delta(role="assistant", content=""))],
-                    prompt_token_ids=chat.prompt.input_ids if rti else None)
+        n = chat.prefill.sampling.n
+        for i in range(n):
+            yield event([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))],
+                        prompt_token_ids=chat.prompt.input_ids if rti else None)
         n_tokens = 0
-        tools = ToolStream(chat.tools)  # tool-call text becomes tool_calls deltas, never content
+        tools = [ToolStream(chat.tools) for _ in range(n)]  # tool-call text becomes tool_calls deltas, not content
         async with aclosing(self.outputs(chat)) as outputs:
             async for text, final in outputs:
                 n_tokens += len(final.token_ids)
-                text, calls = tools.feed(text, last=final.finish_reason is not None)
+                i = final.index
+                text, calls = tools[i].feed(text, last=final.finish_reason is not None)
                 if text or calls or final.token_ids and (rti or final.logprobs):
                     delta = Delta(content=text if text or not calls else None, tool_calls=calls)
-                    yield event([ChunkChoice(delta=delta, token_ids=final.token_ids if rti else None,
+                    yield event([ChunkChoice(index=i, delta=delta, token_ids=final.token_ids if rti else None,
                                              logprobs=self._logprobs(chat, final.token_ids, final.logprobs))])
-                if final.finish_reason is not None:
-                    yield event([ChunkChoice(delta=Delta(), finish_reason=finish_reason(final.finish_reason,
-                                                                                        tools.called))])
+                if final.finish_reason is not None:  # each choice finishes on its own (OpenAI's, vLLM's)
+                    yield event([ChunkChoice(index=i, delta=Delta(), finish_reason=finish_reason(
+                        final.finish_reason, tools[i].called))])
         if opts and opts.include_usage:
             yield event([], usage=self.usage(chat, final, n_tokens))
 
@@ -404,40 +418,9 @@ class ChatService:
     @staticmethod
     def usage(chat: PreparedChat, final: TokenOutput, n_tokens: int) -> Usage:
         """The usage of ``chat`` after its last output ``final`` and ``n_tokens`` output ids. The stage's counts
-        are authoritative; ours are the fallback when a stage leaves them at 0."""
-        return Usage.of(final.prompt_tokens or len(chat.prompt.input_ids), final.completion_tokens or n_tokens,
-                        final.cached_tokens)
-
-
-def _detokenize(detok: IncrementalDetokenizer, out: TokenOutput) -> tuple[str, TokenOutput]:
-    """Feed ``out``'s ids to ``detok``; return the text delta and ``out`` as the client sees it. On a stop string
-    that is ``out`` cut after the id that completed it, with ``finish_reason="stop"`` and ``completion_tokens``
-    counting no id after it."""
-    parts: list[str] = []
-    hit = False
-    used = 0
-    for token_id in out.token_ids:
-        delta, hit = detok.add(token_id)
-        parts.append(delta)
-        used += 1
-        if hit:
-            break
-    if out.finish_reason not in (None, "error") and not hit:
-        delta, hit = detok.flush()
-        parts.append(delta)
-    if hit:
-        unused = len(out.token_ids) - used
-        out = replace(out, token_ids=out.token_ids[:used], logprobs=out.logprobs[:used], finish_reason="stop",
-                      completion_tokens=max(out.completion_tokens - unused, 0))
-    return "".join(parts), out
-
-
-async def _prepend(first: TokenOutput, rest: AsyncIterator[TokenOutput]) -> AsyncIterator[TokenOutput]:
-    """Yield ``first``, then ``rest`` unless ``first`` already finished the request."""
-    try:
-        yield first
-        if first.finish_reason is None:
-            async for out in rest:
-                yield out
-    finally:
-        await rest.aclose()
+        are authoritative; ours are the fallback when a stage leaves them at 0. With ``n`` choices: the prompt
+        once, the choices' completion tokens summed."""
+        done = final.completion_tokens or n_tokens
+        if chat.choices is not None and len(chat.choices.finals) > 1:
+            done = chat.choices.completion_tokens()
+        return Usage.of(final.prompt_tokens or len(chat.prompt.input_ids), done, final.cached_tokens)

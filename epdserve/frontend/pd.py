@@ -39,7 +39,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from epdserve.frontend.app import create_app
 from epdserve.frontend.chat import ChatService, PreparedChat
@@ -69,6 +69,16 @@ class BootstrapFields(BaseModel):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_of_lists(cls, data: Any) -> Any:
+        """For ``n > 1`` a router sends each field as a list, one per sample (SGLang prefills every sample on its
+        own); here the ``n`` choices share one prefill (one room), so both legs take the first entry."""
+        if isinstance(data, dict):
+            return {k: v[0] if k.startswith("bootstrap_") and isinstance(v, list) and v else v
+                    for k, v in data.items()}
+        return data
 
 
 def check_bootstrap(role: str, fields: BootstrapFields) -> None:
@@ -200,6 +210,9 @@ class Front:
     stages: SchedulerStages
     chat: ChatService | None = None
     startup_error: BaseException | None = None
+    # Other services of this process on the same loop (the SGLang gRPC server of --grpc-port): started by
+    # run_front before the model loads, stopped first by close().
+    services: list = dataclasses.field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -230,7 +243,9 @@ class Front:
             logger.exception("%s front startup failed", self.role)
 
     async def close(self) -> None:
-        """Stop the tokenizer thread and close the stages."""
+        """Stop the other services, the tokenizer thread, and close the stages."""
+        for service in self.services:
+            await service.stop()
         if self.chat is not None:
             self.chat.close()
         await self.stages.close()
@@ -370,9 +385,37 @@ def run_front(role: str, config_cls: type, make_stages: Callable[[Any, Scheduler
     scheduler = SchedulerClient(f"tcp://{local}:{config.zmq_port}", role, immediate=False)
     front = Front(role, config.model_path, config.served_model_name or config.model_path,
                   make_stages(config, scheduler))
-    import uvicorn
+    if config.grpc_port:
+        from epdserve.frontend.sglang_grpc import SglangGrpcServer
 
-    server = uvicorn.Server(server_config(create_front_app(front), config.host, config.port, graceful_shutdown_s=2))
-    logger.info("%s front listening on http://%s:%d", role, config.host, config.port)
-    server.run()
+        front.services.append(SglangGrpcServer(front, config, config.host, config.grpc_port))
+    asyncio.run(_serve_front(front, config))
     return 0
+
+
+async def _serve_front(front: Front, config: Any) -> None:
+    """Start the front's services (a port that cannot be bound ends the process), then serve HTTP on
+    ``config.port`` until SIGTERM (the app's lifespan starts and closes the front), or without HTTP (port 0:
+    gRPC only) start the front here and wait for SIGTERM or SIGINT."""
+    for service in front.services:
+        await service.start()
+    if config.port:
+        import uvicorn
+
+        server = uvicorn.Server(server_config(create_front_app(front), config.host, config.port,
+                                              graceful_shutdown_s=2))
+        logger.info("%s front listening on http://%s:%d", front.role, config.host, config.port)
+        await server.serve()
+        return
+    import signal
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    startup = asyncio.create_task(front.start())
+    try:
+        await stop.wait()
+    finally:
+        startup.cancel()
+        await asyncio.gather(startup, return_exceptions=True)
+        await front.close()

@@ -36,8 +36,8 @@ class FrontProcess:
 
 def spawn_front(module: str, config) -> FrontProcess | None:
     """Start a server's HTTP front, ``python -m module`` (the ``http_front`` module of the server's package), with
-    ``config`` (the server's ``PrefillConfig`` or ``DecodeConfig``) as a child process; None when ``config.port`` is
-    0.
+    ``config`` (the server's ``PrefillConfig`` or ``DecodeConfig``) as a child process; None when ``config.port`` and
+    ``config.grpc_port`` are 0.
 
     The child gets the config as JSON with the model path resolved (the default tiny model is built here, once,
     not by two processes at the same time), logs at this process's epdserve level to the same stderr, and dies
@@ -46,7 +46,7 @@ def spawn_front(module: str, config) -> FrontProcess | None:
     Raises:
         FileNotFoundError: ``config.model_path`` is not a local checkpoint.
     """
-    if not config.port:
+    if not config.port and not config.grpc_port:
         return None
     from epdserve.models.paths import resolve_model_path
 

@@ -1,7 +1,7 @@
 """The OpenAI chat-completions schema the gateway speaks (requests, responses, stream chunks, errors).
 
 Only what the gateway can honour is modelled. Unknown request fields are ignored (clients such as the OpenAI
-SDK send fields like ``user``), but fields that would change the answer and are not implemented (``n > 1``,
+SDK send fields like ``user``), but fields that would change the answer and are not implemented (``best_of``,
 ``repetition_penalty``, ``min_p``; ``logprobs`` outside chat completions) are rejected by each request's
 ``unsupported()`` rather than silently dropped. Extensions shared with vLLM/SGLang: ``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``return_token_ids``, ``structured_outputs`` (see :mod:`epdserve.frontend.structured`).
@@ -155,8 +155,6 @@ class ChatCompletionRequest(BaseModel):
     def unsupported(self) -> str | None:
         """A message naming the first requested feature the gateway does not implement (or a field that needs
         another one), else None."""
-        if self.n != 1:
-            return "n > 1 is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true"
         return None
@@ -342,8 +340,6 @@ class GenerateRequest(BaseModel):
         if self.return_logprob:
             return "logprobs are not supported"
         sp = self.sampling_params
-        if sp.n != 1:
-            return "n > 1 is not supported"
         if sp.min_p or sp.repetition_penalty != 1.0:
             return "min_p and repetition_penalty are not supported"
         if not sp.skip_special_tokens:
@@ -391,8 +387,8 @@ class CompletionRequest(BaseModel):
         """A message naming the first requested feature the gateway does not implement, else None."""
         if len(self._prompts()) != 1:
             return "a batch of prompts is not supported: send one prompt per request"
-        if self.n != 1 or (self.best_of or 1) != 1:
-            return "n > 1 and best_of > 1 are not supported"
+        if (self.best_of or self.n) != self.n:
+            return "best_of other than n is not supported"
         if self.logprobs:
             return "logprobs are not supported"
         if self.echo or self.suffix:
@@ -409,7 +405,7 @@ class CompletionRequest(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, sampling_seed=self.seed,
             frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
-            logit_bias=self.logit_bias)
+            logit_bias=self.logit_bias, n=self.n)
         return GenerateRequest(text=text, input_ids=ids, sampling_params=sampling, stream=self.stream,
                                structured_outputs=self.structured_outputs)
 

@@ -69,14 +69,19 @@ class OutputRoute:
         item = self.items.popleft()
         if isinstance(item, StageError):
             raise item
-        if not self.items or not isinstance(self.items[0], TokenOutput) or item.finish_reason is not None:
+        if not self._merges(item):
             return item
         ids, logprobs = list(item.token_ids), list(item.logprobs)
-        while self.items and isinstance(self.items[0], TokenOutput) and item.finish_reason is None:
+        while self._merges(item):
             item = self.items.popleft()
             ids += item.token_ids
             logprobs += item.logprobs
         return replace(item, token_ids=ids, logprobs=logprobs)
+
+    def _merges(self, item: TokenOutput) -> bool:
+        """Whether the next queued output continues ``item`` (the same choice, ``item`` not its last)."""
+        nxt = self.items[0] if self.items else None
+        return isinstance(nxt, TokenOutput) and item.finish_reason is None and nxt.index == item.index
 
 
 class SchedulerClient:
@@ -194,7 +199,7 @@ class SchedulerClient:
         return route
 
     async def outputs(self, rid: str, deadline: float | None = None) -> AsyncIterator[TokenOutput]:
-        """Yield the outputs of ``rid`` (opened with :meth:`open`) until one has a ``finish_reason``; the route is
+        """Yield the outputs of ``rid`` (opened with :meth:`open`) until one ends the request; the route is
         dropped then. Leaving early leaves the route to whoever ends the request (:meth:`drop`).
 
         Raises:
@@ -208,7 +213,7 @@ class SchedulerClient:
                 out = await route.take(timeout)
             except TimeoutError:
                 raise StageError("the request did not finish within the server's deadline", 504) from None
-            if out.finish_reason is not None:
+            if out.ends_request:  # n > 1: after every choice's finish
                 self.routes.pop(rid, None)
                 yield out
                 return

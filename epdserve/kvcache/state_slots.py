@@ -82,6 +82,23 @@ class StateSlots:
             self.runner.copy_state(snap, self._held[key])
         return True
 
+    def acquire_all(self, keys: list) -> bool:
+        """:meth:`acquire` (without a prefix) for every key of ``keys``, all or none (decode's forks of one
+        request); True without a state pool."""
+        for i, key in enumerate(keys):
+            if not self.acquire(key):
+                for held in keys[:i]:
+                    self.release(held)
+                return False
+        return True
+
+    def copy_to(self, key, others: list) -> None:
+        """Copy ``key``'s state into the slots of ``others`` (decode's forks of one request start from the same
+        handed-off state); nothing without a state pool."""
+        if self.pool is not None:
+            for other in others:
+                self.runner.copy_state(self._held[key], self._held[other])
+
     def cut_match(self, radix, key: list[int], match):
         """Prefill: a radix ``match`` of ``key`` cut back to the longest prefix with a state snapshot (hybrid
         models; the match itself for others)."""

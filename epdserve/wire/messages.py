@@ -64,6 +64,7 @@ class SamplingParams:
     # OpenAI's: [token id, bias] pairs, the bias added to that token's logit (pairs: every map on the wire is a message)
     logit_bias: list[list] = field(default_factory=list)
     grammar: GrammarSpec | None = None  # structured outputs: every sampled token keeps the output in the grammar
+    n: int = 1  # choices: one prefill, ``n`` decode forks sharing the prompt's KV (choice i seeds with seed + i)
 
 
 @dataclass
@@ -338,6 +339,9 @@ class KVTransfer:
     engine_written: bool = False  # transfer engine path: the KV is already in the decode pages it registered
     engine_bytes: int = 0  # ... this many bytes, written in engine_seconds (prefill's submit to completion)
     engine_seconds: float = 0.0
+    # n > 1: every choice's first token (choice 0's is also ``first_token_id``) and, when asked, their logprobs
+    first_token_ids: list[int] = field(default_factory=list)
+    first_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -349,6 +353,10 @@ class TokenOutput:
     ``finish_reason`` is None while running, then ``"stop"``, ``"length"`` or ``"error"``. ``completion_tokens``
     counts all output tokens so far, these included. ``logprobs`` has one entry per id of ``token_ids`` when the
     request asked for them (``SamplingParams.logprobs >= 0``), else none.
+
+    ``n > 1`` (choices): ``index`` names the choice (a decode fork); ``finish_reason`` and ``completion_tokens``
+    are that choice's, and ``last`` is False on a choice's finish while other choices of the request still run,
+    so a request is over at the first output with a ``finish_reason`` and ``last`` (an error always ends it).
     """
 
     rid: str
@@ -359,6 +367,13 @@ class TokenOutput:
     cached_tokens: int = 0
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    index: int = 0
+    last: bool = True
+
+    @property
+    def ends_request(self) -> bool:
+        """Whether no output of the request follows this one."""
+        return self.finish_reason is not None and (self.last or self.finish_reason == "error")
 
 
 @dataclass

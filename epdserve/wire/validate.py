@@ -34,6 +34,7 @@ _HEX = re.compile(r"^[0-9a-fA-F]{15,128}$")
 _FLOAT_DTYPES = tuple(FLOAT_DTYPES.values())
 _MAX_RID = 512  # characters; gateway ids are ~41
 _MAX_GRAMMAR = messages.MAX_GRAMMAR_CHARS  # the gateway's request bodies are bounded far below this
+MAX_CHOICES = 1024  # n: the gateway's --max-n is far below; a bound keeps a forged message from forking without end
 
 
 @cache
@@ -100,6 +101,8 @@ def _check_sampling(sp: messages.SamplingParams) -> str | None:
         return f"top_p {sp.top_p} not in (0, 1]"
     if not 1 <= sp.max_new_tokens <= INT64_MAX:
         return f"max_new_tokens {sp.max_new_tokens} < 1"
+    if not 1 <= sp.n <= MAX_CHOICES:
+        return f"n {sp.n} not in [1, {MAX_CHOICES}]"
     if not _ints_fit([sp.top_k, *sp.stop_token_ids]):
         return "top_k or a stop token id does not fit int64"
     g = sp.grammar

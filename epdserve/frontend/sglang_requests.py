@@ -1,0 +1,213 @@
+"""SGLang's scheduler gRPC ``GenerateRequest`` (smg-grpc-proto's ``sglang.grpc.scheduler``) turned into the stage
+requests of one PD leg, with every check a request must pass first.
+
+smg (and SGLang's own gRPC clients) send token ids, never text: the gateway has applied the chat template and
+tokenized. For an image it sends, in ``mm_inputs``, the raw file bytes (``image_data``), its own preprocessing
+(``pixel_values`` and the ``image_grid_thw`` model tensor) and where each image's ``<|image_pad|>`` run sits in
+``input_ids`` (``mm_placeholders``). epdserve's encoders take the file bytes, so the pixels are not used; the grid
+and the placeholder lengths are checked against this checkpoint's own processor (:func:`image_slots`), so a gateway
+whose preprocessing differs (another resize rule, other min/max pixels) is refused with INVALID_ARGUMENT instead of
+feeding the language model embeddings that do not fit its prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from epdserve.frontend.errors import APIError
+from epdserve.frontend.image_slots import image_slots
+from epdserve.frontend.prompt import EncodedImage
+from epdserve.frontend.structured import checked, generate_grammar
+from epdserve.wire.messages import (
+    DecodeRequest, GrammarSpec, ImageSpan, PrefillRequest, SamplingParams, input_ids_digest,
+)
+
+
+class InvalidRequest(ValueError):
+    """A request the worker refuses: gRPC INVALID_ARGUMENT with this message."""
+
+
+@dataclass
+class GrpcLeg:
+    """One Generate call's stage requests (both built; the role sends its own) and its images' raw bytes."""
+
+    prefill: PrefillRequest
+    decode: DecodeRequest
+    image_data: list[bytes]
+    stream: bool
+
+
+def _tensor(t: Any, what: str) -> np.ndarray:
+    """A proto ``TensorData`` (raw little-endian bytes, shape, dtype name) as an array.
+
+    Raises:
+        InvalidRequest: an unknown dtype, or bytes that do not fill the shape.
+    """
+    dtypes = {"float32": np.float32, "int64": np.int64, "uint32": np.uint32, "int32": np.int32}
+    if t.dtype not in dtypes:
+        raise InvalidRequest(f"{what} has dtype {t.dtype!r}; expected one of {sorted(dtypes)}")
+    arr = np.frombuffer(t.data, dtype=np.dtype(dtypes[t.dtype]).newbyteorder("<"))
+    shape = list(t.shape)
+    if int(np.prod(shape)) != arr.size:
+        raise InvalidRequest(f"{what} carries {arr.size} values for shape {shape}")
+    return arr.reshape(shape)
+
+
+async def sampling_params(sp: Any, prompt_len: int, context_length: int, vocab_size: int) -> SamplingParams:
+    """epdserve's :class:`SamplingParams` for a proto ``SamplingParams``.
+
+    proto3 cannot tell an unset number from 0, so smg always sends every field (temperature 1, top_p 1, top_k -1
+    when the client set none); ``top_k`` 0 and ``top_p`` 0 are read as "off" (SGLang rejects them). Stop strings
+    are not matched here: smg matches them on its own detokenized text and ends the stream, which aborts the
+    request at this worker; a single-token stop arrives in ``stop_token_ids``.
+
+    Raises:
+        InvalidRequest: an option the stages do not implement (``n`` > 1, ``min_p``, ``repetition_penalty``), a
+            token budget past the context length, a token id outside the vocabulary, or a grammar xgrammar
+            rejects.
+    """
+    if sp.n > 1:
+        raise InvalidRequest("n > 1 is not supported: send one request per sample")
+    if sp.min_p > 0:
+        raise InvalidRequest("min_p is not supported")
+    if sp.repetition_penalty not in (0.0, 1.0):
+        raise InvalidRequest("repetition_penalty is not supported (frequency_penalty and presence_penalty are)")
+    left = context_length - prompt_len
+    if left <= 0:
+        raise InvalidRequest(f"the prompt has {prompt_len} tokens, but the model's context length is "
+                             f"{context_length} tokens")
+    max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else left
+    if max_new > left:
+        raise InvalidRequest(f"the prompt has {prompt_len} tokens and {max_new} new tokens were requested, but the "
+                             f"model's context length is {context_length} tokens")
+    bias = []
+    for key, value in sorted(sp.logit_bias.items()):
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise InvalidRequest(f"logit_bias names token {key!r}, not an id of the vocabulary ({vocab_size} ids)")
+        bias.append([int(key), float(value)])
+    if any(t >= vocab_size for t in sp.stop_token_ids):
+        raise InvalidRequest(f"a stop token id is outside the vocabulary ({vocab_size} ids)")
+    try:
+        constraint = sp.WhichOneof("constraint")
+        if constraint == "structural_tag":
+            grammar = await checked(GrammarSpec("structural_tag", sp.structural_tag), "structural_tag")
+        else:
+            text = getattr(sp, constraint) if constraint else None
+            grammar = await generate_grammar(text if constraint == "json_schema" else None,
+                                             text if constraint == "regex" else None,
+                                             text if constraint == "ebnf_grammar" else None, None)
+    except APIError as e:
+        raise InvalidRequest(e.message) from None
+    return SamplingParams(temperature=max(sp.temperature, 0.0), top_p=sp.top_p if sp.top_p > 0 else 1.0,
+                          top_k=sp.top_k if sp.top_k > 0 else -1, max_new_tokens=max_new,
+                          stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+                          frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+                          logit_bias=bias, grammar=grammar)
+
+
+def image_spans(mm: Any, input_ids: list[int], image_token_id: int, image_processor: Any) -> tuple[list[bytes],
+                                                                                                 list[ImageSpan]]:
+    """The raw images of ``mm`` (a proto ``MultimodalInputs``) and their spans in ``input_ids``, checked against
+    this checkpoint's processor: one placeholder per image, each a run of the image token exactly as long as the
+    processor's token count for that image, every image token inside one, and (when sent) the gateway's
+    ``image_grid_thw`` rows equal to the processor's grids. The spans' hashes are the SHA-256 of the bytes, the
+    encoder's cache key.
+
+    Raises:
+        InvalidRequest: any mismatch, video or audio inputs, or pixels without the raw image bytes.
+    """
+    if mm.video_data or mm.audio_data or mm.video_urls or mm.audio_urls:
+        raise InvalidRequest("only images are supported in mm_inputs (no video or audio)")
+    if mm.image_urls:
+        raise InvalidRequest("image_urls are not fetched by this worker: send the image bytes in image_data")
+    images = list(mm.image_data)
+    if not images:
+        if mm.HasField("pixel_values"):
+            raise InvalidRequest("pixel_values without image_data: epdserve's encoders take the image files")
+        return [], []
+    if mm.HasField("im_token_id") and mm.im_token_id != image_token_id:
+        raise InvalidRequest(f"im_token_id {mm.im_token_id} is not this model's image token {image_token_id}")
+    holders = list(mm.mm_placeholders)
+    if len(holders) != len(images):
+        raise InvalidRequest(f"{len(holders)} mm_placeholders for {len(images)} images")
+    try:
+        slots = [image_slots(image_processor, data) for data in images]
+    except Exception as e:  # StageError(400) for bad bytes; anything else is the same to the client
+        raise InvalidRequest(str(e)) from None
+    grids = None
+    if "image_grid_thw" in mm.model_specific_tensors:
+        grids = _tensor(mm.model_specific_tensors["image_grid_thw"], "image_grid_thw").reshape(-1, 3).tolist()
+        if len(grids) != len(images):
+            raise InvalidRequest(f"image_grid_thw has {len(grids)} rows for {len(images)} images")
+    spans, covered = [], 0
+    for i, (holder, slot) in enumerate(zip(holders, slots)):
+        if grids is not None and grids[i] != slot.grid_thw:
+            raise InvalidRequest(f"image {i}: the gateway's image_grid_thw {grids[i]} differs from this model's "
+                                 f"processor's {slot.grid_thw} (check the processor config smg reads)")
+        if holder.length != slot.num_tokens:
+            raise InvalidRequest(f"image {i}: {holder.length} placeholder tokens, but this model's processor "
+                                 f"makes {slot.num_tokens} tokens of it")
+        run = input_ids[holder.offset:holder.offset + holder.length]
+        if len(run) != holder.length or any(t != image_token_id for t in run):
+            raise InvalidRequest(f"image {i}: input_ids[{holder.offset}:{holder.offset + holder.length}] is not a "
+                                 f"run of the image token {image_token_id}")
+        spans.append(ImageSpan(offset=holder.offset, length=holder.length, image_hash=slot.image_hash,
+                               grid_thw=list(slot.grid_thw)))
+        covered += holder.length
+    if sum(t == image_token_id for t in input_ids) != covered:
+        raise InvalidRequest("input_ids hold image tokens outside the mm_placeholders")
+    return images, spans
+
+
+def check_encoded(spans: list[ImageSpan], encoded: list[EncodedImage]) -> None:
+    """Raise :class:`InvalidRequest` unless the encoders' results agree with the spans (hash, tokens, grid)."""
+    for i, (span, enc) in enumerate(zip(spans, encoded, strict=True)):
+        if (enc.image_hash, enc.num_tokens, list(enc.grid_thw)) != (span.image_hash, span.length, span.grid_thw):
+            raise InvalidRequest(f"image {i}: the encoder made {enc.num_tokens} tokens of grid {enc.grid_thw}, the "
+                                 f"prompt has {span.length} of grid {span.grid_thw}")
+
+
+async def build_leg(req: Any, rid: str, role: str, *, context_length: int, vocab_size: int, image_token_id: int,
+                    image_processor: Any) -> GrpcLeg:
+    """Both stage requests (request id ``rid``) of a proto ``GenerateRequest`` for a ``role`` ("prefill" or
+    "decode") worker, with the bootstrap fields of ``disaggregated_params`` (the same room on both legs; the decode
+    leg also names the prefill server's bootstrap address) and the prompt's digest. Images are checked on the
+    prefill leg only: smg sends the decode leg no pixels, and decode only needs the prompt's length.
+
+    Raises:
+        InvalidRequest: no token ids, no room, a token id outside the vocabulary, or as :func:`sampling_params`
+            and :func:`image_spans`.
+    """
+    if req.HasField("data_parallel_rank") and req.data_parallel_rank > 0:
+        raise InvalidRequest(f"data_parallel_rank {req.data_parallel_rank}: this worker has one rank")
+    if not req.HasField("tokenized") or not req.tokenized.input_ids:
+        raise InvalidRequest("the request needs tokenized.input_ids (this worker takes no text)")
+    ids = list(req.tokenized.input_ids)
+    if max(ids) >= vocab_size:
+        raise InvalidRequest(f"token id {max(ids)} is outside the vocabulary ({vocab_size} ids)")
+    if not req.HasField("disaggregated_params"):
+        raise InvalidRequest(f"this is a {role} worker for PD dual dispatch: the request needs disaggregated_params "
+                             "(bootstrap_host, bootstrap_port, bootstrap_room)")
+    dp = req.disaggregated_params
+    if role == "decode" and not (dp.bootstrap_host and dp.bootstrap_port):
+        raise InvalidRequest("disaggregated_params lacks the prefill server's bootstrap_host or bootstrap_port "
+                             "(smg: --prefill grpc://HOST:PORT BOOTSTRAP_PORT)")
+    if req.input_embeds:
+        raise InvalidRequest("input_embeds are not supported")
+    if req.lora_id:
+        raise InvalidRequest("LoRA adapters are not supported")
+    sampling = await sampling_params(req.sampling_params, len(ids), context_length, vocab_size)
+    if req.return_logprob:
+        sampling.logprobs = max(req.top_logprobs_num, 0)
+    images, spans = [], []
+    if role == "prefill" and req.HasField("mm_inputs"):
+        images, spans = image_spans(req.mm_inputs, ids, image_token_id, image_processor)
+    digest = input_ids_digest(ids)
+    prefill = PrefillRequest(rid=rid, input_ids=ids, images=spans, sampling=sampling,
+                             bootstrap_room=dp.bootstrap_room, reply=True, input_digest=digest)
+    decode = DecodeRequest(rid=rid, prompt_len=len(ids), sampling=sampling, bootstrap_host=dp.bootstrap_host,
+                           bootstrap_port=dp.bootstrap_port, bootstrap_room=dp.bootstrap_room, input_digest=digest)
+    return GrpcLeg(prefill, decode, images, req.stream)
