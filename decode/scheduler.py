@@ -24,11 +24,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from epdserve.decode.engine_pages import EnginePages
+from epdserve.decode.kv_checks import check_kv
 from epdserve.decode.forks import ForkGroup, fork_copy_plan, fork_pages
 from epdserve.decode.steps import Step, output_ids
 from epdserve.device import to_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.engine.grammar import Constraint, GrammarCompiler, constraint_for, mask_logits
+from epdserve.kvcache.engine import KVEngine
 from epdserve.kvcache.page_pool import PagePool, page_slots
 from epdserve.kvcache.kv_share import PeerPools, host_id
 from epdserve.kvcache.state_slots import StateSlots
@@ -88,13 +91,17 @@ class DecodeScheduler:
             shared hand-off path, :mod:`epdserve.kvcache.kv_share`) instead of receiving the KV in the message.
         metrics: where to record (the server's; a fresh one by default).
         grammars: compiles constrained requests' grammars (None: such requests fail).
+        engine: the transfer engine with this runner's pool registered (``--kv-transfer nixl|mooncake``): pages
+            reserved at arrival for prefill to write into (:mod:`epdserve.decode.engine_pages`).
     """
 
     def __init__(self, runner: ModelRunner, *, context_length: int, max_running_requests: int,
                  timeout_s: float, kv_endpoint: str, accept_shared: bool = False,
-                 metrics: DecodeMetrics | None = None, grammars: GrammarCompiler | None = None):
+                 metrics: DecodeMetrics | None = None, grammars: GrammarCompiler | None = None,
+                 engine: KVEngine | None = None):
         self.runner, self.grammars = runner, grammars
         self.pool = PagePool(runner.num_pages, runner.page_size)
+        self.engine_pages = EnginePages(self.pool, engine, timeout_s)
         self.context_length = context_length
         self.max_running = max_running_requests
         self.timeout_s = timeout_s
@@ -116,42 +123,47 @@ class DecodeScheduler:
         """Track a request; returns ``(bootstrap endpoint, KVRegister)`` for the server to send."""
         now = time.monotonic()
         # The grammar compiles while prefill runs: by the time the KV arrives it is usually done.
-        self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=now + self.timeout_s, arrival=now,
-                                                constraint=constraint_for(self.grammars, msg.sampling.grammar))
+        seq = self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=now + self.timeout_s, arrival=now,
+                                                      constraint=constraint_for(self.grammars, msg.sampling.grammar))
+        region, seq.pages = self.engine_pages.reserve(msg, self.context_length)  # None, []: KV in the message
         log.debug("rid=%s request received", msg.rid)
         return _bootstrap(msg), KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room,
                                            kv_endpoint=self.kv_endpoint, host_id=self.host_id,
-                                           accept_shared=self.accept_shared)
+                                           accept_shared=self.accept_shared, region=region, kv_pages=list(seq.pages))
 
     def add_transfer(self, msg: KVTransfer) -> None:
         """KV (or an error) for a pending request; transfers for unknown rooms (aborted) are dropped."""
         seq = self.pending.pop(msg.bootstrap_room, None)
         if seq is None:
             log.debug("rid=%s KV for unknown room dropped", msg.rid)
+            self.engine_pages.late_transfer(msg.bootstrap_room)  # an aborted request's engine write has ended
             return
         self.metrics.on_kv_received(msg)
         if msg.error is None:
-            err = self._check_kv(seq, msg)
+            err = check_kv(self.runner.config, self.states, seq.msg, bool(seq.pages), msg)
             if err:
                 self.metrics.on_kv_failure("bad_kv")
                 msg = replace(msg, error=err)  # keeps ``pool``: pages lent for a rejected copy are acked too
         else:
             self.metrics.on_kv_failure("prefill_error")
+        if msg.engine_written or (msg.error is not None and msg.pool is not None):  # the prefill server's pages
+            self._ack(seq)  # held for it (lent, or written from): let them go
         if msg.error is not None:
-            if msg.pool is not None:  # the prefill server holds pages for it: let them go
-                self._ack(seq)
+            self._free(seq)  # pages reserved for an engine write
             self._emit(seq, "error", error=msg.error)
             return
         seq.transfer, seq.kv_at = msg, time.monotonic()
         self.ready.append(seq)
-        log.debug("rid=%s KV received", msg.rid)
+        log.debug("rid=%s KV received%s", msg.rid, f" (written by the engine: {msg.engine_bytes} bytes in "
+                  f"{msg.engine_seconds * 1e3:.1f} ms)" if msg.engine_written else "")
 
     def abort(self, rid: str) -> None:
         """Drop ``rid`` wherever it is and free its pages."""
         for room in [room for room, s in self.pending.items() if s.msg.rid == rid]:
-            del self.pending[room]
+            self.engine_pages.hold_back(room, self.pending.pop(room).pages)  # a write may still land in them
         for seq in [s for s in self.ready if s.msg.rid == rid]:
             self.ready.remove(seq)
+            self._free(seq)
             if seq.transfer is not None and seq.transfer.pool is not None:  # the prefill server may free them now
                 self._ack(seq)
         for seq in [s for s in self.running if s.msg.rid == rid]:
@@ -161,7 +173,8 @@ class DecodeScheduler:
     def fail_request(self, rid: str, error: str) -> None:
         """End a request still waiting for its KV with ``error`` (an output to its gateway) and drop it."""
         for room in [room for room, s in self.pending.items() if s.msg.rid == rid]:
-            self._emit(self.pending.pop(room), "error", error=error)
+            self._free(seq := self.pending.pop(room))
+            self._emit(seq, "error", error=error)
 
     def load(self) -> Load:
         """What this scheduler holds now; with no request in flight every page is free and no room is held."""
@@ -208,44 +221,18 @@ class DecodeScheduler:
         the outputs are in :attr:`outputs`."""
         self.fail_running(error)
         for seq in [*self.ready, *self.pending.values()]:
+            self._free(seq)
             self._emit(seq, "error", error=error)
         self.ready.clear()
         self.pending.clear()
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _check_kv(self, seq: _Seq, msg: KVTransfer) -> str | None:
-        cfg = self.runner.config
-        if seq.msg.input_digest and msg.input_digest and seq.msg.input_digest != msg.input_digest:
-            return (f"tokenization mismatch: the prefill server computed the KV of other token ids than this decode "
-                    f"server's (input digest {msg.input_digest} != {seq.msg.input_digest}); do both serve the same "
-                    f"model and processor?")
-        firsts = msg.first_token_ids or [msg.first_token_id]
-        if len(firsts) != seq.msg.sampling.n or not all(0 <= t < cfg.vocab_size for t in firsts):
-            return f"first tokens {firsts[:4]} out of the vocabulary or not one per choice (n={seq.msg.sampling.n})"
-        state_err = self.states.check_handoff(msg.state, shared=msg.pool is not None)
-        if state_err:
-            return state_err
-        if msg.pool is not None:
-            shape = msg.pool.shape
-            want = [cfg.num_kv_layers, 2, cfg.num_kv_heads, cfg.head_dim]
-            if len(shape) != 6 or [*shape[:2], *shape[4:]] != want or shape[3] <= 0:
-                return f"prefill KV pool has shape {shape}, expected [{cfg.num_kv_layers}, 2, pages, page size, " \
-                       f"{cfg.num_kv_heads}, {cfg.head_dim}]"
-            if len(msg.kv_pages) != -(-seq.msg.prompt_len // shape[3]) or \
-                    any(not 0 <= p < shape[2] for p in msg.kv_pages):
-                return f"KV transfer names {len(msg.kv_pages)} pages for a {seq.msg.prompt_len}-token prompt"
-            return None
-        want = (cfg.num_kv_layers, 2, seq.msg.prompt_len, cfg.num_kv_heads, cfg.head_dim)
-        if msg.kv is None or tuple(msg.kv.shape) != want:
-            got = None if msg.kv is None else tuple(msg.kv.shape)
-            return f"KV transfer has shape {got}, expected {want}"
-        return None
-
     def _expire(self) -> None:
         now = time.monotonic()
+        self.engine_pages.expire()
         for room, seq in list(self.pending.items()):
             if seq.deadline < now:
-                del self.pending[room]
+                self.engine_pages.hold_back(room, self.pending.pop(room).pages)  # a write may still land in them
                 log.warning("rid=%s timed out waiting for KV", seq.msg.rid)
                 self.metrics.on_kv_failure("timeout")
                 self._emit(seq, "error", error="timed out waiting for KV from the prefill server")
@@ -258,7 +245,7 @@ class DecodeScheduler:
                 if not c.ready():
                     break  # first come, first served: its grammar is still compiling
                 if err := c.start():
-                    self.ready.popleft()
+                    self._free(self.ready.popleft())
                     self.metrics.on_error("bad_grammar")
                     self._emit(seq, "error", error=err)
                     continue
@@ -266,19 +253,21 @@ class DecodeScheduler:
             shared, own = fork_pages(self.pool, seq.msg.prompt_len, total, n)
             need = shared + n * own
             if need > self.pool.num_pages or n > self.max_running:
-                self.ready.popleft()
+                self._free(self.ready.popleft())
                 self.metrics.on_error("kv_pool_too_small")
                 self._emit(seq, "error", error=f"{n} x {total} tokens need more KV pages than the pool has, or "
                                                f"more running requests than --max-running-requests {self.max_running}")
                 continue
-            if need > self.pool.num_free or len(self.running) + n > self.max_running or not self.states.acquire_all(
-                    [(seq.msg.bootstrap_room, i) for i in range(n)]):
+            if need > self.pool.num_free + len(seq.pages) or len(self.running) + n > self.max_running \
+                    or not self.states.acquire_all([(seq.msg.bootstrap_room, i) for i in range(n)]):
                 break  # first come, first served
             self.ready.popleft()
             forks = self._fork(seq, shared, own)
             transfer, seq.transfer = seq.transfer, None
             idx, slots = fork_copy_plan(self.pool, [f.pages for f in forks], seq.msg.prompt_len)
-            if transfer.pool is not None:
+            if transfer.engine_written:
+                pass  # the prefill server wrote the KV into the pages reserved at arrival; acknowledged then
+            elif transfer.pool is not None:
                 err = self._copy_shared_kv(forks, transfer, idx, slots)
                 if err:
                     self.metrics.on_kv_failure("shared_copy")
@@ -304,13 +293,16 @@ class DecodeScheduler:
 
     def _fork(self, seq: _Seq, shared: int, own: int) -> list[_Seq]:
         """``seq`` (fork 0) and its other forks (n > 1), each with the shared prompt pages then pages of its own,
-        and its own grammar state (a started matcher of the same grammar)."""
-        group = ForkGroup(self.pool.alloc(shared), seq.msg.sampling.n)
+        and its own grammar state (a started matcher of the same grammar). Pages reserved at arrival (engine
+        path, n == 1; the prompt's full pages first) are used instead of new ones."""
+        reserved = seq.pages
+        take = (lambda k, at: reserved[at:at + k]) if reserved else (lambda k, at: self.pool.alloc(k))
+        group = ForkGroup(take(shared, 0), seq.msg.sampling.n)
         forks = [seq] + [replace(seq, index=i, output_ids=[], transfer=None,
                                  constraint=seq.constraint and seq.constraint.fork())
                          for i in range(1, seq.msg.sampling.n)]
         for f in forks:
-            f.group, f.shared, f.pages = group, shared, group.pages + self.pool.alloc(own)
+            f.group, f.shared, f.pages = group, shared, group.pages + take(own, shared)
         return forks
 
     def _load_states(self, forks: list[_Seq], transfer: KVTransfer) -> None:

@@ -23,7 +23,7 @@ from epdserve.wire import transport
 from epdserve.config import DecodeConfig
 from epdserve.decode.scheduler import DecodeScheduler
 from epdserve.engine.grammar import GrammarCompiler
-from epdserve.engine.server import StageServer, kv_shared, serve_with_front
+from epdserve.engine.server import StageServer, kv_shared, register_kv_engine, serve_with_front, start_kv_engine
 from epdserve.wire.messages import AbortRequest, DecodeRequest, KVTransfer, ServerInfo, TokenOutputBatch
 from epdserve.metrics import DecodeMetrics
 from epdserve.engine.runner_setup import runner_from_config
@@ -44,20 +44,24 @@ def serve(config: DecodeConfig) -> int:
 
 def _serve(config: DecodeConfig) -> int:
     graph_bs = 0 if config.disable_cuda_graph else min(config.cuda_graph_max_bs, config.max_running_requests)
+    engine = start_kv_engine(config)  # before the model loads: a missing engine package fails at once
     model_path, runner, context_length = runner_from_config(config, cuda_graph_max_bs=graph_bs)
+    register_kv_engine(engine, runner)
     share = kv_shared(config, runner.device)  # TP ranks take KV by host path
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
     metrics = DecodeMetrics()
     grammars = GrammarCompiler(model_path, runner.config.vocab_size, list(runner.config.eos_token_ids))
     sched = DecodeScheduler(runner, context_length=context_length, max_running_requests=config.max_running_requests,
                             timeout_s=config.request_timeout_s, kv_endpoint=kv_endpoint, accept_shared=share,
-                            metrics=metrics, grammars=grammars)
+                            metrics=metrics, grammars=grammars, engine=engine)
     info = ServerInfo(role="decode", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages)
     try:
         return _DecodeServer(config, runner, sched, metrics, info, kv_endpoint=kv_endpoint, share=share).run()
     finally:
         grammars.close()
+        if engine is not None:
+            engine.close()
 
 
 class _DecodeServer(StageServer):
@@ -74,7 +78,8 @@ class _DecodeServer(StageServer):
         c = self.config
         log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages, KV hand-off %s, "
                  "metrics=%s)", c.host, c.zmq_port, self.kv_endpoint, self.info.model_path, self.runner.device,
-                 self.runner.num_pages, "shared or zmq" if self.share else "zmq", self.metrics_server.url)
+                 self.runner.num_pages, "shared or zmq" if self.share else
+                 (r := self.sched.engine_pages.region) and r.engine or "zmq", self.metrics_server.url)
 
     def on_request(self, peer: bytes, msg) -> None:
         if isinstance(msg, DecodeRequest):

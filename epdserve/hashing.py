@@ -12,7 +12,7 @@ def video_key(data: bytes, fps: float | None = None, num_frames: int | None = No
     """The cache and routing key of a video's embeddings (hex SHA-256): its bytes and the frame sampling asked for
     (a request's ``mm_processor_kwargs`` ``fps`` / ``num_frames``; None: the checkpoint's default), since the same
     file sampled differently gives other embeddings. Hex like an image hash, so the radix cache's
-    :func:`~epdserve.prefill.scheduler.image_pad_id` takes it as it takes an image's.
+    :func:`~epdserve.prefill.records.image_pad_id` takes it as it takes an image's.
 
     Raises:
         ValueError: both ``fps`` and ``num_frames`` given, or either not positive.

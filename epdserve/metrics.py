@@ -119,7 +119,10 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 def kv_transfer_bytes(transfer: Any) -> int:
     """Bytes of KV a ``KVTransfer`` hands off: its ``kv`` tensor (host path), or the whole pages it lends from the
-    prefill pool (shared path: ``kv_pages`` of the ``pool`` handle's page size); 0 for an error."""
+    prefill pool (shared path: ``kv_pages`` of the ``pool`` handle's page size), or the bytes a transfer engine
+    wrote (``engine_bytes``); 0 for an error."""
+    if getattr(transfer, "engine_written", False):
+        return transfer.engine_bytes
     if transfer.kv is not None:
         return transfer.kv.numel() * transfer.kv.element_size()
     pool = getattr(transfer, "pool", None)

@@ -14,6 +14,12 @@ from epdserve.kvcache.page_pool import PagePool
 from epdserve.wire.messages import KVRegister, KVTransfer, PrefillRequest, TokenLogprob
 
 
+def image_pad_id(image_hash: str) -> int:
+    """Radix-cache key id for every token of an image: above any vocabulary id and unique per image hash
+    (60 bits of the SHA-256), so equal images at equal places share KV and different images never do."""
+    return (1 << 62) | int(image_hash[:15], 16)
+
+
 class RecordState(enum.Enum):
     """Where a record is; what its ``deadline`` means there."""
     EARLY = "early"  # keyed by rid: embeddings before their request, and/or an aborted id's marker (drop at deadline)
@@ -21,7 +27,8 @@ class RecordState(enum.Enum):
     WAITING = "waiting"  # a request waiting for embeddings or pages (fails at the deadline)
     RUNNING = "running"  # holds pages, partly prefilled (no deadline: it ends, fails or is aborted)
     FINISHED = "finished"  # KV or an error ready, waiting for a registration (pages back at the deadline)
-    LENT = "lent"  # a decode server copies its pages (shared path; pages back at its KVAck or the deadline)
+    LENT = "lent"  # a decode server copies its pages (shared path), or an engine writes them into decode's (engine
+    # path: ``write`` set until it completes); pages back at decode's KVAck or the deadline
 
 
 @dataclass
@@ -48,6 +55,7 @@ class PrefillRecord:
     first_tokens: list[int] = field(default_factory=list)  # one per choice, sampled once the prompt is prefilled
     first_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # theirs, when the request asked
     constraint: Constraint | None = None  # structured outputs: the grammar of the first token, until it is sampled
+    write: object = None  # LENT, engine path: the EngineWrite (prefill/transfers.py) still in flight
 
     @property
     def first_token(self) -> int:

@@ -2,9 +2,11 @@
 run chunked prefill over KV pages, sample the first token, and hand the KV to the decode server that
 registered for the request's bootstrap room.
 
-Two hand-off paths (``--kv-transfer``): through host memory (the KV is gathered into a host tensor that travels
-over ZeroMQ, and the pages are freed at once), or shared (a decode server on this machine maps this server's
-KV pool and copies the pages device to device; they stay held until its ``KVAck``).
+Three hand-off paths (``--kv-transfer``): through host memory (the KV is gathered into a host tensor that travels
+over ZeroMQ, and the pages are freed at once), shared (a decode server on this machine maps this server's
+KV pool and copies the pages device to device; they stay held until its ``KVAck``), or a transfer engine (NIXL,
+Mooncake: this server writes the pages into those the decode server registered, then tells it; they stay held
+until its ``KVAck``).
 
 Requests and embeddings arrive in either order (the encoder pushes embeddings while the gateway sends the
 request). Decode registrations can come before or after prefill ends. Everything a request holds lives in one
@@ -28,19 +30,14 @@ from epdserve.models.mrope import mrope_positions
 from epdserve.engine.grammar import GrammarCompiler, constraint_for
 from epdserve.prefill.checks import check_embeds, validate_request
 from epdserve.prefill.first_token import sample_first_tokens
-from epdserve.prefill.records import PrefillRecord as _Req, RecordState as _State, prefill_batch
-from epdserve.prefill.transfers import host_transfer, shared_transfer
+from epdserve.prefill.records import PrefillRecord as _Req, RecordState as _State, image_pad_id, prefill_batch
+from epdserve.prefill.transfers import engine_transfer, host_transfer, shared_transfer, start_engine_write
+from epdserve.kvcache.engine import KVEngine, KVEngineError
 
 log = logging.getLogger(__name__)
 
 
 _LATE_S = 2.0  # seconds an aborted request's late embeddings or registration are kept
-
-
-def image_pad_id(image_hash: str) -> int:
-    """Radix-cache key id for every token of an image: above any vocabulary id and unique per image hash
-    (60 bits of the SHA-256), so equal images at equal places share KV and different images never do."""
-    return (1 << 62) | int(image_hash[:15], 16)
 
 
 class PrefillScheduler:
@@ -56,12 +53,13 @@ class PrefillScheduler:
         metrics: where to record (the server's; a fresh one by default).
         state_snapshot_slots: hybrid models: DeltaNet state snapshots for radix hits (:class:`StateSlots`).
         grammars: compiles constrained requests' grammars (None: such requests fail).
+        engine: the transfer engine with this runner's pool registered (``--kv-transfer nixl|mooncake``), or None.
     """
 
     def __init__(self, runner: ModelRunner, *, context_length: int, max_prefill_tokens: int, timeout_s: float,
                  chunked_prefill_size: int = 0, metrics: PrefillMetrics | None = None, state_snapshot_slots: int = 0,
-                 grammars: GrammarCompiler | None = None):
-        self.runner, self.grammars = runner, grammars
+                 grammars: GrammarCompiler | None = None, engine: KVEngine | None = None):
+        self.runner, self.grammars, self.engine = runner, grammars, engine
         self.cfg = runner.config
         self.pool = PagePool(runner.num_pages, runner.page_size)
         self.radix = RadixCache(runner.page_size)
@@ -189,7 +187,7 @@ class PrefillScheduler:
     def has_work(self) -> bool:
         """True when :meth:`step` would run a forward now."""
         return any(r.state is _State.RUNNING or (r.state is _State.WAITING and self._inputs_ready(r))
-                   for r in self.reqs.values())
+                   or r.write is not None for r in self.reqs.values())  # an engine write: poll it
 
     def step(self) -> list[tuple[str, KVTransfer]]:
         """Admit ready requests, run one prefill forward, and return the transfers to send now as
@@ -202,6 +200,26 @@ class PrefillScheduler:
         for rec in [r for r in self._in(_State.FINISHED) if r.reg is not None]:
             del self.reqs[rec.room]
             transfer = rec.transfer if rec.transfer is not None else self._hand_off(rec)
+            if transfer is not None:  # None: an engine write started, its transfer goes once it is done
+                self.metrics.on_kv_sent(transfer)
+                out.append((rec.reg.kv_endpoint, transfer))
+        return out + self._poll_writes()
+
+    def _poll_writes(self) -> list[tuple[str, KVTransfer]]:
+        """Transfers of engine writes that finished (pages LENT until decode's ack) or failed (pages back)."""
+        out = []
+        for rec in [r for r in self._in(_State.LENT) if r.write is not None]:
+            try:
+                if not self.engine.poll(rec.write.handle):
+                    continue
+                transfer, rec.write = engine_transfer(rec, rec.write), None
+            except KVEngineError as e:
+                log.warning("rid=%s KV write to the decode server failed: %s", rec.rid, e)
+                self.metrics.on_kv_failure("engine_write")
+                del self.reqs[rec.room]
+                rec.write = None
+                self._release(rec, insert=True)
+                transfer = KVTransfer(rid=rec.msg.rid, bootstrap_room=rec.room, error=f"KV transfer failed: {e}")
             self.metrics.on_kv_sent(transfer)
             out.append((rec.reg.kv_endpoint, transfer))
         return out
@@ -375,18 +393,27 @@ class PrefillScheduler:
                       (t1 - t0) * 1e3, (t2 - t1) * 1e3, gpu[0].elapsed_time(gpu[1]), (time.perf_counter() - t0) * 1e3)
         for req, toks, lps in zip(reqs, first, first_lp):
             req.first_tokens, req.first_logprobs, req.embeds, req.constraint = toks, lps, None, None
-            if self.pool_handle is None:  # host path: the KV leaves the pages now
+            log.debug("rid=%s prefilled %d tokens (%d cached)", req.msg.rid, req.n, req.cached)  # before any gather
+            if self.pool_handle is None and self.engine is None:  # host path: the KV leaves the pages now
                 req.transfer = self._host_transfer(req)
             req.state, req.deadline = _State.FINISHED, time.monotonic() + self.timeout_s
             self._to_end(req)
             self.metrics.on_prefilled(req.arrival, req.n, req.cached, req.msg.images)
-            log.debug("rid=%s prefilled %d tokens (%d cached)", req.msg.rid, req.n, req.cached)
 
-    def _hand_off(self, req: _Req) -> KVTransfer:
+    def _hand_off(self, req: _Req) -> KVTransfer | None:
         """The transfer for a prefilled request (out of the table) whose decode server just registered: shared
         when that server maps pools of this machine (the pages stay held, the record LENT, until its ``KVAck``),
-        else through host memory."""
+        None when an engine write into the decode pages started (LENT too), else through host memory (also when
+        the engine write cannot start: the decode server takes KV in the message on any path)."""
         reg = req.reg
+        if self.engine is not None and reg.region is not None and reg.region.engine == self.engine.name:
+            write = start_engine_write(self.engine, req, self.runner.kv_pool.buffer)
+            if not isinstance(write, str):
+                req.state, req.deadline, req.write = _State.LENT, time.monotonic() + self.timeout_s, write
+                self.reqs[req.room] = req
+                return None
+            log.warning("rid=%s KV write to the decode server cannot start (%s): sent through host memory", req.rid,
+                        write)
         if not (reg.accept_shared and reg.host_id == self.host_id):
             return self._host_transfer(req)
         req.state, req.deadline = _State.LENT, time.monotonic() + self.timeout_s
@@ -401,7 +428,11 @@ class PrefillScheduler:
 
     def _release(self, req: _Req, *, insert: bool) -> None:
         """Give a request's pages back: full pages into the radix cache (if its KV is complete), the rest to
-        the pool; then unlock its matched prefix. Its state slot (hybrid models) goes back too."""
+        the pool; then unlock its matched prefix. Its state slot (hybrid models) goes back too, and an engine
+        write still in flight out of its pages is given up."""
+        if req.write is not None:
+            self.engine.cancel(req.write.handle)
+            req.write = None
         self.states.release(req.room)
         ps = self.runner.page_size
         n_matched = req.cached // ps

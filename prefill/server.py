@@ -23,7 +23,7 @@ from epdserve.wire import transport
 from epdserve.config import PrefillConfig
 from epdserve.device import resolve_device
 from epdserve.engine.grammar import GrammarCompiler
-from epdserve.engine.server import StageServer, kv_shared, serve_with_front
+from epdserve.engine.server import StageServer, kv_shared, register_kv_engine, serve_with_front, start_kv_engine
 from epdserve.kvcache.kv_share import host_id, shares_kv
 from epdserve.wire.device_share import take_embeddings
 from epdserve.prefill.embed_gate import EmbeddingGate
@@ -50,13 +50,15 @@ def serve(config: PrefillConfig) -> int:
 def _serve(config: PrefillConfig) -> int:
     device = resolve_device(config.device)
     share = kv_shared(config, device)
+    engine = start_kv_engine(config)  # before the model loads: a missing engine package fails at once
     model_path, runner, context_length = runner_from_config(config, share_kv=share)
+    register_kv_engine(engine, runner)
     metrics = PrefillMetrics()
     grammars = GrammarCompiler(model_path, runner.config.vocab_size, list(runner.config.eos_token_ids))
     sched = PrefillScheduler(runner, context_length=context_length,
                              max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,
                              chunked_prefill_size=config.chunked_prefill_size, metrics=metrics,
-                             state_snapshot_slots=config.state_snapshot_slots, grammars=grammars)
+                             state_snapshot_slots=config.state_snapshot_slots, grammars=grammars, engine=engine)
     tp = runner if config.tp > 1 else None  # a TPRunner: embedding receipts from the other ranks
     info = ServerInfo(role="prefill", model_path=model_path, context_length=context_length,
                       page_size=runner.page_size, num_pages=runner.num_pages,
@@ -69,6 +71,8 @@ def _serve(config: PrefillConfig) -> int:
         return _PrefillServer(config, runner, sched, metrics, info, tp=tp, share=share).run()
     finally:
         grammars.close()
+        if engine is not None:
+            engine.close()
 
 
 class _PrefillServer(StageServer):
@@ -91,7 +95,8 @@ class _PrefillServer(StageServer):
         log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages, "
                  "KV hand-off %s, metrics=%s)", c.host, c.zmq_port, self.info.embed_endpoints[0], c.host,
                  c.bootstrap_port, self.info.model_path, self.runner.device, self.runner.num_pages,
-                 "shared or zmq" if self.share else "zmq", self.metrics_server.url)
+                 "shared or zmq" if self.share else self.sched.engine.name if self.sched.engine else "zmq",
+                 self.metrics_server.url)
 
     def on_request(self, peer: bytes, msg) -> None:
         if isinstance(msg, PrefillRequest):

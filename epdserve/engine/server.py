@@ -9,6 +9,7 @@ line and what it does when a TP rank is lost.
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 import zmq
 
 from epdserve.frontend.process import spawn_front
+from epdserve.kvcache.engine import KV_ENGINES, KVEngine, make_engine
 from epdserve.kvcache.kv_share import shares_kv
 from epdserve.metrics import start_metrics_server
 from epdserve.wire import transport
@@ -30,6 +32,38 @@ def kv_shared(config: Any, device: torch.device) -> bool:
     ``--kv-transfer`` says and the device allows, and only with TP 1 (the shared path maps one pool, while a
     TP server's KV is split over its ranks)."""
     return shares_kv(config.kv_transfer, device) and config.tp == 1
+
+
+def start_kv_engine(config: Any) -> KVEngine | None:
+    """The transfer engine ``--kv-transfer nixl|mooncake`` asks for, started before the model loads (so a missing
+    package fails at once); None for the other modes, and with TP > 1, whose KV then goes the host (zmq) way:
+    the ranks each hold a part of the KV heads, and this first version moves one pool per server.
+
+    Raises:
+        KVEngineError: the engine's package is not installed or the engine cannot start.
+    """
+    if config.kv_transfer not in KV_ENGINES:
+        return None
+    if config.tp > 1:
+        logging.getLogger(__name__).warning("--kv-transfer %s with --tp %d: KV goes through host memory (zmq)",
+                                            config.kv_transfer, config.tp)
+        return None
+    return make_engine(config.kv_transfer, config.host)
+
+
+def register_kv_engine(engine: KVEngine | None, runner) -> None:
+    """Register ``runner``'s KV pool with ``engine`` (if any).
+
+    Raises:
+        ValueError: a hybrid model (Qwen3.5): its DeltaNet state does not travel through the engines yet.
+        KVEngineError: the engine refused the memory.
+    """
+    if engine is None:
+        return
+    if getattr(runner, "state_pool", None) is not None:
+        raise ValueError(f"--kv-transfer {engine.name} does not carry a hybrid model's (Qwen3.5) DeltaNet state "
+                         f"yet; use --kv-transfer zmq or shared")
+    engine.register(runner.kv_pool.buffer)
 
 
 class StageServer:

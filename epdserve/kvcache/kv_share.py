@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 
-KV_TRANSFER_MODES = ("auto", "zmq", "shared")
+KV_TRANSFER_MODES = ("auto", "zmq", "shared", "nixl", "mooncake")  # the last two: epdserve.kvcache.engine
 
 
 def shares_kv(mode: str, device: torch.device) -> bool:

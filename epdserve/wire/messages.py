@@ -219,11 +219,34 @@ class ImageEmbeddings:
 
 
 @dataclass
+class KVEngineRegion:
+    """How a transfer engine (``--kv-transfer nixl|mooncake``) reaches a decode server's KV pool; no data.
+
+    ``engine`` is the engine's name; ``agent`` the peer's name for it (NIXL: the agent name; Mooncake: the
+    ``host:rpc_port`` session of its P2P handshake); ``metadata`` what the engine needs to connect (NIXL: the
+    agent's metadata blob; Mooncake: nothing). ``base`` is the pool buffer's address in the decode process, of
+    ``shape`` ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`` and dtype name ``dtype``, on
+    ``gpu`` (CUDA device index; -1: host memory).
+    """
+
+    engine: str
+    agent: str
+    base: int
+    shape: list[int]
+    dtype: str
+    gpu: int = -1
+    metadata: bytes = b""
+
+
+@dataclass
 class KVRegister:
     """decode -> prefill bootstrap: send the KV of ``bootstrap_room`` to ``kv_endpoint`` (SGLang's rendezvous).
 
     ``host_id`` names the decode server's machine; with ``accept_shared`` the decode server can map a prefill KV
-    pool on that machine (see :class:`KVPoolHandle`) and copy pages from it itself.
+    pool on that machine (see :class:`KVPoolHandle`) and copy pages from it itself. With a ``region`` and
+    ``kv_pages`` (transfer engine path) the prefill server writes the prompt's KV straight into those pages of
+    the decode pool (token ``i`` into page ``kv_pages[i // page_size]``), then sends a tensor-less
+    ``KVTransfer`` with ``engine_written`` set.
     """
 
     rid: str
@@ -231,6 +254,8 @@ class KVRegister:
     kv_endpoint: str
     host_id: str = ""
     accept_shared: bool = False
+    region: KVEngineRegion | None = None  # transfer engine path: the decode pool the prefill server writes into
+    kv_pages: list[int] = field(default_factory=list)  # ... and this request's pages there (prompt + output)
 
 
 @dataclass
@@ -253,7 +278,7 @@ class KVPoolHandle:
 @dataclass
 class KVAck:
     """decode -> prefill bootstrap: the KV of ``bootstrap_room`` was copied out of the prefill pool (shared
-    path only), so the prefill server may reuse those pages."""
+    path) or arrived in the decode pool (transfer engine path), so the prefill server may reuse those pages."""
 
     rid: str
     bootstrap_room: int
@@ -311,6 +336,9 @@ class KVTransfer:
     lend_until: float = 0.0
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     state: StateHandoff | None = None  # hybrid models (Qwen3.5): the DeltaNet state, on either path
+    engine_written: bool = False  # transfer engine path: the KV is already in the decode pages it registered
+    engine_bytes: int = 0  # ... this many bytes, written in engine_seconds (prefill's submit to completion)
+    engine_seconds: float = 0.0
     # n > 1: every choice's first token (choice 0's is also ``first_token_id``) and, when asked, their logprobs
     first_token_ids: list[int] = field(default_factory=list)
     first_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -365,7 +393,8 @@ def input_ids_digest(input_ids: list[int]) -> str:
 _CODEC = Codec((
     GrammarSpec, SamplingParams, TokenLogprob, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest,
     ServerInfoRequest, ServerInfo, LoadRequest, Load,
-    SharedTensor, ImageEmbeddings, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput, TokenOutputBatch,
+    SharedTensor, ImageEmbeddings, KVEngineRegion, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput,
+    TokenOutputBatch,
     StateHandoff, TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt,
     TPReadState, TPWriteState, TPCopyState,
 ))

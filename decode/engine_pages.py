@@ -1,0 +1,60 @@
+"""Decode pages offered to a transfer engine (``--kv-transfer nixl|mooncake``, :mod:`epdserve.kvcache.engine`):
+reserved when a request arrives and named in its ``KVRegister``, for the prefill server to write the prompt's KV
+straight into; held back after an abort or a KV deadline until the request's ``KVTransfer`` still comes or the
+timeout passes, since a write already in flight may yet land in them (reusing them at once could corrupt another
+request's KV).
+
+Only a request of one choice (``n == 1``) gets a reservation: the forks of ``n > 1`` share the prompt's full
+pages (:mod:`epdserve.decode.forks`), which are allocated at admission, so such a request registers without a
+region and its KV comes on the host or shared path.
+"""
+
+from __future__ import annotations
+
+import time
+
+from epdserve.kvcache.engine import KVEngine
+from epdserve.kvcache.page_pool import PagePool
+from epdserve.wire.messages import DecodeRequest, KVEngineRegion
+
+
+class EnginePages:
+    """The decode side's pages reserved for transfer engine writes.
+
+    Args:
+        pool: the decode server's page pool (reservations come out of it and go back to it).
+        engine: the transfer engine with that pool registered, or None (no engine: nothing is ever reserved).
+        timeout_s: how long pages stay held back after their request was dropped (the KV wait's timeout).
+    """
+
+    def __init__(self, pool: PagePool, engine: KVEngine | None, timeout_s: float):
+        self.pool, self.timeout_s = pool, timeout_s
+        self.region: KVEngineRegion | None = engine.describe() if engine is not None else None
+        self._held_back: dict[int, tuple[float, list[int]]] = {}  # room -> (time.monotonic() deadline, pages)
+
+    def reserve(self, msg: DecodeRequest, context_length: int) -> tuple[KVEngineRegion | None, list[int]]:
+        """``(region, pages)`` for the ``KVRegister`` of ``msg``: this pool's region and pages for its prompt and
+        output (capped at ``context_length`` tokens), allocated now; ``(None, [])`` (the host path) without an
+        engine, for ``n > 1`` choices, or when too few pages are free."""
+        need = self.pool.pages_for(min(msg.prompt_len + msg.sampling.max_new_tokens, context_length))
+        if self.region is None or msg.sampling.n != 1 or need > self.pool.num_free:
+            return None, []
+        return self.region, self.pool.alloc(need)
+
+    def hold_back(self, room: int, pages: list[int]) -> None:
+        """Keep ``pages`` of dropped request ``room`` (nothing when empty) until :meth:`late_transfer` or
+        :meth:`expire` frees them."""
+        if pages:
+            self._held_back[room] = (time.monotonic() + self.timeout_s, pages)
+
+    def late_transfer(self, room: int) -> None:
+        """A ``KVTransfer`` for dropped request ``room`` came: its engine write has ended, free its pages."""
+        held = self._held_back.pop(room, None)
+        if held is not None:
+            self.pool.free(held[1])
+
+    def expire(self) -> None:
+        """Free held-back pages whose timeout has passed (the write can no longer be in flight)."""
+        now = time.monotonic()
+        for room in [r for r, (until, _) in self._held_back.items() if until < now]:
+            self.pool.free(self._held_back.pop(room)[1])

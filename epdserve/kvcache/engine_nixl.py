@@ -1,0 +1,101 @@
+"""The NIXL transfer engine (``--kv-transfer nixl``; ``pip install 'epdserve[nixl]'``): NVIDIA's NIXL agent with its
+UCX backend, which writes host memory (DRAM) or GPU memory (VRAM, GPUDirect RDMA where the NIC allows) one-sided
+over whatever UCX finds (shared memory, TCP, InfiniBand/RoCE). Peers connect from the agent metadata blob that
+travels in :class:`~epdserve.wire.messages.KVEngineRegion` (no metadata server)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import torch
+from nixl._api import nixl_agent, nixl_agent_config
+
+from epdserve.kvcache.engine import KVEngine, KVEngineError
+from epdserve.wire.messages import KVEngineRegion
+
+log = logging.getLogger(__name__)
+
+
+class NixlEngine(KVEngine):
+    """A NIXL agent (UCX backend) named uniquely per process, so a restarted peer is a new agent.
+
+    Raises:
+        KVEngineError: the agent or its UCX backend cannot start.
+    """
+
+    name = "nixl"
+
+    def __init__(self, host: str):
+        super().__init__()
+        self._name = f"epdserve-{host}-{uuid.uuid4().hex[:12]}"
+        try:
+            self.agent = nixl_agent(self._name, nixl_agent_config(backends=["UCX"]))
+        except Exception as e:  # nixl raises its own binding errors
+            raise KVEngineError(f"NIXL agent with the UCX backend cannot start: {e}") from e
+        self._peers: set[str] = set()
+        self._reg = None
+
+    def _register(self, buffer: torch.Tensor) -> None:
+        try:
+            self._reg = self.agent.register_memory(buffer)  # DRAM or VRAM, as the tensor's device says
+        except Exception as e:
+            raise KVEngineError(f"NIXL cannot register the KV pool: {e}") from e
+
+    def agent_name(self) -> str:
+        return self._name
+
+    def agent_metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def submit(self, peer: KVEngineRegion, copies: list[tuple[int, int, int]]):
+        local = self.buffer
+        mem, dev = ("VRAM", local.device.index) if local.is_cuda else ("DRAM", 0)
+        peer_mem, peer_dev = ("VRAM", peer.gpu) if peer.gpu >= 0 else ("DRAM", 0)
+        try:
+            if peer.agent not in self._peers:
+                self.agent.add_remote_agent(peer.metadata)
+                self._peers.add(peer.agent)
+            src = self.agent.get_xfer_descs([(s, n, dev) for s, _, n in copies], mem)
+            dst = self.agent.get_xfer_descs([(d, n, peer_dev) for _, d, n in copies], peer_mem)
+            handle = self.agent.initialize_xfer("WRITE", src, dst, peer.agent)
+            if self.agent.transfer(handle) == "ERR":
+                self.agent.release_xfer_handle(handle)
+                raise KVEngineError(f"NIXL write to {peer.agent} failed to start")
+        except KVEngineError:
+            self._forget(peer.agent)
+            raise
+        except Exception as e:
+            self._forget(peer.agent)
+            raise KVEngineError(f"NIXL write to {peer.agent} failed: {e}") from e
+        return peer.agent, handle
+
+    def poll(self, handle) -> bool:
+        agent, h = handle
+        state = self.agent.check_xfer_state(h)
+        if state == "PROC":
+            return False
+        self.agent.release_xfer_handle(h)
+        if state != "DONE":
+            self._forget(agent)  # a dead or restarted peer: connect afresh next time
+            raise KVEngineError(f"NIXL write to {agent} failed ({state})")
+        return True
+
+    def cancel(self, handle) -> None:
+        try:
+            self.agent.release_xfer_handle(handle[1])  # aborts the transfer if it is still running
+        except Exception as e:
+            log.warning("NIXL could not release a transfer: %s", e)
+
+    def _forget(self, agent: str) -> None:
+        if agent in self._peers:
+            self._peers.discard(agent)
+            try:
+                self.agent.remove_remote_agent(agent)
+            except Exception as e:
+                log.debug("NIXL could not remove agent %s: %s", agent, e)
+
+    def close(self) -> None:
+        if self._reg is not None:
+            self.agent.deregister_memory(self._reg)
+            self._reg = None

@@ -1,0 +1,167 @@
+"""KV hand-off through a transfer engine (``--kv-transfer nixl|mooncake``, epdserve/kvcache/engine.py).
+
+- Both engines write pages of one pool into pages of another (in one process, two engines) as
+  :func:`page_copies` says, and nothing else.
+- ``epdserve launch --kv-transfer <engine>``: greedy output equals transformers' generate() (text, a photo, two
+  photos, two turns; streaming and not), and every request's KV went the engine's way.
+- Killing decode while it holds a request whose KV is being handed over fails that request cleanly; prefill's and
+  decode's pages, rooms and registrations return to baseline (/health?details=1).
+
+Each engine's tests skip when its package (``epdserve[nixl]``, ``epdserve[mooncake]``) does not import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import threading
+
+import pytest
+import torch
+
+from cluster import StageProcs, at_baseline, body, details, noise_png, serve_gateway, stream, wait_for
+from conftest import hf_reference_model, launched
+from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve
+
+from epdserve.kvcache.engine import KV_ENGINES, KVEngineError, check_region, make_engine, page_copies
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(KV_ENGINES[name][0])
+        return True
+    except ImportError:
+        return False
+
+
+ENGINES = [pytest.param(n, marks=pytest.mark.skipif(not _importable(n), reason=f"epdserve[{n}] not installed"))
+           for n in KV_ENGINES]
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_engine_writes_exactly_the_named_pages(name):
+    src = torch.randn(2, 2, 8, 4, 2, 3)  # [L, 2, pages, page_size, H, D]
+    dst = torch.zeros(2, 2, 6, 4, 2, 3)
+    a, b = make_engine(name, "127.0.0.1"), make_engine(name, "127.0.0.1")
+    try:
+        a.register(src)
+        b.register(dst)
+        region = b.describe()
+        src_pages, dst_pages = [2, 3, 7], [4, 5, 1]  # 2, 3 -> 4, 5 is one run of two pages
+        assert check_region(region, src, dst_pages, 10) is None
+        copies = page_copies(src, src_pages, region, dst_pages, 10)
+        assert len(copies) == 2 * 2 * 2  # (K, V) x layers x runs
+        handle = a.submit(region, copies)
+        assert wait_for(lambda: a.poll(handle), 10, 0.001)
+        want = torch.zeros_like(dst)
+        want[:, :, [4, 5]] = src[:, :, [2, 3]]
+        want[:, :, 1, :2] = src[:, :, 7, :2]  # 10 tokens: the last page only as far as the prompt goes
+        assert torch.equal(dst, want)
+        # Another layout, too few pages, or pages outside the peer pool are refused before any write.
+        assert "shape" in check_region(region, torch.zeros(2, 2, 8, 4, 1, 3), dst_pages, 10)
+        assert "pages" in check_region(region, src, [4, 5], 10)
+        assert "pages" in check_region(region, src, [4, 5, 6], 10)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_unknown_or_missing_engine_is_a_clear_error(monkeypatch):
+    with pytest.raises(ValueError, match="unknown KV transfer engine"):
+        make_engine("rdma", "127.0.0.1")
+    monkeypatch.setitem(KV_ENGINES, "nixl", ("epdserve.kvcache.no_such_module", "X", KV_ENGINES["nixl"][2]))
+    with pytest.raises(KVEngineError, match=re.escape("pip install 'epdserve[nixl]'")):
+        make_engine("nixl", "127.0.0.1")
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine_server(request, tiny_model_path, tmp_path_factory):
+    with launched(tiny_model_path, tmp_path_factory.mktemp(f"launch-{request.param}"),
+                  "--kv-transfer", request.param) as (url, log_path):
+        yield request.param, url, log_path
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_path):
+    return hf_reference_model(tiny_model_path)
+
+
+def test_greedy_parity_through_the_engine(engine_server, hf, tiny_model_path, photo_paths):
+    name, url, log_path = engine_server
+    for case in CASES:
+        turns = _resolve(case, photo_paths)
+        ref_prompt, ref_ids, ref_text = _hf_reference(hf, turns)
+        resp = _chat(url, tiny_model_path, _openai_messages(turns))
+        assert resp["prompt_token_ids"] == ref_prompt, case
+        assert resp["choices"][0]["token_ids"] == ref_ids, case
+        assert resp["choices"][0]["message"]["content"] == ref_text, case
+        if case in ("one_photo", "two_turns"):  # streamed too (the hand-off does not depend on it: two cases)
+            streamed = stream(url, {"model": tiny_model_path, "messages": _openai_messages(turns), "temperature": 0,
+                                    "max_completion_tokens": NEW_TOKENS, "ignore_eos": True,
+                                    "return_token_ids": True})
+            assert streamed.done and streamed.error is None and streamed.token_ids == ref_ids, case
+    log = log_path.read_text()
+    assert f"KV hand-off {name}" in log  # both servers say which path they offer
+    # Every request had its KV written by the engine, none went through host memory.
+    assert log.count("KV received (written by the engine") == len(CASES) + 2
+    assert "cannot start" not in log and "KV write to the decode server failed" not in log
+
+
+def _load(base: str, role: str) -> dict:
+    """A stage's load as the gateway's last heartbeat saw it (another stage may be stopped: not fresh)."""
+    return details(base, fresh=False)["stages"].get(role, {}).get("load") or {}
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_decode_killed_during_hand_off_frees_everything(name, tiny_model_path, tmp_path_factory):
+    """Decode reserves the request's pages and registers them while prefill is stopped; then decode is stopped,
+    prefill prefills and starts its write into the stopped process, and decode is killed: the request fails, and
+    every stage is back at baseline (prefill's pages, rooms and registrations, decode's reserved pages); a new
+    decode server serves the same request as before."""
+    procs = StageProcs(tiny_model_path, tmp_path_factory.mktemp(f"stages-{name}"), num_pages=64,
+                       request_timeout_s=4.0, lm_args=("--kv-transfer", name))
+    procs.start()
+    try:
+        with serve_gateway(procs.gateway_config(stage_timeout_s=10.0)) as (base, _):
+            req = body(tiny_model_path, "What is in this picture?", image=noise_png(7), max_tokens=8)
+            reference = stream(base, req).token_ids
+            assert len(reference) == 8
+            procs.pause("prefill")
+            out = {}
+            t = threading.Thread(target=lambda: out.setdefault("r", stream(base, {**req, "max_completion_tokens": 9})))
+            t.start()
+            assert wait_for(lambda: _load(base, "decode").get("rooms") == 1, 10), details(base, fresh=False)
+            procs.pause("decode")
+            procs.resume("prefill")
+            # Prefilled and handed off: the room is held (the write in flight, or done and waiting for the ack).
+            assert wait_for(lambda: (lambda ld: ld.get("rooms") == 1 and not ld.get("num_running_reqs")
+                                     and not ld.get("num_waiting_reqs"))(_load(base, "prefill")), 10)
+            procs.kill("decode")
+            t.join(60)
+            assert out["r"].error is not None, out["r"].events[-3:]
+            procs.start("decode")
+            problems = []
+
+            def ok():
+                nonlocal problems
+                problems = at_baseline(details(base))
+                return not problems
+
+            assert wait_for(ok, 20, 0.3), problems
+            assert stream(base, req).token_ids == reference
+    finally:
+        procs.stop_all()
+
+
+@pytest.mark.skipif(not _importable("nixl"), reason="epdserve[nixl] not installed")
+def test_tp2_prefill_to_tp1_decode_falls_back_to_host_path(hf, tiny_model_path, photo_paths, tmp_path_factory):
+    """A TP prefill server takes the host path (its KV is split over its ranks); its TP=1 decode partner, which
+    reserved pages and offered its pool, takes the KV from the message into those pages."""
+    turns = _resolve("one_photo", photo_paths)
+    _, ref_ids, _ = _hf_reference(hf, turns)
+    with launched(tiny_model_path, tmp_path_factory.mktemp("launch-tp"), "--kv-transfer", "nixl",
+                  "--prefill-tp", "2") as (url, log_path):
+        assert _chat(url, tiny_model_path, _openai_messages(turns))["choices"][0]["token_ids"] == ref_ids
+        log = log_path.read_text()
+    assert "--kv-transfer nixl with --tp 2: KV goes through host memory (zmq)" in log
+    assert "KV received (written by the engine" not in log and "KV hand-off nixl" in log  # decode offered it
