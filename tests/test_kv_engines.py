@@ -26,15 +26,21 @@ from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, 
 from epdserve.kvcache.engine import KV_ENGINES, KVEngineError, check_region, make_engine, page_copies
 
 
-def _importable(name: str) -> bool:
+def _import_error(name: str) -> str | None:
+    """Why engine ``name``'s package does not import here (None when it does): not installed, or, for Mooncake's
+    non-CUDA build, the system's libibverbs.so.1 missing (Debian/Ubuntu: apt-get install libibverbs1)."""
     try:
         importlib.import_module(KV_ENGINES[name][0])
-        return True
-    except ImportError:
-        return False
+        return None
+    except ImportError as e:
+        return f"epdserve[{name}] does not import: {e}"
 
 
-ENGINES = [pytest.param(n, marks=pytest.mark.skipif(not _importable(n), reason=f"epdserve[{n}] not installed"))
+def _importable(name: str) -> bool:
+    return _import_error(name) is None
+
+
+ENGINES = [pytest.param(n, marks=pytest.mark.skipif(not _importable(n), reason=str(_import_error(n))))
            for n in KV_ENGINES]
 
 
