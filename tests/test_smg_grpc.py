@@ -289,6 +289,10 @@ def test_killing_a_decode_worker_mid_run(cluster, tiny_qwen3_vl_path, tmp_path):
     requests = result["doc"]["requests"]
     failed = [r for r in requests if not r["success"]]
     assert len(failed) < len(requests) // 2
-    # Only streams that had begun may break: smg answered 200 and sent tokens before decode1 died.
-    assert all(r["http_status"] == 200 and r["num_events"] > 0 for r in failed), [r["error"] for r in failed]
+    # Only streams that had begun may break (smg answered 200 and sent tokens before decode1 died), and requests
+    # smg itself routed to decode1 between its death and smg's next health check: smg 1.13's gRPC PD router does
+    # not retry a worker it cannot connect to and answers 503 (nothing reached our servers; the client may retry).
+    never_started = [r for r in failed if r["http_status"] == 503 and "tcp connect error" in (r["error"] or "")]
+    begun = [r for r in failed if r["http_status"] == 200 and r["num_events"] > 0]
+    assert len(begun) + len(never_started) == len(failed), [r["error"] for r in failed]
     _wait_baseline(cluster, ["prefill0", "decode0"], TIMEOUT_S + 10)
