@@ -25,6 +25,7 @@ from contextlib import aclosing
 import grpc
 
 from epdserve.frontend.errors import APIError
+from epdserve.frontend.grpc_service import GrpcService
 from epdserve.frontend.kserve import (
     Tensor, V2Output, V2Request, check_model, model_metadata, output_values, parse_v2, prepare, raw_bytes,
     raw_values, server_metadata, v2_collect, v2_stream,
@@ -36,7 +37,6 @@ from epdserve.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 logger = logging.getLogger("epdserve.gateway")
 
 # Images and videos come inside the request: as large as the gateway's media limits allow (the encoder's size).
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
           404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
@@ -222,7 +222,7 @@ class V2Servicer(pb_grpc.GRPCInferenceServiceServicer):
             lifetime.close()
 
 
-class KServeGrpcServer:
+class KServeGrpcServer(GrpcService):
     """The v2 gRPC server of one gateway on ``host``:``port`` (a ``Gateway`` service: :meth:`start` before the
     stages load, :meth:`stop` on shutdown).
 
@@ -232,32 +232,5 @@ class KServeGrpcServer:
 
     def __init__(self, path: RequestPath, not_ready: Callable[[], str | None], host: str, port: int,
                  api_key: str = ""):
-        self.servicer = V2Servicer(path, not_ready, api_key)
-        self.host, self.port = host, port
-        self._server: grpc.aio.Server | None = None
-
-    async def start(self) -> None:
-        """Bind and serve.
-
-        Raises:
-            OSError: the port cannot be bound.
-        """
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                          ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        try:
-            bound = server.add_insecure_port(f"{host}:{self.port}")
-        except RuntimeError as e:
-            raise OSError(f"cannot bind the KServe gRPC port {host}:{self.port}: {e}") from None
-        if not bound:
-            raise OSError(f"cannot bind the KServe gRPC port {host}:{self.port}")
-        await server.start()
-        self._server = server
-        logger.info("KServe v2 gRPC service on %s:%d", self.host, bound)
-
-    async def stop(self) -> None:
-        """Stop serving; requests in flight get a second to finish."""
-        if self._server is not None:
-            await self._server.stop(grace=1.0)
-            self._server = None
+        super().__init__(V2Servicer(path, not_ready, api_key), pb_grpc.add_GRPCInferenceServiceServicer_to_server,
+                         host, port, "KServe v2 gRPC service")

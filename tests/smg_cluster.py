@@ -89,9 +89,13 @@ def _wait_http(cluster: Cluster, name: str, url: str, deadline: float) -> None:
 
 
 def start_cluster(model_path: str, log_dir: Path, *, encoders: int = 1, prefills: int = 1, decodes: int = 1,
-                  policy: str = "cache_aware", timeout_s: float = 240.0, request_timeout_s: float = 60.0,
-                  num_pages: int = 1024, smg_args: tuple[str, ...] = ()) -> Cluster:
+                  policy: str | None = "cache_aware", timeout_s: float = 240.0, request_timeout_s: float = 60.0,
+                  num_pages: int = 1024, smg_args: tuple[str, ...] = (), grpc_workers: bool = False) -> Cluster:
     """Start everything and wait until smg answers ``/health`` and every stage's ``/health`` is 200.
+
+    ``grpc_workers``: prefill and decode also serve SGLang's scheduler gRPC protocol (``--grpc-port``; each
+    server's ``grpc`` is its ``host:port``) and smg reaches them as ``grpc://`` workers; their HTTP fronts stay,
+    for the tests' ``/loads`` and ``/health``. ``policy`` None leaves smg's default.
 
     Raises:
         RuntimeError: a server exited or did not get ready within ``timeout_s``; smg is not installed.
@@ -109,28 +113,38 @@ def start_cluster(model_path: str, log_dir: Path, *, encoders: int = 1, prefills
             enc.append(f"127.0.0.1:{port}")
             cluster.start(f"encoder{i}", [*py, "encoder", "--model-path", model_path, "--port", str(port)],
                           grpc=enc[-1])
+        def worker_grpc() -> tuple[list[str], str]:
+            port = free_port() if grpc_workers else 0
+            return (["--grpc-port", str(port)], f"127.0.0.1:{port}") if grpc_workers else ([], "")
+
         for i in range(prefills):
             port, boot = free_port(), free_port()
+            flags, grpc_addr = worker_grpc()
             cluster.start(f"prefill{i}", [*py, "prefill", *lm, "--port", str(port), "--bootstrap-port", str(boot),
                                           "--zmq-port", str(free_port()), "--embed-port", str(free_port()),
-                                          "--encoder-urls", ",".join(enc)],
-                          http=f"http://127.0.0.1:{port}", bootstrap_port=boot)
+                                          "--encoder-urls", ",".join(enc), *flags],
+                          http=f"http://127.0.0.1:{port}", bootstrap_port=boot, grpc=grpc_addr)
         for i in range(decodes):
             port = free_port()
+            flags, grpc_addr = worker_grpc()
             cluster.start(f"decode{i}", [*py, "decode", *lm, "--port", str(port), "--zmq-port", str(free_port()),
-                                         "--kv-port", str(free_port())], http=f"http://127.0.0.1:{port}")
+                                         "--kv-port", str(free_port()), *flags],
+                          http=f"http://127.0.0.1:{port}", grpc=grpc_addr)
         deadline = time.monotonic() + timeout_s
         for name, s in list(cluster.servers.items()):
             if s.http:
                 _wait_http(cluster, name, f"{s.http}/health", deadline)
         gw = free_port()
-        cmd = [exe, "launch", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(gw), "--policy", policy,
+        cmd = [exe, "launch", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(gw),
                "--prometheus-port", str(free_port()), "--log-level", "warn"]
-        for s in cluster.servers.values():
+        cmd += ["--policy", policy] if policy else []
+        cmd += ["--model-path", model_path] if grpc_workers else []
+        for s in list(cluster.servers.values()):
+            url = f"grpc://{s.grpc}" if grpc_workers else s.http
             if s.name.startswith("prefill"):
-                cmd += ["--prefill", s.http, str(s.bootstrap_port)]
+                cmd += ["--prefill", url, str(s.bootstrap_port)]
             elif s.name.startswith("decode"):
-                cmd += ["--decode", s.http]
+                cmd += ["--decode", url]
         cluster.start("smg", [*cmd, *smg_args], http=f"http://127.0.0.1:{gw}")
         cluster.url = f"http://127.0.0.1:{gw}"
         _wait_http(cluster, "smg", f"{cluster.url}/v1/models", deadline)

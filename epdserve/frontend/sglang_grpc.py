@@ -42,12 +42,12 @@ import grpc
 from google.protobuf.struct_pb2 import Struct
 
 from epdserve.frontend.errors import StageError
+from epdserve.frontend.grpc_service import GrpcService
 from epdserve.frontend.sglang_requests import GrpcLeg, InvalidRequest, build_leg, check_encoded
 from epdserve.wire.messages import TokenOutput
 
 logger = logging.getLogger("epdserve.front")
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # pixel tensors and image files travel inside a GenerateRequest
 _ABORTED = 499  # the StageError status that ends an aborted request's Generate
 # smg gives up on a prefill leg whose stream yields nothing for 3 s ("PD prefill leg produced nothing within its
 # silence bound"), as a wedged engine; encoding and prefilling images on a busy CPU take longer. The prefill leg
@@ -356,7 +356,7 @@ def make_servicer(front: Any, config: Any) -> Any:
     return cls(front, config)
 
 
-class SglangGrpcServer:
+class SglangGrpcServer(GrpcService):
     """The ``SglangScheduler`` gRPC server of one front on ``host``:``port`` (a front service: :meth:`start`
     before the model loads, :meth:`stop` on shutdown).
 
@@ -365,34 +365,7 @@ class SglangGrpcServer:
     """
 
     def __init__(self, front: Any, config: Any, host: str, port: int):
-        self.servicer = make_servicer(front, config)
-        self.host, self.port = host, port
-        self._server: grpc.aio.Server | None = None
-
-    async def start(self) -> None:
-        """Bind and serve.
-
-        Raises:
-            OSError: the port cannot be bound.
-        """
         from smg_grpc_proto import sglang_scheduler_pb2_grpc
 
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                          ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-        sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(self.servicer, server)
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        try:
-            bound = server.add_insecure_port(f"{host}:{self.port}")
-        except RuntimeError as e:
-            raise OSError(f"cannot bind the SGLang gRPC port {host}:{self.port}: {e}") from None
-        if not bound:
-            raise OSError(f"cannot bind the SGLang gRPC port {host}:{self.port}")
-        await server.start()
-        self._server = server
-        logger.info("SGLang scheduler gRPC service (smg grpc:// worker) on %s:%d", self.host, bound)
-
-    async def stop(self) -> None:
-        """Stop serving; requests in flight get a second to finish (their ends abort them at the scheduler)."""
-        if self._server is not None:
-            await self._server.stop(grace=1.0)
-            self._server = None
+        super().__init__(make_servicer(front, config), sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server,
+                         host, port, "SGLang scheduler gRPC service (smg grpc:// worker)")
