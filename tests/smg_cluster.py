@@ -88,6 +88,34 @@ def _wait_http(cluster: Cluster, name: str, url: str, deadline: float) -> None:
         time.sleep(0.3)
 
 
+def stage_loads(url: str) -> dict:
+    """The ``/loads`` entry of the prefill or decode HTTP front at ``url``."""
+    r = httpx.get(f"{url}/loads", timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["loads"][0]
+
+
+def load_at_rest(load: dict) -> bool:
+    """Nothing in flight: no request, no room, no embedding, no KV page but evictable radix-cache pages."""
+    return (load["num_running_reqs"] == load["num_waiting_reqs"] == load["rooms"] == load["embeddings"] == 0
+            and load["kv_pages_used"] == load["kv_pages_cached"])
+
+
+def wait_at_rest(cluster: "Cluster", names: list[str], within_s: float) -> dict[str, dict]:
+    """Wait until the fronts of servers ``names`` are at rest; returns their loads. Fails the test after
+    ``within_s`` seconds, with the loads."""
+    import pytest
+
+    deadline = time.monotonic() + within_s
+    while True:
+        loads = {n: stage_loads(cluster.servers[n].http) for n in names}
+        if all(map(load_at_rest, loads.values())):
+            return loads
+        if time.monotonic() > deadline:
+            pytest.fail(f"not back at baseline after {within_s} s: {loads}")
+        time.sleep(0.3)
+
+
 def start_cluster(model_path: str, log_dir: Path, *, encoders: int = 1, prefills: int = 1, decodes: int = 1,
                   policy: str | None = "cache_aware", timeout_s: float = 240.0, request_timeout_s: float = 60.0,
                   num_pages: int = 1024, smg_args: tuple[str, ...] = (), grpc_workers: bool = False) -> Cluster:

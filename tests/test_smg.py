@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from smg_cluster import smg_executable, start_cluster
+from smg_cluster import stage_loads as _loads, wait_at_rest as _wait_baseline
 from test_e2e import _hf_reference, _openai_messages, _resolve, hf  # noqa: F401 (hf: a fixture)
 
 pytestmark = pytest.mark.skipif(smg_executable() is None, reason="smg is not installed")
@@ -40,29 +41,6 @@ def cluster(tiny_model_path, tmp_path_factory):
 
 def _front(cluster, name: str) -> str:
     return cluster.servers[name].http
-
-
-def _loads(url: str) -> dict:
-    r = httpx.get(f"{url}/loads", timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()["loads"][0]
-
-
-def _at_baseline(load: dict) -> bool:
-    """Nothing in flight: no request, no room, no embedding, no KV page but evictable radix-cache pages."""
-    return (load["num_running_reqs"] == load["num_waiting_reqs"] == load["rooms"] == load["embeddings"] == 0
-            and load["kv_pages_used"] == load["kv_pages_cached"])
-
-
-def _wait_baseline(cluster, names: list[str], within_s: float) -> dict[str, dict]:
-    deadline = time.monotonic() + within_s
-    while True:
-        loads = {n: _loads(_front(cluster, n)) for n in names}
-        if all(map(_at_baseline, loads.values())):
-            return loads
-        if time.monotonic() > deadline:
-            pytest.fail(f"not back at baseline after {within_s} s: {loads}")
-        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("case", ["text", "one_photo", "two_photos"])

@@ -22,11 +22,11 @@ import secrets
 import threading
 import time
 
-import httpx
 import pytest
 
 from conftest import hf_reference_model
 from smg_cluster import smg_executable
+from smg_cluster import stage_loads as _loads, wait_at_rest as _wait_baseline
 from smg_grpc_cluster import start_grpc_cluster
 from test_e2e import _hf_generate, _hf_reference, _openai_messages
 
@@ -73,25 +73,6 @@ def smg_text(tokenizer, ids: list[int]) -> str:
         if not text.endswith("\ufffd"):
             return text
     return ""
-
-
-def _loads(url: str) -> dict:
-    r = httpx.get(f"{url}/loads", timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()["loads"][0]
-
-
-def _at_baseline(load: dict) -> bool:
-    return (load["num_running_reqs"] == load["num_waiting_reqs"] == load["rooms"] == load["embeddings"] == 0
-            and load["kv_pages_used"] == load["kv_pages_cached"])
-
-
-def _wait_baseline(cluster, names: list[str], within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while not all(_at_baseline(load := _loads(cluster.servers[n].http)) for n in names):
-        if time.monotonic() > deadline:
-            pytest.fail(f"not back at baseline after {within_s} s: {load}")
-        time.sleep(0.3)
 
 
 @pytest.mark.parametrize("case", list(CASES))
