@@ -1,8 +1,11 @@
-"""Start epdserve encoders, prefill and decode servers (with HTTP fronts) and smg in PD mode, on free ports.
+"""Start epdserve encoders, prefill and decode servers (with HTTP fronts, and SGLang gRPC workers on request) and
+smg in PD mode, on free ports.
 
-Used by tests/test_smg.py and runnable by hand for the full-size runs::
+Used by tests/test_smg.py, test_smg_grpc.py and test_smg_epd.py, and runnable by hand for the full-size runs::
 
     python tests/smg_cluster.py --encoders 2 --prefills 2 --decodes 2 --policy cache_aware
+    # issue 29's acceptance run: 200 shared-prefix requests (half with an image) through smg's gRPC mode, then exit
+    python tests/smg_cluster.py --grpc-workers --arch qwen3-vl --encoders 2 --prefills 2 --decodes 2 --bench 200
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,6 +120,24 @@ def wait_at_rest(cluster: "Cluster", names: list[str], within_s: float) -> dict[
         time.sleep(0.3)
 
 
+def bench_killing(cluster: "Cluster", name: str, bench: Callable[[], dict]) -> tuple[list[dict], list[dict]]:
+    """Run ``bench`` (an ``epdserve bench`` run returning its JSON record) on a thread, kill server ``name`` as soon
+    as its front reports a running request, and return the run's ``(requests, failed requests)``."""
+    import threading
+
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(doc=bench()))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while stage_loads(cluster.servers[name].http)["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline, f"{name} got no request"
+        time.sleep(0.05)
+    cluster.kill(name)
+    runner.join(timeout=180)
+    requests = result["doc"]["requests"]
+    return requests, [r for r in requests if not r["success"]]
+
+
 def start_cluster(model_path: str, log_dir: Path, *, encoders: int = 1, prefills: int = 1, decodes: int = 1,
                   policy: str | None = "cache_aware", timeout_s: float = 240.0, request_timeout_s: float = 60.0,
                   num_pages: int = 1024, smg_args: tuple[str, ...] = (), grpc_workers: bool = False) -> Cluster:
@@ -195,16 +217,38 @@ if __name__ == "__main__":
     ap.add_argument("--encoders", type=int, default=1)
     ap.add_argument("--prefills", type=int, default=1)
     ap.add_argument("--decodes", type=int, default=1)
-    ap.add_argument("--policy", default="cache_aware")
+    ap.add_argument("--policy", default=None, help="smg's --policy (default: cache_aware, or smg's own with gRPC)")
+    ap.add_argument("--grpc-workers", action="store_true", help="smg reaches prefill and decode as grpc:// workers")
+    ap.add_argument("--arch", default="", help="with no --model-path: the tiny model's architecture (e.g. qwen3-vl, "
+                                               "whose images smg 1.13 can send to gRPC workers)")
+    ap.add_argument("--bench", type=int, default=0, help="run this many shared-prefix requests, print, exit")
     args = ap.parse_args()
     from epdserve.models.paths import resolve_model_path
 
     logs = Path(tempfile.mkdtemp(prefix="smg-cluster-"))
-    c = start_cluster(resolve_model_path(args.model_path), logs, encoders=args.encoders, prefills=args.prefills,
-                      decodes=args.decodes, policy=args.policy)
+    model = args.model_path
+    if not model and args.arch:
+        from epdserve.entry.cli import main as cli
+
+        model = str(logs / f"tiny-{args.arch}")
+        cli(["make-tiny-model", model, "--arch", args.arch])
+    model = resolve_model_path(model)
+    policy = args.policy or (None if args.grpc_workers else "cache_aware")
+    c = start_cluster(model, logs, encoders=args.encoders, prefills=args.prefills, decodes=args.decodes,
+                      policy=policy, grpc_workers=args.grpc_workers)
     print(f"smg on {c.url}; logs in {logs}; Ctrl-C stops", flush=True)
     try:
-        signal.pause()
+        if args.bench:
+            from epdserve.bench.cli import main as bench
+
+            bench(["--base-url", c.url, "--model", model, "--dataset", "shared-prefix", "--num-prompts",
+                   str(args.bench), "--output-len", "8", "--max-concurrency", "16", "--warmup", "0",
+                   "--output-json", str(logs / "bench.json"), "--disable-tqdm"])
+            for name, s in c.servers.items():
+                if s.http and name != "smg":  # every stage back at baseline
+                    print(name, stage_loads(s.http), flush=True)
+        else:
+            signal.pause()
     except KeyboardInterrupt:
         pass
     finally:

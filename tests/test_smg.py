@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import secrets
 import threading
-import time
 
 import httpx
 import pytest
 
-from smg_cluster import smg_executable, start_cluster
+from smg_cluster import bench_killing, smg_executable, start_cluster
 from smg_cluster import stage_loads as _loads, wait_at_rest as _wait_baseline
 from test_e2e import _hf_reference, _openai_messages, _resolve, hf  # noqa: F401 (hf: a fixture)
 
@@ -198,18 +197,8 @@ def test_shared_prefix_bench_through_smg(cluster, tiny_model_path, tmp_path):
 
 def test_killing_a_decode_server_mid_run(cluster, tiny_model_path, tmp_path):
     """Requests that had not started streaming when decode1 died are retried by smg on decode0 and succeed."""
-    result = {}
-    runner = threading.Thread(target=lambda: result.update(
-        doc=_bench(cluster, tiny_model_path, tmp_path / "kill.json", 20, seed=2, warmup=0)))
-    runner.start()
-    deadline = time.monotonic() + 60
-    while _loads(_front(cluster, "decode1"))["num_running_reqs"] == 0:
-        assert time.monotonic() < deadline, "decode1 got no request"
-        time.sleep(0.05)
-    cluster.kill("decode1")
-    runner.join(timeout=180)
-    requests = result["doc"]["requests"]
-    failed = [r for r in requests if not r["success"]]
+    requests, failed = bench_killing(cluster, "decode1", lambda: _bench(
+        cluster, tiny_model_path, tmp_path / "kill.json", 20, seed=2, warmup=0))
     assert len(failed) < len(requests) // 2
     # Only streams that had begun may break (a decode front answers 200 with its first token), and requests smg was
     # still sending to decode1 when it died: smg does not replay a POST it may have half delivered ("error sending

@@ -1,6 +1,6 @@
 """epdserve's prefill and decode servers as smg's ``grpc://`` workers (SGLang's scheduler gRPC protocol on
 ``--grpc-port``): one encoder, one prefill and two decode servers, smg in PD mode in front of their gRPC ports
-(tests/smg_grpc_cluster.py).
+(tests/smg_cluster.py, ``grpc_workers``).
 
 The model is the tiny Qwen3-VL: smg 1.13 cannot send Qwen2/2.5-VL images to a SGLang gRPC worker (its
 ``QwenVLVisionSpec`` matches any "qwen"+"vl" model id and expands an ``<image>`` token that Qwen2/2.5-VL tokenizers
@@ -20,14 +20,12 @@ from __future__ import annotations
 import json
 import secrets
 import threading
-import time
 
 import pytest
 
 from conftest import hf_reference_model
-from smg_cluster import smg_executable
-from smg_cluster import stage_loads as _loads, wait_at_rest as _wait_baseline
-from smg_grpc_cluster import start_grpc_cluster
+from smg_cluster import bench_killing, smg_executable, start_cluster
+from smg_cluster import wait_at_rest as _wait_baseline
 from test_e2e import _hf_generate, _hf_reference, _openai_messages
 
 pytestmark = pytest.mark.skipif(smg_executable() is None, reason="smg is not installed")
@@ -53,8 +51,9 @@ def _turns(case, photo_paths):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_qwen3_vl_path, tmp_path_factory):
-    c = start_grpc_cluster(tiny_qwen3_vl_path, tmp_path_factory.mktemp("smg-grpc"), encoders=1, prefills=1,
-                           decodes=2, request_timeout_s=TIMEOUT_S, smg_args=("--decode-policy", "round_robin"))
+    c = start_cluster(tiny_qwen3_vl_path, tmp_path_factory.mktemp("smg-grpc"), encoders=1, prefills=1, decodes=2,
+                      policy=None, request_timeout_s=TIMEOUT_S, smg_args=("--decode-policy", "round_robin"),
+                      grpc_workers=True)
     yield c
     c.stop()
 
@@ -257,18 +256,8 @@ def test_concurrent_requests_with_images_through_smg_grpc(cluster, tiny_qwen3_vl
 
 
 def test_killing_a_decode_worker_mid_run(cluster, tiny_qwen3_vl_path, tmp_path):
-    result = {}
-    runner = threading.Thread(target=lambda: result.update(
-        doc=_bench(cluster, tiny_qwen3_vl_path, tmp_path / "kill.json", 20, seed=2)))
-    runner.start()
-    deadline = time.monotonic() + 60
-    while _loads(cluster.servers["decode1"].http)["num_running_reqs"] == 0:
-        assert time.monotonic() < deadline, "decode1 got no request"
-        time.sleep(0.05)
-    cluster.kill("decode1")
-    runner.join(timeout=180)
-    requests = result["doc"]["requests"]
-    failed = [r for r in requests if not r["success"]]
+    requests, failed = bench_killing(cluster, "decode1", lambda: _bench(
+        cluster, tiny_qwen3_vl_path, tmp_path / "kill.json", 20, seed=2))
     assert len(failed) < len(requests) // 2
     # Only streams that had begun may break (smg answered 200 and sent tokens before decode1 died), and requests
     # smg itself routed to decode1 between its death and smg's next health check: smg 1.13's gRPC PD router does
