@@ -82,18 +82,24 @@ def _times(log: str, rid: str) -> tuple[float, float, int, float, int]:
     return at["prefilled"], at["received"], at["n"], at["write"], at["bytes"]
 
 
-def run_mode(mode: str, model: str, requests: int, words: int, log_dir: Path) -> dict:
-    """Launch with ``--kv-transfer mode``, send one warm-up and ``requests`` measured requests, stop."""
+def run_mode(mode: str, model: str, requests: int, words: int, log_dir: Path, device: str = "cpu",
+             launch_args: tuple[str, ...] = (), ready_s: float = 300) -> dict:
+    """Launch with ``--kv-transfer mode`` (plus ``launch_args``), send one warm-up and ``requests`` measured
+    requests, stop.
+
+    Raises:
+        RuntimeError: the launch exited or was not ready within ``ready_s`` seconds.
+    """
     from epdserve.wire.transport import free_port
 
     port, log_path = free_port(), log_dir / f"{mode}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "epdserve", "--log-level", "DEBUG", "--log-format", "json",
-                                 "launch", "--model-path", model, "--port", str(port), "--device", "cpu",
-                                 "--kv-transfer", mode], stdout=log, stderr=subprocess.STDOUT,
+                                 "launch", "--model-path", model, "--port", str(port), "--device", device,
+                                 "--kv-transfer", mode, *launch_args], stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + ready_s
             while "metrics: gateway=" not in log_path.read_text():
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"{mode}: launch failed:\n{log_path.read_text()[-3000:]}")
@@ -119,6 +125,10 @@ def main() -> None:
     p.add_argument("--model-path", default="", help="default: the tiny test checkpoint, made in a temp dir")
     p.add_argument("--requests", type=int, default=5)
     p.add_argument("--words", type=int, default=950, help="prompt words (the tiny tokenizer: ~4 tokens each)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--ready-s", type=float, default=300, help="longest wait for each launch's ready line")
+    p.add_argument("--output-json", default="", help="write the table's rows (and any mode's failure) here")
+    p.add_argument("launch_args", nargs="*", help="more `epdserve launch` flags, after `--`")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kv-engines-"))
     model = a.model_path
@@ -126,8 +136,18 @@ def main() -> None:
         from epdserve.models.tiny import make_tiny_model
 
         model = str(make_tiny_model(tmp / "tiny"))
-    results = [run_mode(m, model, a.requests, a.words, tmp) for m in a.modes.split(",")]
+    results, failed = [], {}
+    for m in a.modes.split(","):
+        try:  # one mode failing (an engine that cannot start here) still leaves the others' figures
+            results.append(run_mode(m, model, a.requests, a.words, tmp, a.device, tuple(a.launch_args), a.ready_s))
+        except Exception as e:
+            failed[m] = str(e)[-2000:]
+            print(f"{m} failed: {failed[m]}", file=sys.stderr)
     kv_bytes = next((r["bytes"] for r in results if r["bytes"]), 0)
+    if a.output_json:
+        Path(a.output_json).write_text(json.dumps({"device": a.device, "model": model, "launch_args": a.launch_args,
+                                                   "kv_bytes": kv_bytes, "results": results, "failed": failed},
+                                                  indent=1))
     print("| path | prompt tokens | KV MB | TTFT ms | hand-off ms | MB/s | engine write ms | hand-off / TTFT |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:

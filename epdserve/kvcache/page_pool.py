@@ -53,7 +53,10 @@ class PagePool:
 
     def free(self, pages: list[int]) -> None:
         """Return pages to the pool. Raises ValueError on a double free or an unknown page id."""
-        for p in pages:
+        # Pushed last-first, so a later alloc pops them in their own order: pages that were consecutive stay
+        # consecutive, and a transfer engine moves such a run as one write instead of one per page (on an H100,
+        # ~17k single-page NIXL writes for a 3.8k-token prompt cost ~235 ms to post; one run per plane, 0.1 ms).
+        for p in reversed(pages):
             if not 0 <= p < self.num_pages or self._is_free[p]:
                 raise ValueError(f"page {p} freed twice or out of range")
             self._is_free[p] = True
