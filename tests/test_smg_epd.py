@@ -179,3 +179,50 @@ def test_unclaimed_room_expires(cluster, hf3, photo_paths):
     assert _encode(addr, _item(hf3, photo_paths["rocket"]), secrets.randbits(62)).accepted
     assert _rooms(addr) == 1
     _wait(lambda: _rooms(addr) == 0, ROOM_TIMEOUT_S + 10, "the unclaimed room was not dropped")
+
+
+def test_abort_while_waiting_for_a_room_frees_everything(cluster, hf3, photo_paths):
+    """A prefill leg whose image's encode never comes waits for its room; ``Abort`` ends it at once with
+    ``finish_reason`` "abort", the prefill gives the room up at the encoder (whose late Encode then holds nothing)
+    and nothing stays at prefill."""
+    import threading
+
+    pb, pb_grpc = _proto.tokenspeed_scheduler_pb2, _proto.tokenspeed_scheduler_pb2_grpc
+    tok = hf3[0].tokenizer
+    item = _item(hf3, photo_paths["coffee"])
+    n = item.placeholders[0].length
+    head = tok("Look:").input_ids
+    ids = head + [hf3[1].config.image_token_id] * n + tok(" what is it?").input_ids
+    item.placeholders[0].offset = len(head)
+    bare = pb.MultimodalItem()
+    bare.CopyFrom(item)
+    bare.ClearField("encoder_input")  # smg sends the prefill no pixels
+    enc, room, rid = _encoders(cluster)[0], secrets.randbits(62), f"test-{secrets.token_hex(6)}"
+    boot = cluster.servers[enc_name(cluster, enc)].bootstrap_port
+    request = pb.GenerateRequest(
+        request_id=rid, tokenized=pb.TokenizedInput(input_ids=ids), stream=False,
+        sampling_params=pb.SamplingParams(temperature=0, max_new_tokens=4), mm_inputs=pb.MultimodalInputs(items=[bare]),
+        encode_bootstrap_info=pb.EncodeBootstrapInfo(items=[pb.EncodeItemBootstrapInfo(
+            item_index=0, bootstrap_host="127.0.0.1", bootstrap_port=boot, bootstrap_room=room)]),
+        kv_bootstrap_info=pb.KvBootstrapInfo(bootstrap_host="127.0.0.1",
+                                             bootstrap_port=cluster.servers["prefill0"].bootstrap_port,
+                                             bootstrap_room=secrets.randbits(62)))
+    out = {}
+    with grpc.insecure_channel(cluster.servers["prefill0"].grpc) as ch:
+        stub = pb_grpc.TokenSpeedSchedulerStub(ch)
+        runner = threading.Thread(target=lambda: out.update(r=list(stub.Generate(request, timeout=60))))
+        runner.start()
+        _wait(lambda: stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).active_requests == 1, 10,
+              "the Generate did not start")
+        started = time.monotonic()
+        assert stub.Abort(pb.AbortRequest(request_id=rid, reason="test"), timeout=10).success
+        runner.join(timeout=30)
+        assert time.monotonic() - started < TIMEOUT_S / 2  # not the room wait's timeout
+    assert [r.complete.finish_reason for r in out["r"] if r.HasField("complete")] == ["abort"]
+    assert _encode(enc, item, room).accepted  # the Encode comes late: the room was given up, nothing is held
+    _wait(lambda: _rooms(enc) == 0, 10, "the given-up room is held")
+    wait_at_rest(cluster, ["prefill0"], 30)
+
+
+def enc_name(cluster, addr: str) -> str:
+    return next(name for name, s in cluster.servers.items() if s.grpc == addr and name.startswith("encoder"))

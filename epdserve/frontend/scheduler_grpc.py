@@ -52,9 +52,11 @@ def grpc_code(status: int) -> grpc.StatusCode:
 
 @dataclasses.dataclass
 class _Call:
-    """A ``Generate`` in progress; ``aborted`` once ``Abort`` named it."""
+    """A ``Generate`` in progress; ``aborted`` once ``Abort`` named it; ``embedding``: its wait for image
+    embeddings, while it lasts (``Abort`` cancels it)."""
 
     aborted: bool = False
+    embedding: asyncio.Future | None = None
 
 
 # The files smg's tokenizer loader reads (smg's own servicers send this set, smg_grpc_servicer/
@@ -164,13 +166,16 @@ class SchedulerServicerBase:
         beat = HEARTBEAT_S if self.front.role == "prefill" else None
         try:
             if self._has_images(leg):
-                encoding = asyncio.ensure_future(self._embed(rid, leg))
+                encoding = call.embedding = asyncio.ensure_future(self._embed(rid, leg))
                 try:
                     while not (await asyncio.wait({encoding}, timeout=beat))[0]:
                         yield self.pb.GenerateResponse(request_id=rid)
+                    if call.aborted:
+                        raise StageError("aborted", ABORTED)
                     check_encoded(leg.prefill.images, encoding.result())
                 finally:
                     encoding.cancel()
+                    call.embedding = None
             if call.aborted:
                 raise StageError("aborted", ABORTED)
             async for out in self._outputs(rid, leg, beat):
@@ -239,6 +244,8 @@ class SchedulerServicerBase:
         if call is None:
             return self.pb.AbortResponse(success=False, message=f"request {request.request_id} not found")
         call.aborted = True
+        if call.embedding is not None:  # still waiting for its images: stop (a claim gives its room up)
+            call.embedding.cancel()
         route = self.front.stages.scheduler.routes.get(request.request_id)
         if route is not None:
             route.put(StageError(request.reason or "aborted", ABORTED))
