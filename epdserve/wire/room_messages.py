@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from epdserve.wire.codec import Codec
+from epdserve.wire.codec import Codec, WireError
 
 
 @dataclass
@@ -46,4 +46,36 @@ class EmbedClaimReply:
 
 _CODEC = Codec((EmbedClaim, EmbedClaimReply))
 encode = _CODEC.encode  # a message -> ZeroMQ frames
-decode = _CODEC.decode  # frames -> the message (WireError when they are not one of these)
+_MAX_TARGETS, _MAX_TEXT = 64, 512  # a TP server's ranks; ids, hashes and endpoints
+
+
+def _int(v: object, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _text(v: object) -> bool:
+    return isinstance(v, str) and len(v) <= _MAX_TEXT
+
+
+def decode(frames: list) -> EmbedClaim | EmbedClaimReply:
+    """Frames -> the message, its fields checked (types, a room in ``[0, 2**63)``, at most 64 ``tcp://`` or
+    ``ipc://`` targets, ``0 < wait_s <= 3600``, a 3-number grid).
+
+    Raises:
+        WireError: the frames are not one of these messages, or a field is out of range.
+    """
+    msg = _CODEC.decode(frames)
+    if not _int(msg.room, 0, (1 << 63) - 1):
+        raise WireError(f"bad room {msg.room!r}")
+    if isinstance(msg, EmbedClaim):
+        ok = (_text(msg.rid) and _text(msg.image_hash) and _text(msg.share_host_id)
+              and isinstance(msg.targets, list) and len(msg.targets) <= _MAX_TARGETS
+              and all(_text(t) and t.startswith(("tcp://", "ipc://")) for t in msg.targets)
+              and isinstance(msg.wait_s, (int, float)) and 0 < msg.wait_s <= 3600)
+    else:
+        ok = (_int(msg.status, 0, 599) and _text(msg.error) and _int(msg.num_tokens, 0, 1 << 31)
+              and isinstance(msg.grid_thw, list) and len(msg.grid_thw) in (0, 3)
+              and all(_int(g, 0, 1 << 20) for g in msg.grid_thw))
+    if not ok:
+        raise WireError(f"bad {type(msg).__name__} fields")
+    return msg
