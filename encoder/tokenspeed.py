@@ -151,7 +151,8 @@ class TokenSpeedEncodeServicer:
 
 class EncodeDiscoveryServicer:
     """The ``TokenSpeedScheduler`` RPCs smg calls on an encode worker: ``HealthCheck``, ``GetModelInfo``,
-    ``GetServerInfo``, ``GetLoads`` (requests in flight; rooms held as waiting). ``Generate``: FAILED_PRECONDITION.
+    ``GetServerInfo``, ``GetLoads`` (requests in flight; rooms held as waiting), ``GetTokenizer``. ``Generate``:
+    FAILED_PRECONDITION; ``SubscribeKvEvents``: UNIMPLEMENTED.
     """
 
     def __init__(self, core: Any, rooms: RoomStore, config: Any) -> None:
@@ -202,6 +203,22 @@ class EncodeDiscoveryServicer:
         """Refused: this is an encode worker."""
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Generate is unavailable on an encode worker")
         yield  # a streaming RPC
+
+    async def GetTokenizer(self, request, context):
+        """The checkpoint's tokenizer and processor files as a ZIP (as the prefill and decode workers send it)."""
+        import hashlib
+        from pathlib import Path
+
+        from smg_grpc_proto.generated import common_pb2
+
+        from epdserve.frontend.scheduler_grpc import tokenizer_zip
+
+        enc = await self._ready(context)
+        data = await asyncio.to_thread(tokenizer_zip, Path(enc.model_path))
+        digest, chunk = hashlib.sha256(data).hexdigest(), 64 * 1024
+        for start in range(0, len(data), chunk):
+            last = start + chunk >= len(data)
+            yield common_pb2.GetTokenizerChunk(data=data[start:start + chunk], sha256=digest if last else "")
 
     async def SubscribeKvEvents(self, request, context):
         """UNIMPLEMENTED (smg then stops asking): an encoder has no KV cache."""

@@ -226,3 +226,27 @@ def test_abort_while_waiting_for_a_room_frees_everything(cluster, hf3, photo_pat
 
 def enc_name(cluster, addr: str) -> str:
     return next(name for name, s in cluster.servers.items() if s.grpc == addr and name.startswith("encoder"))
+
+
+def test_info_rpcs_answer_what_smg_reads(cluster, tiny_qwen3_vl_path):
+    """TokenSpeed's discovery RPCs on every role: healthy, the model and the pixel dtype smg sends (the tower's:
+    float32 on the CPU), the role (``disaggregation_mode``) and, on the encoder, its bootstrap port; the tokenizer
+    files as a ZIP."""
+    import io
+    import zipfile
+
+    pb, pb_grpc = _proto.tokenspeed_scheduler_pb2, _proto.tokenspeed_scheduler_pb2_grpc
+    common = _proto.generated.common_pb2
+    for name, role in (("encoder0", "encode"), ("prefill0", "prefill"), ("decode0", "decode")):
+        with grpc.insecure_channel(cluster.servers[name].grpc) as ch:
+            stub = pb_grpc.TokenSpeedSchedulerStub(ch)
+            assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy, name
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            assert info.model_path == tiny_qwen3_vl_path and info.multimodal_encoder_dtype == "float32", name
+            assert list(info.supported_modalities) == [1] and info.supports_multimodal
+            args = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).server_args
+            assert args["disaggregation_mode"] == role, name
+            if role != "decode":
+                assert int(args["disaggregation_bootstrap_port"]) == cluster.servers[name].bootstrap_port
+            data = b"".join(c.data for c in stub.GetTokenizer(common.GetTokenizerRequest(), timeout=10))
+            assert "tokenizer.json" in zipfile.ZipFile(io.BytesIO(data)).namelist(), name
