@@ -206,19 +206,13 @@ class EncodeDiscoveryServicer:
 
     async def GetTokenizer(self, request, context):
         """The checkpoint's tokenizer and processor files as a ZIP (as the prefill and decode workers send it)."""
-        import hashlib
         from pathlib import Path
 
-        from smg_grpc_proto.generated import common_pb2
-
-        from epdserve.frontend.scheduler_grpc import tokenizer_zip
+        from epdserve.frontend.scheduler_grpc import tokenizer_chunks
 
         enc = await self._ready(context)
-        data = await asyncio.to_thread(tokenizer_zip, Path(enc.model_path))
-        digest, chunk = hashlib.sha256(data).hexdigest(), 64 * 1024
-        for start in range(0, len(data), chunk):
-            last = start + chunk >= len(data)
-            yield common_pb2.GetTokenizerChunk(data=data[start:start + chunk], sha256=digest if last else "")
+        async for chunk in tokenizer_chunks(Path(enc.model_path)):
+            yield chunk
 
     async def SubscribeKvEvents(self, request, context):
         """UNIMPLEMENTED (smg then stops asking): an encoder has no KV cache."""

@@ -86,6 +86,22 @@ def tokenizer_zip(model_dir: Path) -> bytes:
     return buf.getvalue()
 
 
+async def tokenizer_chunks(model_dir: Path) -> AsyncIterator[Any]:
+    """``GetTokenizer``'s answer: :func:`tokenizer_zip` of ``model_dir`` (made on a worker thread) as
+    ``GetTokenizerChunk`` s of 64 KiB, the last with the archive's SHA-256.
+
+    Raises:
+        FileNotFoundError: no tokenizer files there.
+    """
+    from smg_grpc_proto.generated import common_pb2
+
+    data = await asyncio.to_thread(tokenizer_zip, model_dir)
+    digest = hashlib.sha256(data).hexdigest()
+    for start in range(0, len(data), _CHUNK):
+        last = start + _CHUNK >= len(data)
+        yield common_pb2.GetTokenizerChunk(data=data[start:start + _CHUNK], sha256=digest if last else "")
+
+
 class SchedulerServicerBase:
     """The protocol-independent RPCs of one front's scheduler service (see the module docstring). A protocol
     subclass sets ``pb`` (its generated ``*_pb2`` module) and implements :meth:`_build` and :meth:`_embed`, and
@@ -305,15 +321,10 @@ class SchedulerServicerBase:
                                                total_reqs=sched.num_total_reqs, avg_token_usage=sched.token_usage))
 
     async def GetTokenizer(self, request, context) -> AsyncIterator[Any]:
-        """The checkpoint's tokenizer, chat template and processor files as one ZIP, in 64 KiB chunks, the last
-        with the archive's SHA-256: how smg gets a tokenizer where the model directory is not on its machine."""
-        from smg_grpc_proto.generated import common_pb2
-
-        data = await asyncio.to_thread(tokenizer_zip, Path(self.front.model_path))
-        digest = hashlib.sha256(data).hexdigest()
-        for start in range(0, len(data), _CHUNK):
-            last = start + _CHUNK >= len(data)
-            yield common_pb2.GetTokenizerChunk(data=data[start:start + _CHUNK], sha256=digest if last else "")
+        """The checkpoint's tokenizer, chat template and processor files (:func:`tokenizer_chunks`): how smg gets a
+        tokenizer where the model directory is not on its machine."""
+        async for chunk in tokenizer_chunks(Path(self.front.model_path)):
+            yield chunk
 
     async def SubscribeKvEvents(self, request, context) -> AsyncIterator[Any]:
         """UNIMPLEMENTED: the radix cache publishes no events."""
