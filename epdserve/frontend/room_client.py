@@ -116,7 +116,7 @@ class RoomClient:
         cancels (and so gives up) the others.
 
         Raises:
-            StageError: the first claim's that failed, in image order.
+            StageError: that of the first claim to fail.
         """
         tasks = [asyncio.ensure_future(self.claim(rid, r, h, targets, share_host_id, wait_s))
                  for r, h in zip(rooms, hashes, strict=True)]
