@@ -40,6 +40,8 @@ class EncoderMetrics(StageMetrics):
         self.queued = self._gauge("num_queue_reqs", "Images waiting for a vision tower call")
         self.cache_bytes = self._gauge("embedding_cache_bytes", "Bytes of embeddings in the cache")
         self.cache_entries = self._gauge("embedding_cache_entries", "Images in the embedding cache")
+        self.rooms = self._gauge("encoder_bootstrap_rooms", "Embeddings held under a bootstrap room until a prefill "
+                                 "server claims them (smg --epd-disaggregation)")
 
     def watch(self, cache: Any, batcher: Any) -> None:
         """Read the cache's ``size_bytes`` and ``len()`` and the batcher's ``queued`` at each scrape (plain int

@@ -110,6 +110,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self._outbox = EmbeddingOutbox(pusher, cache, self.metrics, self._tasks)
 
     @property
+    def outbox(self) -> EmbeddingOutbox:
+        """Where encoded embeddings go (pushes to prefill ranks, the cache's host copies)."""
+        return self._outbox
+
+    @property
     def batcher(self) -> EncodeBatcher:
         """The batcher this servicer queues images to."""
         return self._batcher
@@ -319,6 +324,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         await self._batcher.aclose()
 
 
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -352,6 +362,13 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
     servicer = EncoderServicer(EmbeddingCache(config.cache_size_mb * MIB), pusher, batcher, config.max_image_pixels,
                                metrics, config, VideoLimits(config.max_video_frames, config.max_video_duration_s))
     add_servicer(servicer, server)
+    if config.bootstrap_port:  # smg --epd-disaggregation's encode worker (encoder/tokenspeed.py)
+        from epdserve.encoder.rooms import RoomServer, RoomStore
+        from epdserve.encoder.tokenspeed import add_tokenspeed_services
+
+        rooms = RoomStore(config.room_timeout_s)
+        tokenspeed, _ = add_tokenspeed_services(server, servicer, rooms, config)
+        metrics.rooms.set_function(lambda: len(rooms))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     async with contextlib.AsyncExitStack() as cleanup:  # unwinds in reverse, every step even if one fails
@@ -373,6 +390,13 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
         await loop.run_in_executor(tower, encoder.warm_up)
         # Test hook: a slow model load (tests check that nothing calls the server ready before this one serves).
         await asyncio.sleep(float(os.environ.get(LOAD_DELAY_ENV, "0")))
+        if config.bootstrap_port:  # bound once the model is loaded: a claim needs the tower's device
+            room_server = RoomServer(rooms, servicer.outbox, encoder.device, encoder.num_tokens)
+            room_server.bind(config.host, config.bootstrap_port)
+            cleanup.callback(room_server.close)
+            room_task = asyncio.create_task(room_server.run())
+            cleanup.push_async_callback(_cancel, room_task)
+            cleanup.push_async_callback(tokenspeed.aclose)
         servicer.encoder = encoder
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -55,6 +55,12 @@ class EncoderConfig:
                                      "level on photos; its chroma upsampling differs where colour changes every "
                                      "pixel); --no-gpu-jpeg-decode decodes every image with PIL, as transformers "
                                      "does")
+    bootstrap_port: int = _f(0, "serve smg's --epd-disaggregation encode protocol (TokenSpeed's TokenSpeedEncoder "
+                                "and its scheduler's discovery RPCs, on --port) and hold each embedding under its "
+                                "bootstrap room on this ZMQ port until the prefill smg chose claims it (smg: "
+                                "--encode grpc://HOST:PORT BOOTSTRAP_PORT); 0 = off")
+    room_timeout_s: float = _f(60.0, "drop an embedding held for a bootstrap room that no prefill claims within this "
+                                     "many seconds of its Encode (smg never says when a request is abandoned)")
 
 
 @dataclass
@@ -76,6 +82,9 @@ class LMServerConfig:
     grpc_port: int = _f(0, "port of SGLang's scheduler gRPC service (sglang.grpc.scheduler.SglangScheduler, for smg "
                            "with grpc:// workers; needs the smg-grpc extra), served by the front process beside "
                            "--port; 0 = off")
+    grpc_protocol: str = _f("sglang", "what --grpc-port speaks: 'sglang' (SGLang's scheduler protocol: smg's "
+                                      "--pd-disaggregation) or 'tokenspeed' (TokenSpeed's, whose prefill takes image "
+                                      "embeddings from smg's encode workers: smg's --epd-disaggregation)")
     kv_transfer: str = _f("auto", "prefill->decode KV path: 'zmq' (through host memory and ZeroMQ), 'shared' "
                                   "(decode maps the prefill KV pool when both run on this machine and copies pages "
                                   "device to device: CUDA IPC, or /dev/shm on CPU; zmq otherwise), or 'auto' "

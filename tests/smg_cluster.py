@@ -1,11 +1,13 @@
 """Start epdserve encoders, prefill and decode servers (with HTTP fronts, and SGLang gRPC workers on request) and
-smg in PD mode, on free ports.
+smg in PD mode, or (``epd``) smg's own EPD mode in front of TokenSpeed-protocol workers, on free ports.
 
 Used by tests/test_smg.py, test_smg_grpc.py and test_smg_epd.py, and runnable by hand for the full-size runs::
 
     python tests/smg_cluster.py --encoders 2 --prefills 2 --decodes 2 --policy cache_aware
     # issue 29's acceptance run: 200 shared-prefix requests (half with an image) through smg's gRPC mode, then exit
     python tests/smg_cluster.py --grpc-workers --arch qwen3-vl --encoders 2 --prefills 2 --decodes 2 --bench 200
+    # smg --epd-disaggregation: smg sends images to the encoders itself (TokenSpeed's protocol on every worker)
+    python tests/smg_cluster.py --epd --arch qwen3-vl --encoders 2 --prefills 1 --decodes 1
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Server:
     proc: subprocess.Popen
     http: str = ""  # base URL of the HTTP front (prefill/decode) or of smg
     grpc: str = ""  # host:port (encoder)
-    bootstrap_port: int = 0
+    bootstrap_port: int = 0  # prefill: its KV bootstrap port; encoder (epd): its embedding bootstrap port
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Cluster:
     log_dir: Path
     servers: dict[str, Server] = field(default_factory=dict)
     url: str = ""
+    smg_cmd: list[str] = field(default_factory=list)
 
     def start(self, name: str, cmd: list[str], **kw) -> Server:
         log = open(self.log_dir / f"{name}.log", "w")
@@ -140,12 +143,18 @@ def bench_killing(cluster: "Cluster", name: str, bench: Callable[[], dict]) -> t
 
 def start_cluster(model_path: str, log_dir: Path, *, encoders: int = 1, prefills: int = 1, decodes: int = 1,
                   policy: str | None = "cache_aware", timeout_s: float = 240.0, request_timeout_s: float = 60.0,
-                  num_pages: int = 1024, smg_args: tuple[str, ...] = (), grpc_workers: bool = False) -> Cluster:
+                  num_pages: int = 1024, smg_args: tuple[str, ...] = (), grpc_workers: bool = False,
+                  epd: bool = False, encoder_args: tuple[str, ...] = ()) -> Cluster:
     """Start everything and wait until smg answers ``/health`` and every stage's ``/health`` is 200.
 
     ``grpc_workers``: prefill and decode also serve SGLang's scheduler gRPC protocol (``--grpc-port``; each
     server's ``grpc`` is its ``host:port``) and smg reaches them as ``grpc://`` workers; their HTTP fronts stay,
     for the tests' ``/loads`` and ``/health``. ``policy`` None leaves smg's default.
+
+    ``epd``: smg's ``--epd-disaggregation`` (``--encode-policy consistent_hashing``): the encoders serve smg's encode
+    protocol with a ``--bootstrap-port`` each, prefill and decode TokenSpeed's scheduler protocol
+    (``--grpc-protocol tokenspeed``); the prefill gets no ``--encoder-urls`` (smg picks the encoder). The exact smg
+    command line is in ``cluster.smg_cmd``. ``encoder_args``: more flags for every encoder.
 
     Raises:
         RuntimeError: a server exited or did not get ready within ``timeout_s``; smg is not installed.
@@ -156,23 +165,28 @@ def start_cluster(model_path: str, log_dir: Path, *, encoders: int = 1, prefills
     cluster = Cluster(Path(log_dir))
     py = [sys.executable, "-m", "epdserve", "--log-level", "INFO"]
     lm = ["--model-path", model_path, "--num-pages", str(num_pages), "--request-timeout-s", str(request_timeout_s)]
+    grpc_workers = grpc_workers or epd
     try:
         enc = []
         for i in range(encoders):
-            port = free_port()
+            port, boot = free_port(), free_port() if epd else 0
             enc.append(f"127.0.0.1:{port}")
-            cluster.start(f"encoder{i}", [*py, "encoder", "--model-path", model_path, "--port", str(port)],
-                          grpc=enc[-1])
+            extra = ["--bootstrap-port", str(boot), "--metrics-port", "0"] if epd else []
+            cluster.start(f"encoder{i}", [*py, "encoder", "--model-path", model_path, "--port", str(port), *extra,
+                                           *encoder_args],
+                          grpc=enc[-1], bootstrap_port=boot)
+
         def worker_grpc() -> tuple[list[str], str]:
             port = free_port() if grpc_workers else 0
-            return (["--grpc-port", str(port)], f"127.0.0.1:{port}") if grpc_workers else ([], "")
+            protocol = ["--grpc-protocol", "tokenspeed"] if epd else []
+            return (["--grpc-port", str(port), *protocol], f"127.0.0.1:{port}") if grpc_workers else ([], "")
 
         for i in range(prefills):
             port, boot = free_port(), free_port()
             flags, grpc_addr = worker_grpc()
             cluster.start(f"prefill{i}", [*py, "prefill", *lm, "--port", str(port), "--bootstrap-port", str(boot),
                                           "--zmq-port", str(free_port()), "--embed-port", str(free_port()),
-                                          "--encoder-urls", ",".join(enc), *flags],
+                                          *([] if epd else ["--encoder-urls", ",".join(enc)]), *flags],
                           http=f"http://127.0.0.1:{port}", bootstrap_port=boot, grpc=grpc_addr)
         for i in range(decodes):
             port = free_port()
@@ -185,7 +199,8 @@ def start_cluster(model_path: str, log_dir: Path, *, encoders: int = 1, prefills
             if s.http:
                 _wait_http(cluster, name, f"{s.http}/health", deadline)
         gw = free_port()
-        cmd = [exe, "launch", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(gw),
+        mode = ["--epd-disaggregation", "--encode-policy", "consistent_hashing"] if epd else ["--pd-disaggregation"]
+        cmd = [exe, "launch", *mode, "--host", "127.0.0.1", "--port", str(gw),
                "--prometheus-port", str(free_port()), "--log-level", "warn"]
         cmd += ["--policy", policy] if policy else []
         cmd += ["--model-path", model_path] if grpc_workers else []
@@ -195,7 +210,10 @@ def start_cluster(model_path: str, log_dir: Path, *, encoders: int = 1, prefills
                 cmd += ["--prefill", url, str(s.bootstrap_port)]
             elif s.name.startswith("decode"):
                 cmd += ["--decode", url]
-        cluster.start("smg", [*cmd, *smg_args], http=f"http://127.0.0.1:{gw}")
+            elif s.name.startswith("encoder") and epd:
+                cmd += ["--encode", url, str(s.bootstrap_port)]
+        cluster.smg_cmd = [*cmd, *smg_args]
+        cluster.start("smg", cluster.smg_cmd, http=f"http://127.0.0.1:{gw}")
         cluster.url = f"http://127.0.0.1:{gw}"
         _wait_http(cluster, "smg", f"{cluster.url}/v1/models", deadline)
         while not httpx.get(f"{cluster.url}/v1/models", timeout=2).json().get("data"):
@@ -219,6 +237,7 @@ if __name__ == "__main__":
     ap.add_argument("--decodes", type=int, default=1)
     ap.add_argument("--policy", default=None, help="smg's --policy (default: cache_aware, or smg's own with gRPC)")
     ap.add_argument("--grpc-workers", action="store_true", help="smg reaches prefill and decode as grpc:// workers")
+    ap.add_argument("--epd", action="store_true", help="smg --epd-disaggregation (TokenSpeed protocol workers)")
     ap.add_argument("--arch", default="", help="with no --model-path: the tiny model's architecture (e.g. qwen3-vl, "
                                                "whose images smg 1.13 can send to gRPC workers)")
     ap.add_argument("--bench", type=int, default=0, help="run this many shared-prefix requests, print, exit")
@@ -233,10 +252,10 @@ if __name__ == "__main__":
         model = str(logs / f"tiny-{args.arch}")
         cli(["make-tiny-model", model, "--arch", args.arch])
     model = resolve_model_path(model)
-    policy = args.policy or (None if args.grpc_workers else "cache_aware")
+    policy = args.policy or (None if args.grpc_workers or args.epd else "cache_aware")
     c = start_cluster(model, logs, encoders=args.encoders, prefills=args.prefills, decodes=args.decodes,
-                      policy=policy, grpc_workers=args.grpc_workers)
-    print(f"smg on {c.url}; logs in {logs}; Ctrl-C stops", flush=True)
+                      policy=policy, grpc_workers=args.grpc_workers, epd=args.epd)
+    print(f"smg on {c.url}; logs in {logs}; Ctrl-C stops\n{' '.join(c.smg_cmd)}", flush=True)
     try:
         if args.bench:
             from epdserve.bench.cli import main as bench

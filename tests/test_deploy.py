@@ -131,3 +131,55 @@ def test_port_defaults_match_the_docs():
     ports = [PrefillConfig().port, PrefillConfig().zmq_port, PrefillConfig().embed_port, PrefillConfig().bootstrap_port,
              DecodeConfig().port, DecodeConfig().zmq_port, DecodeConfig().kv_port, EncoderConfig().port]
     assert len(set(ports)) == len(ports)  # every stage can run on one machine with its defaults
+
+
+def test_smg_epd_topology_agrees_with_the_clis():
+    """deploy/smg-epd/: smg --epd-disaggregation's --encode, --prefill and --decode URLs and bootstrap ports are the
+    encoders' --port/--bootstrap-port and the TokenSpeed gRPC ports of prefill and decode, in both files."""
+    compose = yaml.safe_load((DEPLOY / "smg-epd" / "docker-compose.yml").read_text())["services"]
+    ips = {n: s["networks"]["epd"]["ipv4_address"] for n, s in compose.items()}
+    cfgs = {n: _parse_epdserve(s["command"][1:], {})[1] for n, s in compose.items() if n != "smg"}
+    router = _parse_smg(compose["smg"]["command"][1:])
+    assert router.epd_disaggregation and router.encode_policy == "consistent_hashing"
+    encoders = sorted(n for n in cfgs if n.startswith("encoder"))
+    assert len(encoders) == 2
+    assert router.encode_urls == [(f"grpc://{ips[n]}:{cfgs[n].port}", cfgs[n].bootstrap_port) for n in encoders]
+    assert all(cfgs[n].host == "0.0.0.0" for n in encoders)
+    for role in ("prefill", "decode"):
+        assert cfgs[role].grpc_protocol == "tokenspeed" and cfgs[role].host == ips[role]
+    assert router.prefill_urls == [(f"grpc://{ips['prefill']}:{cfgs['prefill'].grpc_port}",
+                                    cfgs["prefill"].bootstrap_port)]
+    assert router.decode_urls == [f"grpc://{ips['decode']}:{cfgs['decode'].grpc_port}"]
+    assert not cfgs["prefill"].encoder_urls  # smg picks the encoder
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "smg-epd" / "k8s.yaml").read_text()) if d]
+    objs = {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+    args = {}
+    for name, o in objs.items():
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            (c,) = o["spec"]["template"]["spec"]["containers"]
+            ports = {p["containerPort"] for p in c["ports"]}
+            if c["command"] == ["smg"]:
+                args["smg"] = _parse_smg(c["args"])
+                continue
+            stage, cfg = _parse_epdserve(c["args"], {"POD_IP": "10.0.0.1"})
+            wanted = {cfg.port, cfg.bootstrap_port} if stage == "encoder" else {cfg.grpc_port}
+            assert wanted <= ports, name
+            args[stage] = (cfg, o)
+    enc_cfg, sts = args["encoder"]
+    k8s_router = args["smg"]
+    assert k8s_router.epd_disaggregation and k8s_router.encode_policy == "consistent_hashing"
+    headless = objs[f"Service/{sts['spec']['serviceName']}"]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert k8s_router.encode_urls == [
+        (f"grpc://{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}:{enc_cfg.port}", enc_cfg.bootstrap_port)
+        for i in range(sts["spec"]["replicas"])]
+    pre_cfg, pre = args["prefill"]
+    dec_cfg, dec = args["decode"]
+    assert pre_cfg.grpc_protocol == dec_cfg.grpc_protocol == "tokenspeed"
+    pre_url = f"grpc://{pre['metadata']['name']}:{pre_cfg.grpc_port}"  # the Service is named as its Deployment
+    assert k8s_router.prefill_urls == [(pre_url, pre_cfg.bootstrap_port)]
+    assert k8s_router.decode_urls == [f"grpc://{dec['metadata']['name']}:{dec_cfg.grpc_port}"]
+    svc_ports = {n: {p["port"] for p in objs[f"Service/{o['metadata']['name']}"]["spec"]["ports"]}
+                 for n, o in (("prefill", pre), ("decode", dec))}
+    assert {pre_cfg.grpc_port, pre_cfg.bootstrap_port} <= svc_ports["prefill"]
+    assert dec_cfg.grpc_port in svc_ports["decode"]

@@ -1,11 +1,13 @@
-"""epdserve behind smg (the Shepherd Model Gateway) in PD mode: one encoder, one prefill and two decode servers,
+"""epdserve behind smg (the Shepherd Model Gateway) in PD mode: two encoders, one prefill and two decode servers,
 each with its HTTP front, smg in front of them (tests/smg_cluster.py starts them on free ports).
 
 Checks: greedy answers through smg with the official openai client equal transformers' generate() (text, one and
 two photos; streaming and not); the fronts' info routes; a tokenization mismatch between the legs fails the
 request; rooms whose partner never comes or whose client left are freed; a shared-prefix benchmark through smg
 succeeds and hits the radix cache; killing a decode server mid-run fails no request that had not started
-streaming, and afterwards every stage's /loads is back at baseline. Skipped when smg is not installed.
+streaming, and afterwards every stage's /loads is back at baseline; each image's embedding is cached on exactly the
+encoder that the prefill's rendezvous hashing picks for it, and a repeated image hits that cache. Skipped when smg
+is not installed.
 """
 
 from __future__ import annotations
@@ -14,9 +16,14 @@ import json
 import secrets
 import threading
 
+import hashlib
+
+import grpc
 import httpx
 import pytest
 
+from epdserve.frontend.encoders import rendezvous_order
+from epdserve.proto import encoder_pb2, encoder_pb2_grpc
 from smg_cluster import bench_killing, smg_executable, start_cluster
 from smg_cluster import stage_loads as _loads, wait_at_rest as _wait_baseline
 from test_e2e import _hf_reference, _openai_messages, _resolve, hf  # noqa: F401 (hf: a fixture)
@@ -29,7 +36,7 @@ TIMEOUT_S = 5.0  # the stages' --request-timeout-s: how long an abandoned room m
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_path, tmp_path_factory):
-    c = start_cluster(tiny_model_path, tmp_path_factory.mktemp("smg"), encoders=1, prefills=1, decodes=2,
+    c = start_cluster(tiny_model_path, tmp_path_factory.mktemp("smg"), encoders=2, prefills=1, decodes=2,
                       policy="cache_aware", request_timeout_s=TIMEOUT_S,
                       # Decode servers keep no prefix cache, so cache-aware routing buys nothing there, and it would
                       # send a retry back to the same dead decode server (same prompt, same prefix match).
@@ -184,6 +191,46 @@ def _bench(cluster, model: str, out_path, num: int, seed: int, warmup: int = 1) 
     return json.loads(out_path.read_text())
 
 
+def _encoder_stats(cluster) -> dict[str, encoder_pb2.GetServerInfoResponse]:
+    """Each encoder's GetServerInfo (cache entries, hits, misses), by its gRPC address."""
+    out = {}
+    for s in cluster.servers.values():
+        if s.grpc:
+            with grpc.insecure_channel(s.grpc) as ch:
+                out[s.grpc] = encoder_pb2_grpc.EncoderStub(ch).GetServerInfo(encoder_pb2.GetServerInfoRequest(),
+                                                                             timeout=30)
+    return out
+
+
+def test_repeated_images_hit_the_same_encoders_cache(cluster, tiny_model_path, photo_paths):
+    """Every image goes to the encoder that rendezvous hashing over its SHA-256 picks (epdserve/frontend/encoders.py,
+    the prefill's ``--encoder-urls`` pool), so its embedding is encoded and cached there and nowhere else, and asking
+    again encodes nothing: the repeat is all cache hits on the same encoders."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="EMPTY", max_retries=0)
+    photos = list(photo_paths.values())  # every photo: some were sent before (cache hits), some not
+    addrs = [s.grpc for s in cluster.servers.values() if s.grpc]
+    homes = [addrs[rendezvous_order(hashlib.sha256(p.read_bytes()).digest(), addrs)[0]] for p in photos]
+    want = {a: homes.count(a) for a in addrs}
+
+    def ask(text: str) -> dict[str, encoder_pb2.GetServerInfoResponse]:
+        messages = _openai_messages([("user", [*photos, text])])
+        client.chat.completions.create(model=tiny_model_path, messages=messages, temperature=0, max_completion_tokens=2)
+        return _encoder_stats(cluster)
+
+    before = _encoder_stats(cluster)
+    first = ask("What is in these pictures?")
+    for a in addrs:  # each image looked up once, on its home encoder only; a miss is encoded and cached there
+        misses = first[a].cache_misses - before[a].cache_misses
+        assert misses + first[a].cache_hits - before[a].cache_hits == want[a], (a, want)
+        assert first[a].cache_entries - before[a].cache_entries == misses, a
+    second = ask("And now, in one word?")  # another prompt, the same images
+    for a in addrs:
+        assert second[a].cache_hits - first[a].cache_hits == want[a], (a, want)
+        assert second[a].cache_misses == first[a].cache_misses, a
+        assert second[a].cache_entries == first[a].cache_entries, a
+
+
 def test_shared_prefix_bench_through_smg(cluster, tiny_model_path, tmp_path):
     doc = _bench(cluster, tiny_model_path, tmp_path / "bench.json", 16, seed=1)
     assert doc["summary"]["failed_requests"] == 0, [r["error"] for r in doc["requests"] if not r["success"]]
@@ -210,3 +257,4 @@ def test_killing_a_decode_server_mid_run(cluster, tiny_model_path, tmp_path):
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{_front(cluster, 'decode1')}/health")  # the front died with its server
     _wait_baseline(cluster, ["prefill0", "decode0"], TIMEOUT_S + 10)
+

@@ -386,9 +386,13 @@ def run_front(role: str, config_cls: type, make_stages: Callable[[Any, Scheduler
     front = Front(role, config.model_path, config.served_model_name or config.model_path,
                   make_stages(config, scheduler))
     if config.grpc_port:
-        from epdserve.frontend.sglang_grpc import SglangGrpcServer
-
-        front.services.append(SglangGrpcServer(front, config, config.host, config.grpc_port))
+        if config.grpc_protocol == "tokenspeed":
+            from epdserve.frontend.tokenspeed_grpc import TokenSpeedGrpcServer as GrpcServer
+        elif config.grpc_protocol == "sglang":
+            from epdserve.frontend.sglang_grpc import SglangGrpcServer as GrpcServer
+        else:
+            raise SystemExit(f"--grpc-protocol {config.grpc_protocol!r}: expected 'sglang' or 'tokenspeed'")
+        front.services.append(GrpcServer(front, config, config.host, config.grpc_port))
     asyncio.run(_serve_front(front, config))
     return 0
 

@@ -1,6 +1,6 @@
 """SGLang's scheduler gRPC service (``sglang.grpc.scheduler.SglangScheduler``, the schema of the ``smg-grpc-proto``
 package) on a prefill or decode front's ``--grpc-port``: what smg talks to a ``grpc://`` worker, and what SGLang's
-``--grpc-mode`` serves.
+``--grpc-mode`` serves (``--grpc-protocol sglang``, the default).
 
 smg does the OpenAI API, chat templates, tokenization, stop strings, tool and reasoning parsing and image fetching
 itself, and sends each request to one prefill and one decode worker at once (PD dual dispatch) as a
@@ -25,76 +25,16 @@ RPCs:
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import hashlib
-import io
-import logging
 import time
-import uuid
-import zipfile
-from collections.abc import AsyncIterator
-from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf.struct_pb2 import Struct
 
-from epdserve.frontend.errors import StageError
 from epdserve.frontend.grpc_service import GrpcService
-from epdserve.frontend.sglang_requests import GrpcLeg, InvalidRequest, build_leg, check_encoded
-from epdserve.wire.messages import TokenOutput
-
-logger = logging.getLogger("epdserve.front")
-
-_ABORTED = 499  # the StageError status that ends an aborted request's Generate
-# smg gives up on a prefill leg whose stream yields nothing for 3 s ("PD prefill leg produced nothing within its
-# silence bound"), as a wedged engine; encoding and prefilling images on a busy CPU take longer. The prefill leg
-# therefore sends an empty GenerateResponse (neither chunk nor complete, which smg skips) every this many seconds
-# until it has its answer; the scheduler's own --request-timeout-s still ends a request that never finishes.
-HEARTBEAT_S = 1.0
-
-
-def _code(status: int) -> grpc.StatusCode:
-    """The gRPC status of a :class:`StageError`'s HTTP status."""
-    return {400: grpc.StatusCode.INVALID_ARGUMENT, 413: grpc.StatusCode.INVALID_ARGUMENT,
-            503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}.get(
-        status, grpc.StatusCode.INTERNAL)
-
-
-@dataclasses.dataclass
-class _Call:
-    """A ``Generate`` in progress; ``aborted`` once ``Abort`` named it."""
-
-    aborted: bool = False
-
-
-# The files smg's tokenizer loader reads (smg's own servicers send this set, smg_grpc_servicer/
-# tokenizer_bundle.py), exact names and patterns; plus processor_config.json, where transformers 5 checkpoints
-# keep the image processor's settings.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
-                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "tiktoken.model",
-                    "chat_template.json", "preprocessor_config.json", "processor_config.json")
-_TOKENIZER_GLOBS = ("*.tiktoken", "*.jinja", "*.model")
-_CHUNK = 64 * 1024
-
-
-def tokenizer_zip(model_dir: Path) -> bytes:
-    """A ZIP (deflated, flat names) of the tokenizer files in ``model_dir`` (``GetTokenizer``).
-
-    Raises:
-        FileNotFoundError: none of them is there.
-    """
-    names = [n for n in _TOKENIZER_FILES if (model_dir / n).is_file()]
-    names += sorted({m.name for g in _TOKENIZER_GLOBS for m in model_dir.glob(g) if m.is_file()} - set(names))
-    if not names:
-        raise FileNotFoundError(f"no tokenizer files in {model_dir}")
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name in names:
-            zf.write(model_dir / name, name)
-    return buf.getvalue()
+from epdserve.frontend.prompt import EncodedImage
+from epdserve.frontend.scheduler_grpc import SchedulerServicerBase
+from epdserve.frontend.sglang_requests import GrpcLeg, build_leg
 
 
 def _servicer_base() -> type:
@@ -104,8 +44,9 @@ def _servicer_base() -> type:
     return sglang_scheduler_pb2_grpc.SglangSchedulerServicer
 
 
-class SglangSchedulerServicer:
-    """The ``SglangScheduler`` RPCs of one front (see the module docstring); :func:`make_servicer` mixes in the
+class SglangSchedulerServicer(SchedulerServicerBase):
+    """The ``SglangScheduler`` RPCs of one front (see the module docstring; the shared ones are
+    :class:`~epdserve.frontend.scheduler_grpc.SchedulerServicerBase`'s); :func:`make_servicer` mixes in the
     generated base class, which answers UNIMPLEMENTED for the RPCs not here.
 
     Args:
@@ -116,150 +57,20 @@ class SglangSchedulerServicer:
     def __init__(self, front: Any, config: Any) -> None:
         from smg_grpc_proto import sglang_scheduler_pb2
 
-        self.front, self.config, self.pb = front, config, sglang_scheduler_pb2
-        self.calls: dict[str, _Call] = {}
-        self.started = time.time()
+        super().__init__(front, config, sglang_scheduler_pb2)
 
-    @cached_property
-    def model(self):
-        """The checkpoint's :class:`~epdserve.models.config.ModelConfig` (read once)."""
-        from epdserve.models.config import ModelConfig
-
-        return ModelConfig.load(self.front.model_path)
-
-    async def Generate(self, request, context) -> AsyncIterator[Any]:
-        """One leg of a PD request (see the module docstring); its end, however it comes, frees it."""
-        rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
-        await self._ready(context)
-        if request.mm_inputs.image_data and (why := self.front.not_ready()) is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, why)  # a prefill front without an encoder
-        if rid in self.calls or rid in self.front.stages.scheduler.routes:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is in progress")
+    async def _build(self, request: Any, rid: str) -> GrpcLeg:
         builder = self.front.chat.builder
-        try:
-            leg = await build_leg(request, rid, self.front.role, context_length=self.front.stages.context_length,
-                                  vocab_size=self.model.vocab_size, image_token_id=builder.image_token_id,
-                                  image_processor=builder.processor.image_processor)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        call = self.calls[rid] = _Call()
-        done = False
-        try:
-            # Answer the call's headers now: grpc.aio holds them until the first response, while smg bounds the
-            # time until a leg's stream opens (3 s: "prefill leg produced nothing within 3.0s of its dispatch"),
-            # and a prefill of images under load takes longer than that.
-            await context.send_initial_metadata(())
-            async for item in self._legs(rid, leg, call):
-                if isinstance(item, tuple):
-                    await context.abort(*item)
-                yield item
-            done = True
-        finally:
-            # Cancelled (smg dropped the stream), aborted, failed or done: nothing stays at the scheduler.
-            self.calls.pop(rid, None)
-            if not done or call.aborted:
-                self.front.stages.scheduler.drop(rid)
-                self.front.stages.abort(rid)
+        return await build_leg(request, rid, self.front.role, context_length=self.front.stages.context_length,
+                               vocab_size=self.model.vocab_size, image_token_id=builder.image_token_id,
+                               image_processor=builder.processor.image_processor)
 
-    async def _legs(self, rid: str, leg: GrpcLeg, call: _Call) -> AsyncIterator[Any]:
-        """The responses of one leg, or a ``(code, message)`` tuple to abort the call with."""
-        stages, ids, last = self.front.stages, [], None
-        beat = HEARTBEAT_S if self.front.role == "prefill" else None
-        try:
-            if leg.image_data:
-                encoding = asyncio.ensure_future(stages.encode(rid, leg.image_data))
-                try:
-                    while not (await asyncio.wait({encoding}, timeout=beat))[0]:
-                        yield self.pb.GenerateResponse(request_id=rid)
-                    check_encoded(leg.prefill.images, encoding.result())
-                finally:
-                    encoding.cancel()
-            if call.aborted:
-                raise StageError("aborted", _ABORTED)
-            async for out in self._outputs(rid, leg, beat):
-                if out is None:
-                    yield self.pb.GenerateResponse(request_id=rid)
-                    continue
-                if out.finish_reason == "error":
-                    yield grpc.StatusCode.INTERNAL, out.error or "generation failed"
-                    return
-                ids += out.token_ids
-                last = out
-                if leg.stream:
-                    yield self._chunk(rid, out)
-        except InvalidRequest as e:
-            yield grpc.StatusCode.INVALID_ARGUMENT, str(e)
-            return
-        except StageError as e:
-            if e.status != _ABORTED:
-                yield _code(e.status), e.message
-                return
-            last = TokenOutput(rid, [], "abort", len(leg.prefill.input_ids), len(ids))
-        yield self._complete(rid, ids, last)
+    def _has_images(self, leg: GrpcLeg) -> bool:
+        return bool(leg.image_data)
 
-    async def _outputs(self, rid: str, leg: GrpcLeg, beat: float | None) -> AsyncIterator[TokenOutput | None]:
-        """This leg's scheduler outputs, sending it first, up to the one with a finish reason; None whenever
-        ``beat`` seconds pass without one (None: wait as long as it takes).
-
-        Raises:
-            StageError: the request ended on a stage error, or was aborted (status 499).
-        """
-        scheduler = self.front.stages.scheduler
-        self.front.stages.send(leg.prefill, leg.decode)
-        route = scheduler.routes[rid]
-        while True:
-            try:
-                out = await route.take(beat)
-            except TimeoutError:
-                yield None
-                continue
-            if out.finish_reason is not None:
-                scheduler.routes.pop(rid, None)
-                yield out
-                return
-            yield out
-
-    def _chunk(self, rid: str, out: TokenOutput) -> Any:
-        return self.pb.GenerateResponse(request_id=rid, chunk=self.pb.GenerateStreamChunk(
-            token_ids=out.token_ids, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-            cached_tokens=out.cached_tokens, output_logprobs=self._logprobs(out.token_ids, out.logprobs)))
-
-    def _complete(self, rid: str, ids: list[int], last: TokenOutput) -> Any:
-        matched = {"matched_token_id": ids[-1]} if last.finish_reason == "stop" and ids else {}
-        return self.pb.GenerateResponse(request_id=rid, complete=self.pb.GenerateComplete(
-            output_ids=ids, finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
-            completion_tokens=last.completion_tokens, cached_tokens=last.cached_tokens, **matched))
-
-    def _logprobs(self, ids: list[int], logprobs: list) -> Any:
-        if not logprobs:
-            return None
-        return self.pb.OutputLogProbs(token_logprobs=[lp.logprob for lp in logprobs], token_ids=ids, top_logprobs=[
-            self.pb.TopLogProbs(values=[v for _, v in lp.top], token_ids=[t for t, _ in lp.top]) for lp in logprobs])
-
-    async def Abort(self, request, context) -> Any:
-        """End the named ``Generate`` with ``finish_reason`` "abort" (success False for an unknown id)."""
-        call = self.calls.get(request.request_id)
-        if call is None:
-            return self.pb.AbortResponse(success=False, message=f"request {request.request_id} not found")
-        call.aborted = True
-        route = self.front.stages.scheduler.routes.get(request.request_id)
-        if route is not None:
-            route.put(StageError(request.reason or "aborted", _ABORTED))
-        return self.pb.AbortResponse(success=True, message=f"request {request.request_id} aborted")
-
-    async def HealthCheck(self, request, context) -> Any:
-        """Healthy once the front is ready and its scheduler answers a load query within 5 s."""
-        if (why := self.front.not_ready()) is not None:
-            return self.pb.HealthCheckResponse(healthy=False, message=why)
-        try:
-            await self.front.stages.scheduler.load(timeout_s=5.0)
-        except TimeoutError:
-            return self.pb.HealthCheckResponse(healthy=False, message="the scheduler did not answer within 5 s")
-        return self.pb.HealthCheckResponse(healthy=True, message="ok")
-
-    async def _ready(self, context) -> None:
-        if not self.front.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.front.not_ready() or "the server is starting")
+    async def _embed(self, rid: str, leg: GrpcLeg) -> list[EncodedImage]:
+        """The image files go to the front's encoders (``--encoder-urls``), which push to the TP ranks."""
+        return await self.front.stages.encode(rid, leg.image_data)
 
     async def GetModelInfo(self, request, context) -> Any:
         """The checkpoint smg tokenizes for (its tokenizer is the model directory) and its limits."""
@@ -274,26 +85,13 @@ class SglangSchedulerServicer:
             pad_token_id=tok.pad_token_id or 0, bos_token_id=tok.bos_token_id or 0,
             max_req_input_len=context_length - 1, architectures=list(archs))
 
-    def _server_args(self) -> dict[str, Any]:
-        info, c = self.front.stages.scheduler.info, self.config
-        args = {"model_path": self.front.model_path, "tokenizer_path": self.front.model_path,
-                "served_model_name": self.front.model_name, "disaggregation_mode": self.front.role, "tp_size": c.tp,
-                "dp_size": 1, "pp_size": 1, "context_length": info.context_length, "page_size": info.page_size,
-                "max_total_tokens": info.num_pages * info.page_size, "is_embedding": False,
-                "vocab_size": self.model.vocab_size, "grpc_port": c.grpc_port, "port": c.port}
-        if self.front.role == "prefill":
-            args["disaggregation_bootstrap_port"] = c.bootstrap_port
-        else:
-            args["max_running_requests"] = c.max_running_requests
-        return args
-
     async def GetServerInfo(self, request, context) -> Any:
         """SGLang-named ``server_args`` (the keys smg reads) and the KV capacity in tokens."""
         await self._ready(context)
         from epdserve import __version__
 
         args, sched = Struct(), Struct()
-        args.update(self._server_args())
+        args.update(self.server_args())
         info = self.front.stages.scheduler.info
         sched.update({"max_total_num_tokens": info.num_pages * info.page_size, "is_generation": True})
         return self.pb.GetServerInfoResponse(
@@ -303,47 +101,13 @@ class SglangSchedulerServicer:
 
     async def GetLoads(self, request, context) -> Any:
         """The scheduler's load as one DP rank (smg's fallback when no KV events flow)."""
-        await self._ready(context)
-        try:
-            load = await self.front.stages.scheduler.load()
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler did not answer")
-        page_size = self.front.stages.scheduler.info.page_size
-        busy = load.kv_pages_used - load.kv_pages_cached  # evictable radix-cache pages are not load (/loads)
-        sched = self.pb.SchedulerLoad(
-            num_running_reqs=load.num_running_reqs, num_waiting_reqs=load.num_waiting_reqs,
-            num_total_reqs=load.num_running_reqs + load.num_waiting_reqs, num_used_tokens=busy * page_size,
-            max_total_num_tokens=load.kv_pages_total * page_size,
-            token_usage=busy / load.kv_pages_total if load.kv_pages_total else 0.0,
-            max_running_requests=getattr(self.config, "max_running_requests", 0))
+        sched = await self.scheduler_load(context)
         sched.disaggregation.mode = self.front.role
-        return self.pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                   dp_rank_count=1, loads=[sched], aggregate=self.pb.AggregateMetrics(
-                                       total_running_reqs=sched.num_running_reqs,
-                                       total_waiting_reqs=sched.num_waiting_reqs, total_reqs=sched.num_total_reqs,
-                                       avg_token_usage=sched.token_usage))
-
-    async def GetTokenizer(self, request, context) -> AsyncIterator[Any]:
-        """The checkpoint's tokenizer, chat template and processor files as one ZIP, in 64 KiB chunks, the last
-        with the archive's SHA-256: how smg gets a tokenizer where the model directory is not on its machine."""
-        from smg_grpc_proto.generated import common_pb2
-
-        data = await asyncio.to_thread(tokenizer_zip, Path(self.front.model_path))
-        digest = hashlib.sha256(data).hexdigest()
-        for start in range(0, len(data), _CHUNK):
-            last = start + _CHUNK >= len(data)
-            yield common_pb2.GetTokenizerChunk(data=data[start:start + _CHUNK], sha256=digest if last else "")
+        return self.loads_response(sched)
 
     async def Embed(self, request, context) -> Any:
         """UNIMPLEMENTED: a generation model."""
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "epdserve serves generation only, no embeddings")
-
-    async def SubscribeKvEvents(self, request, context) -> AsyncIterator[Any]:
-        """UNIMPLEMENTED: the radix cache publishes no events."""
-        # smg asks every worker; UNIMPLEMENTED turns its cache-event subscription off (the generated base
-        # raises NotImplementedError instead, which grpc logs as a servicer failure on every worker start).
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not published")
-        yield  # an async generator, as the streaming RPC needs
 
 
 def make_servicer(front: Any, config: Any) -> Any:

@@ -12,7 +12,7 @@ feeding the language model embeddings that do not fit its prompt.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,13 +31,27 @@ class InvalidRequest(ValueError):
 
 
 @dataclass
+class EncodeRoom:
+    """Where the embedding of image span ``span`` waits (TokenSpeed EPD): room ``room`` of the encoder bootstrap
+    server at ``host``:``port``."""
+
+    span: int
+    host: str
+    port: int
+    room: int
+
+
+@dataclass
 class GrpcLeg:
-    """One Generate call's stage requests (both built; the role sends its own) and its images' raw bytes."""
+    """One Generate call's stage requests (both built; the role sends its own) and where its images' embeddings
+    come from: ``image_data`` (SGLang: the files, for the front's encoders) or ``rooms`` (TokenSpeed: one encoder
+    bootstrap room per image span)."""
 
     prefill: PrefillRequest
     decode: DecodeRequest
     image_data: list[bytes]
     stream: bool
+    rooms: list[EncodeRoom] = field(default_factory=list)
 
 
 def _tensor(t: Any, what: str) -> np.ndarray:
@@ -56,8 +70,10 @@ def _tensor(t: Any, what: str) -> np.ndarray:
     return arr.reshape(shape)
 
 
-async def sampling_params(sp: Any, prompt_len: int, context_length: int, vocab_size: int) -> SamplingParams:
-    """epdserve's :class:`SamplingParams` for a proto ``SamplingParams``.
+async def sampling_params(sp: Any, prompt_len: int, context_length: int, vocab_size: int,
+                          temperature: float | None = None) -> SamplingParams:
+    """epdserve's :class:`SamplingParams` for a proto ``SamplingParams`` (SGLang's, or TokenSpeed's, whose
+    ``temperature`` is optional: its caller passes ``temperature``, the value to use instead of the field).
 
     proto3 cannot tell an unset number from 0, so smg always sends every field (temperature 1, top_p 1, top_k -1
     when the client set none); ``top_k`` 0 and ``top_p`` 0 are read as "off" (SGLang rejects them). Stop strings
@@ -101,7 +117,8 @@ async def sampling_params(sp: Any, prompt_len: int, context_length: int, vocab_s
                                              text if constraint == "ebnf_grammar" else None, None)
     except APIError as e:
         raise InvalidRequest(e.message) from None
-    return SamplingParams(temperature=max(sp.temperature, 0.0), top_p=sp.top_p if sp.top_p > 0 else 1.0,
+    temperature = sp.temperature if temperature is None else temperature
+    return SamplingParams(temperature=max(temperature, 0.0), top_p=sp.top_p if sp.top_p > 0 else 1.0,
                           top_k=sp.top_k if sp.top_k > 0 else -1, max_new_tokens=max_new,
                           stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
                           frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
