@@ -101,7 +101,7 @@ class DecodeScheduler:
                  engine: KVEngine | None = None):
         self.runner, self.grammars = runner, grammars
         self.pool = PagePool(runner.num_pages, runner.page_size)
-        self.engine_pages = EnginePages(self.pool, engine, timeout_s)
+        self.engine_pages = EnginePages(self.pool, engine, timeout_s, getattr(runner, "kv_regions", []))
         self.context_length = context_length
         self.max_running = max_running_requests
         self.timeout_s = timeout_s
@@ -125,11 +125,11 @@ class DecodeScheduler:
         # The grammar compiles while prefill runs: by the time the KV arrives it is usually done.
         seq = self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=now + self.timeout_s, arrival=now,
                                                       constraint=constraint_for(self.grammars, msg.sampling.grammar))
-        region, seq.pages = self.engine_pages.reserve(msg, self.context_length)  # None, []: KV in the message
+        regions, seq.pages = self.engine_pages.reserve(msg, self.context_length)  # [], []: KV in the message
         log.debug("rid=%s request received", msg.rid)
         return _bootstrap(msg), KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room,
                                            kv_endpoint=self.kv_endpoint, host_id=self.host_id,
-                                           accept_shared=self.accept_shared, region=region, kv_pages=list(seq.pages))
+                                           accept_shared=self.accept_shared, regions=regions, kv_pages=list(seq.pages))
 
     def add_transfer(self, msg: KVTransfer) -> None:
         """KV (or an error) for a pending request; transfers for unknown rooms (aborted) are dropped."""

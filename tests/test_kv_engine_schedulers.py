@@ -67,7 +67,7 @@ def test_prefill_engine_write_ends_with_pages_back(runner, photo_request, outcom
     sched = PrefillScheduler(runner, context_length=4096, max_prefill_tokens=8192, timeout_s=60.0, engine=eng)
     n = len(photo_request[0])
     region = eng.describe()  # a decode pool of the same layout
-    sched.register(KVRegister(rid="r", bootstrap_room=1, kv_endpoint="tcp://d", region=region,
+    sched.register(KVRegister(rid="r", bootstrap_room=1, kv_endpoint="tcp://d", regions=[region],
                               kv_pages=list(range(-(-n // PAGE)))))
     sched.add_request(_req(photo_request, "r", 1, max_new_tokens=4))
     sched.add_embeddings(_embeds(photo_request, "r"))
@@ -103,7 +103,7 @@ def test_decode_reserved_pages_come_back(runner):  # noqa: F811
             max_new_tokens=new), bootstrap_host="h", bootstrap_port=1, bootstrap_room=room), peer=b"g")[1]
 
     reg = ask("a", 1)
-    assert reg.region is not None and reg.region.agent == "stand-in"
+    assert [r.agent for r in reg.regions] == ["stand-in"]
     assert len(reg.kv_pages) == dec.pool.pages_for(110) == free - dec.pool.num_free
     dec.abort("a")  # its pages stay held while a write into them may still be in flight ...
     assert dec.pool.num_free == free - len(reg.kv_pages) and dec.load().rooms == 0
@@ -126,7 +126,7 @@ def test_decode_reserved_pages_come_back(runner):  # noqa: F811
     assert dec.pool.num_free == free
     # A request larger than the free pages registers without a region: its KV comes in the message.
     reg = ask("d", 4, prompt_len=10, new=free * PAGE)
-    assert reg.region is None and reg.kv_pages == [] and dec.pool.num_free == free
+    assert reg.regions == [] and reg.kv_pages == [] and dec.pool.num_free == free
     assert dec.load().rooms == 1
     dec.abort("d")
     assert dec.load().rooms == 0
@@ -180,7 +180,7 @@ def test_engine_written_kv_decodes_like_the_host_path_and_n2_takes_the_host_path
     prefill, dec = scheds(engines)
     free = dec.pool.num_free
     reg, t = hand_off(prefill, dec, 2, greedy)
-    assert reg.region is not None and t.engine_written and t.kv is None and t.error is None
+    assert len(reg.regions) == 1 and t.engine_written and t.kv is None and t.error is None
     assert len(engines[0].writes) == 1 and not engines[1].writes
     outs = [o for _, o in dec.step()]  # admitted into the pages reserved at arrival
     [seq] = dec.running
@@ -194,7 +194,7 @@ def test_engine_written_kv_decodes_like_the_host_path_and_n2_takes_the_host_path
 
     # n = 2: no region, no reservation; the KV comes in the message and both greedy forks decode the same.
     reg, t = hand_off(prefill, dec, 3, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, n=2))
-    assert reg.region is None and reg.kv_pages == [] and not t.engine_written and t.kv is not None
+    assert reg.regions == [] and reg.kv_pages == [] and not t.engine_written and t.kv is not None
     assert len(engines[0].writes) == 1
     assert tokens(dec, 2) == {0: want[0], 1: want[0]}
     assert dec.pool.num_free == free and dec.load().rooms == 0 and prefill.load().rooms == 0

@@ -7,7 +7,8 @@
 - Killing decode while it holds a request whose KV is being handed over fails that request cleanly; prefill's and
   decode's pages, rooms and registrations return to baseline (/health?details=1).
 
-Each engine's tests skip when its package (``epdserve[nixl]``, ``epdserve[mooncake]``) does not import.
+Different TP sizes on the two sides: tests/test_kv_engines_tp.py. Each engine's tests skip when its package
+(``epdserve[nixl]``, ``epdserve[mooncake]``) does not import.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from cluster import StageProcs, at_baseline, body, details, noise_png, serve_gat
 from conftest import hf_reference_model, launched
 from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve
 
-from epdserve.kvcache.engine import KV_ENGINES, KVEngineError, check_region, make_engine, page_copies
+from epdserve.kvcache.engine import KV_ENGINES, KVEngineError, make_engine
+from epdserve.kvcache.engine_copies import check_region, page_copies
 
 
 def _import_error(name: str) -> str | None:
@@ -54,7 +56,7 @@ def test_engine_writes_exactly_the_named_pages(name):
         b.register(dst)
         region = b.describe()
         src_pages, dst_pages = [2, 3, 7], [4, 5, 1]  # 2, 3 -> 4, 5 is one run of two pages
-        assert check_region(region, src, dst_pages, 10) is None
+        assert check_region(region, src, dst_pages, 10, 2) is None
         copies = page_copies(src, src_pages, region, dst_pages, 10)
         assert len(copies) == 2 * 2 * 2  # (K, V) x layers x runs
         handle = a.submit(region, copies)
@@ -64,9 +66,9 @@ def test_engine_writes_exactly_the_named_pages(name):
         want[:, :, 1, :2] = src[:, :, 7, :2]  # 10 tokens: the last page only as far as the prompt goes
         assert torch.equal(dst, want)
         # Another layout, too few pages, or pages outside the peer pool are refused before any write.
-        assert "shape" in check_region(region, torch.zeros(2, 2, 8, 4, 1, 3), dst_pages, 10)
-        assert "pages" in check_region(region, src, [4, 5], 10)
-        assert "pages" in check_region(region, src, [4, 5, 6], 10)
+        assert "shape" in check_region(region, torch.zeros(2, 2, 8, 3, 2, 3), dst_pages, 10, 2)
+        assert "pages" in check_region(region, src, [4, 5], 10, 2)
+        assert "pages" in check_region(region, src, [4, 5, 6], 10, 2)
     finally:
         a.close()
         b.close()
@@ -157,17 +159,3 @@ def test_decode_killed_during_hand_off_frees_everything(name, tiny_model_path, t
             assert stream(base, req).token_ids == reference
     finally:
         procs.stop_all()
-
-
-@pytest.mark.skipif(not _importable("nixl"), reason="epdserve[nixl] not installed")
-def test_tp2_prefill_to_tp1_decode_falls_back_to_host_path(hf, tiny_model_path, photo_paths, tmp_path_factory):
-    """A TP prefill server takes the host path (its KV is split over its ranks); its TP=1 decode partner, which
-    reserved pages and offered its pool, takes the KV from the message into those pages."""
-    turns = _resolve("one_photo", photo_paths)
-    _, ref_ids, _ = _hf_reference(hf, turns)
-    with launched(tiny_model_path, tmp_path_factory.mktemp("launch-tp"), "--kv-transfer", "nixl",
-                  "--prefill-tp", "2") as (url, log_path):
-        assert _chat(url, tiny_model_path, _openai_messages(turns))["choices"][0]["token_ids"] == ref_ids
-        log = log_path.read_text()
-    assert "--kv-transfer nixl with --tp 2: KV goes through host memory (zmq)" in log
-    assert "KV received (written by the engine" not in log and "KV hand-off nixl" in log  # decode offered it

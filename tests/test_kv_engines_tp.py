@@ -1,0 +1,145 @@
+"""Different TP sizes on the two sides of a transfer engine hand-off (``--kv-transfer nixl|mooncake``): one write
+per (prefill rank, decode rank) pair, each moving the KV heads both hold (epdserve/kvcache/engine_copies.py).
+
+- Head-sliced writes through each engine, in one process: two TP-2 prefill pool shards into one TP-1 decode pool
+  (2 -> 1) and one TP-1 pool into two TP-2 shards (1 -> 2) fill exactly the named pages' heads, the last page only
+  as far as the prompt goes; a KV head replicated over ranks is written once.
+- ``epdserve launch`` with prefill TP 2 -> decode TP 1 (NIXL) and TP 1 -> TP 2 (Mooncake): greedy output equals
+  transformers' generate() (text and a photo, streamed and not); every request's KV crossed by the engines, as
+  many bytes as the prompts' whole KV (decode's ``kv_engine_bytes_total``), none through host memory; pages,
+  rooms and registrations are back at baseline afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+import torch
+
+from cluster import at_baseline, details, stream, wait_for
+from conftest import hf_reference_model, launch_metrics_urls, launched
+from test_e2e import NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve
+from test_kv_engines import ENGINES, _import_error, _importable
+
+from epdserve.kvcache.engine import make_engine
+from epdserve.kvcache.engine_copies import writer_heads
+from epdserve.kvcache.rank_writes import RankWrites
+
+L, PAGES, PS, D = 2, 6, 4, 3  # layers, pages per pool, page size, head dim; two KV heads in the model
+
+
+def _run(writes: list[RankWrites], regions, src_pages, dst_pages, n_tokens) -> None:
+    for w in writes:
+        assert w.start(7, src_pages, n_tokens, regions, dst_pages) is None
+    ended = []
+    assert wait_for(lambda: ended.extend(r for w in writes for r in w.poll()) or len(ended) == len(writes), 10,
+                    0.001)
+    assert all(err == "" for _, _, err in ended) and not any(w.busy for w in writes), ended
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_head_sliced_writes_fill_each_ranks_heads(name):
+    full = torch.randn(L, 2, PAGES, PS, 2, D)  # the model's two KV heads
+    src_pages, dst_pages, n = [1, 2, 5], [3, 4, 0], 10  # 10 tokens: the last page only half
+    want_full = torch.zeros_like(full)
+    want_full[:, :, [3, 4]] = full[:, :, [1, 2]]
+    want_full[:, :, 0, :2] = full[:, :, 5, :2]
+    engines = [make_engine(name, "127.0.0.1") for _ in range(3)]
+    try:
+        # 2 -> 1: prefill ranks 0 and 1 (one KV head each) write into decode rank 0's pool (both heads).
+        shards = [full[..., h:h + 1, :].contiguous() for h in range(2)]
+        dst = torch.zeros_like(full)
+        for e, buf, h in zip(engines, shards, range(2)):
+            e.register(buf, head_start=h)
+        engines[2].register(dst)
+        writes = [RankWrites(engines[r], shards[r], r, writer_heads(4, 2, 2, r), 2) for r in range(2)]
+        _run(writes, [engines[2].describe()], src_pages, dst_pages, n)
+        assert torch.equal(dst, want_full)
+    finally:
+        for e in engines:
+            e.close()
+    engines = [make_engine(name, "127.0.0.1") for _ in range(3)]
+    try:
+        # 1 -> 2: prefill rank 0 (both heads) writes decode rank 0 head 0 and decode rank 1 head 1.
+        dsts = [torch.zeros(L, 2, PAGES, PS, 1, D) for _ in range(2)]
+        engines[0].register(full)
+        for e, buf, h in zip(engines[1:], dsts, range(2)):
+            e.register(buf, head_start=h)
+        writes = [RankWrites(engines[0], full, 0, writer_heads(4, 2, 1, 0), 2)]
+        _run(writes, [e.describe() for e in engines[1:]], src_pages, dst_pages, n)
+        for h in range(2):
+            assert torch.equal(dsts[h], want_full[..., h:h + 1, :]), h
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_replicated_kv_head_is_written_once():
+    # 4 query heads, 1 KV head over 2 ranks: both hold it, rank 0 writes it.
+    assert [writer_heads(4, 1, 2, r) for r in range(2)] == [(0, 1), (0, 0)]
+    # 8 query heads, 2 KV heads over 4 ranks: heads 0, 0, 1, 1 held; ranks 0 and 2 write.
+    assert [writer_heads(8, 2, 4, r) for r in range(4)] == [(0, 1), (0, 0), (1, 1), (1, 0)]
+    assert [writer_heads(4, 2, 2, r) for r in range(2)] == [(0, 1), (1, 1)]
+
+
+def _per_token_bytes(model_path: str) -> int:
+    with open(os.path.join(model_path, "config.json")) as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config", cfg)
+    return text["num_hidden_layers"] * 2 * text["num_key_value_heads"] * \
+        (text["hidden_size"] // text["num_attention_heads"]) * 4  # float32 on the CPU
+
+
+def _counter(url: str, name: str) -> float:
+    for line in httpx.get(url, timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in {url}")
+
+
+LAYOUTS = [pytest.param("nixl", "2", "1", id="nixl-tp2-to-tp1",
+                        marks=pytest.mark.skipif(not _importable("nixl"), reason=str(_import_error("nixl")))),
+           pytest.param("mooncake", "1", "2", id="mooncake-tp1-to-tp2",
+                        marks=pytest.mark.skipif(not _importable("mooncake"), reason=str(_import_error("mooncake"))))]
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_model_path, photo_paths):
+    hf = hf_reference_model(tiny_model_path)
+    return {case: _hf_reference(hf, _resolve(case, photo_paths)) for case in ("text", "one_photo")}
+
+
+@pytest.mark.parametrize("name,prefill_tp,decode_tp", LAYOUTS)
+def test_greedy_parity_across_tp_sizes(name, prefill_tp, decode_tp, refs, tiny_model_path, photo_paths,
+                                       tmp_path_factory):
+    with launched(tiny_model_path, tmp_path_factory.mktemp(f"launch-{name}-tp"), "--kv-transfer", name,
+                  "--prefill-tp", prefill_tp, "--decode-tp", decode_tp) as (url, log_path):
+        decode_metrics = launch_metrics_urls(log_path)["decode"]
+        prompt_tokens = 0
+        for case, (ref_prompt, ref_ids, ref_text) in refs.items():
+            messages = _openai_messages(_resolve(case, photo_paths))
+            resp = _chat(url, tiny_model_path, messages)
+            assert resp["prompt_token_ids"] == ref_prompt, case
+            assert resp["choices"][0]["token_ids"] == ref_ids, case
+            assert resp["choices"][0]["message"]["content"] == ref_text, case
+            prompt_tokens += len(ref_prompt)
+        streamed = stream(url, {"model": tiny_model_path, "messages": messages, "temperature": 0,
+                                "max_completion_tokens": NEW_TOKENS, "ignore_eos": True, "return_token_ids": True})
+        assert streamed.done and streamed.error is None and streamed.token_ids == ref_ids
+        prompt_tokens += len(ref_prompt)
+        # Every rank pair's write landed: the prompts' whole KV (all heads, once each) crossed by the engines.
+        assert _counter(decode_metrics, "epdserve:kv_engine_bytes_total") == prompt_tokens * \
+            _per_token_bytes(tiny_model_path)
+        problems = []
+
+        def rested():
+            problems[:] = at_baseline(details(url))
+            return not problems
+
+        assert wait_for(rested, 20, 0.3), problems
+        log = log_path.read_text()
+    assert log.count("KV received (written by the engine") == 3 and f"KV hand-off {name}" in log
+    assert "through host memory" not in log and "KV write to the decode server failed" not in log
