@@ -82,15 +82,17 @@ def _times(log: str, rid: str) -> tuple[float, float, int, float, int]:
     return at["prefilled"], at["received"], at["n"], at["write"], at["bytes"]
 
 
-def run_mode(mode: str, model: str, requests: int, words: int, log_dir: Path) -> dict:
-    """Launch with ``--kv-transfer mode``, send one warm-up and ``requests`` measured requests, stop."""
+def run_mode(mode: str, model: str, requests: int, words: int, log_dir: Path, tp: tuple[int, int] = (1, 1)) -> dict:
+    """Launch with ``--kv-transfer mode`` (prefill and decode TP sizes ``tp``), send one warm-up and ``requests``
+    measured requests, stop."""
     from epdserve.wire.transport import free_port
 
     port, log_path = free_port(), log_dir / f"{mode}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "epdserve", "--log-level", "DEBUG", "--log-format", "json",
                                  "launch", "--model-path", model, "--port", str(port), "--device", "cpu",
-                                 "--kv-transfer", mode], stdout=log, stderr=subprocess.STDOUT,
+                                 "--kv-transfer", mode, "--prefill-tp", str(tp[0]), "--decode-tp", str(tp[1])],
+                                stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             deadline = time.monotonic() + 300
@@ -119,6 +121,8 @@ def main() -> None:
     p.add_argument("--model-path", default="", help="default: the tiny test checkpoint, made in a temp dir")
     p.add_argument("--requests", type=int, default=5)
     p.add_argument("--words", type=int, default=950, help="prompt words (the tiny tokenizer: ~4 tokens each)")
+    p.add_argument("--prefill-tp", type=int, default=1)
+    p.add_argument("--decode-tp", type=int, default=1)
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kv-engines-"))
     model = a.model_path
@@ -126,7 +130,7 @@ def main() -> None:
         from epdserve.models.tiny import make_tiny_model
 
         model = str(make_tiny_model(tmp / "tiny"))
-    results = [run_mode(m, model, a.requests, a.words, tmp) for m in a.modes.split(",")]
+    results = [run_mode(m, model, a.requests, a.words, tmp, (a.prefill_tp, a.decode_tp)) for m in a.modes.split(",")]
     kv_bytes = next((r["bytes"] for r in results if r["bytes"]), 0)
     print("| path | prompt tokens | KV MB | TTFT ms | hand-off ms | MB/s | engine write ms | hand-off / TTFT |")
     print("|---|---|---|---|---|---|---|---|")

@@ -4,6 +4,9 @@ per (prefill rank, decode rank) pair, each moving the KV heads both hold (epdser
 - Head-sliced writes through each engine, in one process: two TP-2 prefill pool shards into one TP-1 decode pool
   (2 -> 1) and one TP-1 pool into two TP-2 shards (1 -> 2) fill exactly the named pages' heads, the last page only
   as far as the prompt goes; a KV head replicated over ranks is written once.
+- Prefill rank 0 of a TP server (the other rank a stand-in) sends the transfer only once every rank's part has
+  landed, fails the request (pages back) when any rank's part failed, and tells every rank to give the write up
+  on an abort.
 - ``epdserve launch`` with prefill TP 2 -> decode TP 1 (NIXL) and TP 1 -> TP 2 (Mooncake): greedy output equals
   transformers' generate() (text and a photo, streamed and not); every request's KV crossed by the engines, as
   many bytes as the prompts' whole KV (decode's ``kv_engine_bytes_total``), none through host memory; pages,
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -22,16 +26,21 @@ import torch
 from cluster import at_baseline, details, stream, wait_for
 from conftest import hf_reference_model, launch_metrics_urls, launched
 from test_e2e import NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve
+from test_kv_engine_schedulers import _at_rest, _StandIn
 from test_kv_engines import ENGINES, _import_error, _importable
+from test_schedulers import PAGE, _run, runner  # noqa: F401  (fixtures)
 
 from epdserve.kvcache.engine import make_engine
 from epdserve.kvcache.engine_copies import writer_heads
 from epdserve.kvcache.rank_writes import RankWrites
+from epdserve.prefill.scheduler import PrefillScheduler
+from epdserve.wire.messages import (KVAck, KVRegister, PrefillRequest, SamplingParams, TPEngineCancel, TPEngineWrite,
+                                    TPEngineWriteDone)
 
 L, PAGES, PS, D = 2, 6, 4, 3  # layers, pages per pool, page size, head dim; two KV heads in the model
 
 
-def _run(writes: list[RankWrites], regions, src_pages, dst_pages, n_tokens) -> None:
+def _write_all(writes: list[RankWrites], regions, src_pages, dst_pages, n_tokens) -> None:
     for w in writes:
         assert w.start(7, src_pages, n_tokens, regions, dst_pages) is None
     ended = []
@@ -56,7 +65,7 @@ def test_head_sliced_writes_fill_each_ranks_heads(name):
             e.register(buf, head_start=h)
         engines[2].register(dst)
         writes = [RankWrites(engines[r], shards[r], r, writer_heads(4, 2, 2, r), 2) for r in range(2)]
-        _run(writes, [engines[2].describe()], src_pages, dst_pages, n)
+        _write_all(writes, [engines[2].describe()], src_pages, dst_pages, n)
         assert torch.equal(dst, want_full)
     finally:
         for e in engines:
@@ -69,7 +78,7 @@ def test_head_sliced_writes_fill_each_ranks_heads(name):
         for e, buf, h in zip(engines[1:], dsts, range(2)):
             e.register(buf, head_start=h)
         writes = [RankWrites(engines[0], full, 0, writer_heads(4, 2, 1, 0), 2)]
-        _run(writes, [e.describe() for e in engines[1:]], src_pages, dst_pages, n)
+        _write_all(writes, [e.describe() for e in engines[1:]], src_pages, dst_pages, n)
         for h in range(2):
             assert torch.equal(dsts[h], want_full[..., h:h + 1, :]), h
     finally:
@@ -83,6 +92,62 @@ def test_replicated_kv_head_is_written_once():
     # 8 query heads, 2 KV heads over 4 ranks: heads 0, 0, 1, 1 held; ranks 0 and 2 write.
     assert [writer_heads(8, 2, 4, r) for r in range(4)] == [(0, 1), (0, 0), (1, 1), (1, 0)]
     assert [writer_heads(4, 2, 2, r) for r in range(2)] == [(0, 1), (1, 1)]
+
+
+class _Rank0Of2:
+    """Rank 0 of a pretend TP-2 prefill server: the real (TP 1) runner computes, so rank 0's pool holds both KV
+    heads but, as rank 0 of two, writes only head 0; rank 1's messages are recorded and its reports scripted."""
+
+    def __init__(self, runner):  # noqa: F811
+        self._runner, self.sent, self.reports = runner, [], []
+        self.local = SimpleNamespace(tp=SimpleNamespace(size=2), kv_pool=runner.kv_pool, heads=runner.heads)
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def engine_write(self, msg):
+        self.sent.append(msg)
+
+    def engine_cancel(self, room):
+        self.sent.append(TPEngineCancel(room=room))
+
+    def write_reports(self):
+        out, self.reports = self.reports, []
+        return out
+
+
+@pytest.mark.parametrize("rank1", ["done", "fail", "abort"])
+def test_transfer_waits_for_every_rank(runner, rank1):  # noqa: F811
+    tp, eng = _Rank0Of2(runner), _StandIn("done")
+    eng.register(runner.kv_pool.buffer)
+    sched = PrefillScheduler(tp, context_length=4096, max_prefill_tokens=8192, timeout_s=60.0, engine=eng)
+    ids = list(range(100, 123))
+    sched.register(KVRegister(rid="r", bootstrap_room=1, kv_endpoint="tcp://d", regions=[eng.describe()],
+                              kv_pages=list(range(-(-len(ids) // PAGE)))))
+    sched.add_request(PrefillRequest(rid="r", input_ids=ids, images=[], bootstrap_room=1,
+                                     sampling=SamplingParams(temperature=0, max_new_tokens=4)))
+    assert _run(sched, 5) == []  # rank 0's part landed, rank 1's not yet
+    [msg] = tp.sent
+    assert isinstance(msg, TPEngineWrite) and msg.room == 1 and msg.n_tokens == len(ids) and len(msg.regions) == 1
+    per_token = runner.kv_pool.num_layers * 2 * runner.kv_pool.head_dim * 4  # one KV head, float32
+    assert sum(c[2] for c in eng.writes[0]) == len(ids) * per_token  # head 0 of every token, no more
+    assert sched.load().rooms == 1 and sched.has_work()
+    if rank1 == "abort":
+        sched.abort("r")
+        assert tp.sent[-1] == TPEngineCancel(room=1) and eng.cancelled == []  # rank 0's part had landed
+        tp.reports.append(TPEngineWriteDone(rank=1, room=1, nbytes=0, error="cancelled"))
+        assert _run(sched, 1) == []  # a late report of a given-up write is dropped
+    else:
+        tp.reports.append(TPEngineWriteDone(rank=1, room=1, nbytes=len(ids) * per_token,
+                                            error="peer gone" if rank1 == "fail" else ""))
+        [(_, t)] = _run(sched, 1)
+        if rank1 == "done":
+            assert t.engine_written and t.error is None and t.engine_bytes == 2 * len(ids) * per_token
+            assert sched.load().rooms == 1  # lent until the ack
+            sched.ack(KVAck(rid="r", bootstrap_room=1))
+        else:
+            assert not t.engine_written and "TP rank 1: peer gone" in t.error
+    assert _at_rest(sched.load()), sched.load()
 
 
 def _per_token_bytes(model_path: str) -> int:
