@@ -4,15 +4,17 @@ straight into; held back after an abort or a KV deadline until the request's ``K
 timeout passes, since a write already in flight may yet land in them (reusing them at once could corrupt another
 request's KV).
 
-Only a request of one choice (``n == 1``) gets a reservation: the forks of ``n > 1`` share the prompt's full
-pages (:mod:`epdserve.decode.forks`), which are allocated at admission, so such a request registers without a
-region and its KV comes on the host or shared path.
+A request of ``n > 1`` choices reserves its forks' pages (:mod:`epdserve.decode.forks`) the same way: the
+prompt's full pages (shared), then each fork's own pages; the pages it names are fork 0's (the shared ones, then
+its own), so the engine writes the prompt into fork 0 and decode copies the partial last page into the other
+forks' own first pages at admission.
 """
 
 from __future__ import annotations
 
 import time
 
+from epdserve.decode.forks import fork_pages
 from epdserve.kvcache.engine import KVEngine
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.wire.messages import DecodeRequest, KVEngineRegion
@@ -38,10 +40,13 @@ class EnginePages:
 
     def reserve(self, msg: DecodeRequest, context_length: int) -> tuple[list[KVEngineRegion], list[int]]:
         """``(regions, pages)`` for the ``KVRegister`` of ``msg``: every rank's region and the pages for its prompt
-        and output (capped at ``context_length`` tokens), allocated now; ``([], [])`` (the host path) without an
-        engine, for ``n > 1`` choices, or when too few pages are free."""
-        need = self.pool.pages_for(min(msg.prompt_len + msg.sampling.max_new_tokens, context_length))
-        if not self.regions or msg.sampling.n != 1 or need > self.pool.num_free:
+        and output (capped at ``context_length`` tokens) of every choice (the shared prompt pages, then each
+        fork's own), allocated now; ``([], [])`` (the host path) without an engine or when too few pages are
+        free."""
+        total = min(msg.prompt_len + msg.sampling.max_new_tokens, context_length)
+        shared, own = fork_pages(self.pool, msg.prompt_len, total, msg.sampling.n)
+        need = shared + msg.sampling.n * own
+        if not self.regions or need > self.pool.num_free:
             return [], []
         return list(self.regions), self.pool.alloc(need)
 

@@ -265,7 +265,11 @@ class DecodeScheduler:
             forks = self._fork(seq, shared, own)
             transfer, seq.transfer = seq.transfer, None
             idx, slots = fork_copy_plan(self.pool, [f.pages for f in forks], seq.msg.prompt_len)
-            if transfer.engine_written:
+            if transfer.engine_written and n > 1:  # written into fork 0's pages: the partial page to the others
+                p = seq.msg.prompt_len
+                if len(slots) > p:
+                    self.runner.write_kv(slots[p:], self.runner.read_kv(slots[:p].index_select(0, idx[p:])))
+            elif transfer.engine_written:
                 pass  # the prefill server wrote the KV into the pages reserved at arrival; acknowledged then
             elif transfer.pool is not None:
                 err = self._copy_shared_kv(forks, transfer, idx, slots)
@@ -294,15 +298,15 @@ class DecodeScheduler:
     def _fork(self, seq: _Seq, shared: int, own: int) -> list[_Seq]:
         """``seq`` (fork 0) and its other forks (n > 1), each with the shared prompt pages then pages of its own,
         and its own grammar state (a started matcher of the same grammar). Pages reserved at arrival (engine
-        path, n == 1; the prompt's full pages first) are used instead of new ones."""
+        path: the prompt's full pages, then each fork's own) are used instead of new ones."""
         reserved = seq.pages
         take = (lambda k, at: reserved[at:at + k]) if reserved else (lambda k, at: self.pool.alloc(k))
         group = ForkGroup(take(shared, 0), seq.msg.sampling.n)
         forks = [seq] + [replace(seq, index=i, output_ids=[], transfer=None,
                                  constraint=seq.constraint and seq.constraint.fork())
                          for i in range(1, seq.msg.sampling.n)]
-        for f in forks:
-            f.group, f.shared, f.pages = group, shared, group.pages + take(own, shared)
+        for i, f in enumerate(forks):
+            f.group, f.shared, f.pages = group, shared, group.pages + take(own, shared + i * own)
         return forks
 
     def _load_states(self, forks: list[_Seq], transfer: KVTransfer) -> None:

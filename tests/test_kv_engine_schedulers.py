@@ -9,7 +9,8 @@ every way a hand-off ends gives prefill's and decode's pages and rooms back.
   with too few free pages it registers without a region (host path).
 - Both: an engine-written hand-off (a stand-in that really copies, both pools being in this process) decodes the
   same greedy tokens as the host path out of the pages decode reserved, and frees each of them once; a request of
-  ``n > 1`` choices registers without a region and its forks take the host path.
+  ``n > 1`` choices reserves its forks' pages too, the engine writes fork 0's and decode copies the partial last
+  page to the other forks: every greedy fork decodes the same.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class _Memmove(_StandIn):
         return super().submit(peer, copies)
 
 
-def test_engine_written_kv_decodes_like_the_host_path_and_n2_takes_the_host_path(runner, tiny_model_path):  # noqa: F811
+def test_engine_written_kv_decodes_like_the_host_path_n2_forks_too(runner, tiny_model_path):  # noqa: F811
     drunner = ModelRunner(tiny_model_path, device=torch.device("cpu"), dtype=torch.float32, num_pages=64,
                           page_size=PAGE)
     ids = list(range(100, 123))  # 23 tokens: 5 full pages and a partial last one
@@ -192,9 +193,12 @@ def test_engine_written_kv_decodes_like_the_host_path_and_n2_takes_the_host_path
     prefill.ack(ack)
     assert prefill.load().rooms == 0
 
-    # n = 2: no region, no reservation; the KV comes in the message and both greedy forks decode the same.
+    # n = 2: the shared prompt pages and both forks' own pages reserved; the engine writes fork 0's pages only.
     reg, t = hand_off(prefill, dec, 3, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, n=2))
-    assert reg.regions == [] and reg.kv_pages == [] and not t.engine_written and t.kv is not None
-    assert len(engines[0].writes) == 1
+    own = dec.pool.pages_for(len(ids) + 8) - len(ids) // PAGE
+    assert len(reg.regions) == 1 and len(reg.kv_pages) == len(ids) // PAGE + 2 * own
+    assert t.engine_written and t.kv is None and len(engines[0].writes) == 2
     assert tokens(dec, 2) == {0: want[0], 1: want[0]}
+    (_, ack), = dec.take_acks()
+    prefill.ack(ack)
     assert dec.pool.num_free == free and dec.load().rooms == 0 and prefill.load().rooms == 0

@@ -8,9 +8,9 @@ per (prefill rank, decode rank) pair, each moving the KV heads both hold (epdser
   landed, fails the request (pages back) when any rank's part failed, and tells every rank to give the write up
   on an abort.
 - ``epdserve launch`` with prefill TP 2 -> decode TP 1 (NIXL) and TP 1 -> TP 2 (Mooncake): greedy output equals
-  transformers' generate() (text and a photo, streamed and not); every request's KV crossed by the engines, as
-  many bytes as the prompts' whole KV (decode's ``kv_engine_bytes_total``), none through host memory; pages,
-  rooms and registrations are back at baseline afterwards.
+  transformers' generate() (text and a photo, streamed and not, and n = 3 greedy choices); every request's KV
+  crossed by the engines, as many bytes as the prompts' whole KV (decode's ``kv_engine_bytes_total``), none
+  through host memory; pages, rooms and registrations are back at baseline afterwards.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from epdserve.prefill.scheduler import PrefillScheduler
 from epdserve.wire.messages import (KVAck, KVRegister, PrefillRequest, SamplingParams, TPEngineCancel, TPEngineWrite,
                                     TPEngineWriteDone)
 
-L, PAGES, PS, D = 2, 6, 4, 3  # layers, pages per pool, page size, head dim; two KV heads in the model
+L, PAGES, PS, D = 2, 300, 4, 3  # layers, pages per pool, page size, head dim; two KV heads in the model
 
 
 def _write_all(writes: list[RankWrites], regions, src_pages, dst_pages, n_tokens) -> None:
@@ -52,10 +52,15 @@ def _write_all(writes: list[RankWrites], regions, src_pages, dst_pages, n_tokens
 @pytest.mark.parametrize("name", ENGINES)
 def test_head_sliced_writes_fill_each_ranks_heads(name):
     full = torch.randn(L, 2, PAGES, PS, 2, D)  # the model's two KV heads
-    src_pages, dst_pages, n = [1, 2, 5], [3, 4, 0], 10  # 10 tokens: the last page only half
+    # 1102 tokens (L x 2 x 1102 head slices: more than one Mooncake batch), the last page only half; pages in any
+    # order on both sides.
+    n = 1102
+    src_pages, dst_pages = (torch.randperm(PAGES, generator=torch.Generator().manual_seed(seed))[:-(-n // PS)].tolist()
+                            for seed in (0, 1))
     want_full = torch.zeros_like(full)
-    want_full[:, :, [3, 4]] = full[:, :, [1, 2]]
-    want_full[:, :, 0, :2] = full[:, :, 5, :2]
+    for i, (sp, dp) in enumerate(zip(src_pages, dst_pages)):
+        rows = min(PS, n - i * PS)
+        want_full[:, :, dp, :rows] = full[:, :, sp, :rows]
     engines = [make_engine(name, "127.0.0.1") for _ in range(3)]
     try:
         # 2 -> 1: prefill ranks 0 and 1 (one KV head each) write into decode rank 0's pool (both heads).
@@ -194,7 +199,10 @@ def test_greedy_parity_across_tp_sizes(name, prefill_tp, decode_tp, refs, tiny_m
         streamed = stream(url, {"model": tiny_model_path, "messages": messages, "temperature": 0,
                                 "max_completion_tokens": NEW_TOKENS, "ignore_eos": True, "return_token_ids": True})
         assert streamed.done and streamed.error is None and streamed.token_ids == ref_ids
-        prompt_tokens += len(ref_prompt)
+        # n = 3: the engines write fork 0's pages, decode copies the partial last page to the other forks.
+        forks = _chat(url, tiny_model_path, messages, n=3)["choices"]
+        assert [c["token_ids"] for c in sorted(forks, key=lambda c: c["index"])] == [ref_ids] * 3
+        prompt_tokens += 2 * len(ref_prompt)
         # Every rank pair's write landed: the prompts' whole KV (all heads, once each) crossed by the engines.
         assert _counter(decode_metrics, "epdserve:kv_engine_bytes_total") == prompt_tokens * \
             _per_token_bytes(tiny_model_path)
@@ -206,5 +214,5 @@ def test_greedy_parity_across_tp_sizes(name, prefill_tp, decode_tp, refs, tiny_m
 
         assert wait_for(rested, 20, 0.3), problems
         log = log_path.read_text()
-    assert log.count("KV received (written by the engine") == 3 and f"KV hand-off {name}" in log
+    assert log.count("KV received (written by the engine") == 4 and f"KV hand-off {name}" in log
     assert "through host memory" not in log and "KV write to the decode server failed" not in log

@@ -20,6 +20,11 @@ from epdserve.wire.messages import KVEngineRegion
 
 log = logging.getLogger(__name__)
 
+# Mooncake's TCP transport queues a batch's writes on its lanes and fails a whole batch beyond their queues ("TCP
+# lane queue-full", -1; 4096 writes failed here, 1024 did not), so a write of many descriptors (the per-token head
+# slices of different TP sizes, epdserve.kvcache.engine_copies) goes as batches of at most this many, in turn.
+_MAX_BATCH = 1024
+
 
 def _protocol() -> str:
     """``rdma`` when this machine has an RDMA device (/sys/class/infiniband), else ``tcp``."""
@@ -56,7 +61,15 @@ class MooncakeEngine(KVEngine):
 
     def submit(self, peer: KVEngineRegion, copies: list[tuple[int, int, int]]) -> Future:
         src, dst, lengths = ([c[i] for c in copies] for i in range(3))
-        return self._pool.submit(self.te.batch_transfer_sync_write, peer.agent, src, dst, lengths)
+        return self._pool.submit(self._write, peer.agent, src, dst, lengths)
+
+    def _write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        """Write the batches of at most :data:`_MAX_BATCH` one after another; the first failure's return code."""
+        for i in range(0, len(src), _MAX_BATCH):
+            end = i + _MAX_BATCH
+            if rc := self.te.batch_transfer_sync_write(peer, src[i:end], dst[i:end], lengths[i:end]):
+                return rc
+        return 0
 
     def poll(self, handle: Future) -> bool:
         if not handle.done():
