@@ -69,14 +69,13 @@ class EngineWriter:
     def start(self, req: PrefillRecord) -> EngineWrite | str:
         """Start writing prefilled ``req``'s prompt KV into the decode pages its registration names, on every
         rank; an error message instead when rank 0 cannot (other pools, a dead peer): nothing was started then."""
-        reg = req.reg
-        err = self.rank.start(req.room, req.pages, req.n, reg.regions, reg.kv_pages)
-        if err:
+        reg, started = req.reg, time.perf_counter()  # the write's time includes the engines' submits
+        if err := self.rank.start(req.room, req.pages, req.n, reg.regions, reg.kv_pages):
             return err
         if self.tp_size > 1:  # after the forward that computed the KV, in the ranks' call order
             self.runner.engine_write(TPEngineWrite(room=req.room, src_pages=list(req.pages), n_tokens=req.n,
                                                    regions=list(reg.regions), dst_pages=list(reg.kv_pages)))
-        write = self._writes[req.room] = EngineWrite(req.room, time.perf_counter(), set(range(self.tp_size)))
+        write = self._writes[req.room] = EngineWrite(req.room, started, set(range(self.tp_size)))
         return write
 
     def poll(self, write: EngineWrite) -> bool:
