@@ -13,6 +13,7 @@ Different TP sizes on the two sides: tests/test_kv_engines_tp.py. Each engine's 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 import threading
@@ -69,6 +70,8 @@ def test_engine_writes_exactly_the_named_pages(name):
         assert "shape" in check_region(region, torch.zeros(2, 2, 8, 3, 2, 3), dst_pages, 10, 2)
         assert "pages" in check_region(region, src, [4, 5], 10, 2)
         assert "pages" in check_region(region, src, [4, 5, 6], 10, 2)
+        # A region holding KV heads the model does not have (another model, a forged registration) is refused too.
+        assert "KV heads" in check_region(dataclasses.replace(region, head_start=1), src, dst_pages, 10, 2)
     finally:
         a.close()
         b.close()
