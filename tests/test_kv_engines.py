@@ -5,7 +5,8 @@
 - ``epdserve launch --kv-transfer <engine>``: greedy output equals transformers' generate() (text, a photo, two
   photos, two turns; streaming and not), and every request's KV went the engine's way.
 - Killing decode while it holds a request whose KV is being handed over fails that request cleanly; prefill's and
-  decode's pages, rooms and registrations return to baseline (/health?details=1).
+  decode's pages, rooms and registrations return to baseline (/health?details=1). NIXL's case runs TP 2 on both
+  servers (every rank's write fails), Mooncake's TP 1.
 
 Different TP sizes on the two sides: tests/test_kv_engines_tp.py. Each engine's tests skip when its package
 (``epdserve[nixl]``, ``epdserve[mooncake]``) does not import.
@@ -43,8 +44,12 @@ def _importable(name: str) -> bool:
     return _import_error(name) is None
 
 
-ENGINES = [pytest.param(n, marks=pytest.mark.skipif(not _importable(n), reason=str(_import_error(n))))
-           for n in KV_ENGINES]
+def needs(name: str):
+    """Skip unless engine ``name``'s package imports here."""
+    return pytest.mark.skipif(not _importable(name), reason=str(_import_error(name)))
+
+
+ENGINES = [pytest.param(n, marks=needs(n)) for n in KV_ENGINES]
 
 
 @pytest.mark.parametrize("name", ENGINES)
@@ -123,14 +128,19 @@ def _load(base: str, role: str) -> dict:
     return details(base, fresh=False)["stages"].get(role, {}).get("load") or {}
 
 
-@pytest.mark.parametrize("name", ENGINES)
-def test_decode_killed_during_hand_off_frees_everything(name, tiny_model_path, tmp_path_factory):
+# NIXL's case runs both servers with TP 2: every rank's engine writes, and a dead decode fails every rank's write.
+KILL_CASES = [pytest.param("nixl", "2", id="nixl-tp2", marks=needs("nixl")),
+              pytest.param("mooncake", "1", id="mooncake", marks=needs("mooncake"))]
+
+
+@pytest.mark.parametrize("name,tp", KILL_CASES)
+def test_decode_killed_during_hand_off_frees_everything(name, tp, tiny_model_path, tmp_path_factory):
     """Decode reserves the request's pages and registers them while prefill is stopped; then decode is stopped,
     prefill prefills and starts its write into the stopped process, and decode is killed: the request fails, and
     every stage is back at baseline (prefill's pages, rooms and registrations, decode's reserved pages); a new
     decode server serves the same request as before."""
     procs = StageProcs(tiny_model_path, tmp_path_factory.mktemp(f"stages-{name}"), num_pages=64,
-                       request_timeout_s=4.0, lm_args=("--kv-transfer", name))
+                       request_timeout_s=4.0, lm_args=("--kv-transfer", name, "--tp", tp))
     procs.start()
     try:
         with serve_gateway(procs.gateway_config(stage_timeout_s=10.0)) as (base, _):

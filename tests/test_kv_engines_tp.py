@@ -27,7 +27,7 @@ from cluster import at_baseline, details, stream, wait_for
 from conftest import hf_reference_model, launch_metrics_urls, launched
 from test_e2e import NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve
 from test_kv_engine_schedulers import _at_rest, _StandIn
-from test_kv_engines import ENGINES, _import_error, _importable
+from test_kv_engines import ENGINES, needs
 from test_schedulers import PAGE, _run, runner  # noqa: F401  (fixtures)
 
 from epdserve.kvcache.engine import make_engine
@@ -170,10 +170,8 @@ def _counter(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in {url}")
 
 
-LAYOUTS = [pytest.param("nixl", "2", "1", id="nixl-tp2-to-tp1",
-                        marks=pytest.mark.skipif(not _importable("nixl"), reason=str(_import_error("nixl")))),
-           pytest.param("mooncake", "1", "2", id="mooncake-tp1-to-tp2",
-                        marks=pytest.mark.skipif(not _importable("mooncake"), reason=str(_import_error("mooncake"))))]
+LAYOUTS = [pytest.param("nixl", "2", "1", id="nixl-tp2-to-tp1", marks=needs("nixl")),
+           pytest.param("mooncake", "1", "2", id="mooncake-tp1-to-tp2", marks=needs("mooncake"))]
 
 
 @pytest.fixture(scope="module")
