@@ -4,15 +4,17 @@ straight into; held back after an abort or a KV deadline until the request's ``K
 timeout passes, since a write already in flight may yet land in them (reusing them at once could corrupt another
 request's KV).
 
-Only a request of one choice (``n == 1``) gets a reservation: the forks of ``n > 1`` share the prompt's full
-pages (:mod:`epdserve.decode.forks`), which are allocated at admission, so such a request registers without a
-region and its KV comes on the host or shared path.
+A request of ``n > 1`` choices reserves its forks' pages (:mod:`epdserve.decode.forks`) the same way: the
+prompt's full pages (shared), then each fork's own pages; the pages it names are fork 0's (the shared ones, then
+its own), so the engine writes the prompt into fork 0 and decode copies the partial last page into the other
+forks' own first pages at admission.
 """
 
 from __future__ import annotations
 
 import time
 
+from epdserve.decode.forks import fork_pages
 from epdserve.kvcache.engine import KVEngine
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.wire.messages import DecodeRequest, KVEngineRegion
@@ -23,23 +25,30 @@ class EnginePages:
 
     Args:
         pool: the decode server's page pool (reservations come out of it and go back to it).
-        engine: the transfer engine with that pool registered, or None (no engine: nothing is ever reserved).
+        engine: the transfer engine with that pool registered (rank 0's shard on a TP server), or None (no
+            engine: nothing is ever reserved).
         timeout_s: how long pages stay held back after their request was dropped (the KV wait's timeout).
+        rank_regions: the other TP ranks' regions, in rank order (their engines, their pool shards): the pages
+            reserved are the same page ids on every rank.
     """
 
-    def __init__(self, pool: PagePool, engine: KVEngine | None, timeout_s: float):
+    def __init__(self, pool: PagePool, engine: KVEngine | None, timeout_s: float,
+                 rank_regions: list[KVEngineRegion] = ()):
         self.pool, self.timeout_s = pool, timeout_s
-        self.region: KVEngineRegion | None = engine.describe() if engine is not None else None
+        self.regions = [engine.describe(), *rank_regions] if engine is not None else []
         self._held_back: dict[int, tuple[float, list[int]]] = {}  # room -> (time.monotonic() deadline, pages)
 
-    def reserve(self, msg: DecodeRequest, context_length: int) -> tuple[KVEngineRegion | None, list[int]]:
-        """``(region, pages)`` for the ``KVRegister`` of ``msg``: this pool's region and pages for its prompt and
-        output (capped at ``context_length`` tokens), allocated now; ``(None, [])`` (the host path) without an
-        engine, for ``n > 1`` choices, or when too few pages are free."""
-        need = self.pool.pages_for(min(msg.prompt_len + msg.sampling.max_new_tokens, context_length))
-        if self.region is None or msg.sampling.n != 1 or need > self.pool.num_free:
-            return None, []
-        return self.region, self.pool.alloc(need)
+    def reserve(self, msg: DecodeRequest, context_length: int) -> tuple[list[KVEngineRegion], list[int]]:
+        """``(regions, pages)`` for the ``KVRegister`` of ``msg``: every rank's region and the pages for its prompt
+        and output (capped at ``context_length`` tokens) of every choice (the shared prompt pages, then each
+        fork's own), allocated now; ``([], [])`` (the host path) without an engine or when too few pages are
+        free."""
+        total = min(msg.prompt_len + msg.sampling.max_new_tokens, context_length)
+        shared, own = fork_pages(self.pool, msg.prompt_len, total, msg.sampling.n)
+        need = shared + msg.sampling.n * own
+        if not self.regions or need > self.pool.num_free:
+            return [], []
+        return list(self.regions), self.pool.alloc(need)
 
     def hold_back(self, room: int, pages: list[int]) -> None:
         """Keep ``pages`` of dropped request ``room`` (nothing when empty) until :meth:`late_transfer` or

@@ -101,7 +101,7 @@ class DecodeScheduler:
                  engine: KVEngine | None = None):
         self.runner, self.grammars = runner, grammars
         self.pool = PagePool(runner.num_pages, runner.page_size)
-        self.engine_pages = EnginePages(self.pool, engine, timeout_s)
+        self.engine_pages = EnginePages(self.pool, engine, timeout_s, getattr(runner, "kv_regions", []))
         self.context_length = context_length
         self.max_running = max_running_requests
         self.timeout_s = timeout_s
@@ -125,11 +125,11 @@ class DecodeScheduler:
         # The grammar compiles while prefill runs: by the time the KV arrives it is usually done.
         seq = self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=now + self.timeout_s, arrival=now,
                                                       constraint=constraint_for(self.grammars, msg.sampling.grammar))
-        region, seq.pages = self.engine_pages.reserve(msg, self.context_length)  # None, []: KV in the message
+        regions, seq.pages = self.engine_pages.reserve(msg, self.context_length)  # [], []: KV in the message
         log.debug("rid=%s request received", msg.rid)
         return _bootstrap(msg), KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room,
                                            kv_endpoint=self.kv_endpoint, host_id=self.host_id,
-                                           accept_shared=self.accept_shared, region=region, kv_pages=list(seq.pages))
+                                           accept_shared=self.accept_shared, regions=regions, kv_pages=list(seq.pages))
 
     def add_transfer(self, msg: KVTransfer) -> None:
         """KV (or an error) for a pending request; transfers for unknown rooms (aborted) are dropped."""
@@ -265,7 +265,11 @@ class DecodeScheduler:
             forks = self._fork(seq, shared, own)
             transfer, seq.transfer = seq.transfer, None
             idx, slots = fork_copy_plan(self.pool, [f.pages for f in forks], seq.msg.prompt_len)
-            if transfer.engine_written:
+            if transfer.engine_written and n > 1:  # written into fork 0's pages: the partial page to the others
+                p = seq.msg.prompt_len
+                if len(slots) > p:
+                    self.runner.write_kv(slots[p:], self.runner.read_kv(slots[:p].index_select(0, idx[p:])))
+            elif transfer.engine_written:
                 pass  # the prefill server wrote the KV into the pages reserved at arrival; acknowledged then
             elif transfer.pool is not None:
                 err = self._copy_shared_kv(forks, transfer, idx, slots)
@@ -294,15 +298,15 @@ class DecodeScheduler:
     def _fork(self, seq: _Seq, shared: int, own: int) -> list[_Seq]:
         """``seq`` (fork 0) and its other forks (n > 1), each with the shared prompt pages then pages of its own,
         and its own grammar state (a started matcher of the same grammar). Pages reserved at arrival (engine
-        path, n == 1; the prompt's full pages first) are used instead of new ones."""
+        path: the prompt's full pages, then each fork's own) are used instead of new ones."""
         reserved = seq.pages
         take = (lambda k, at: reserved[at:at + k]) if reserved else (lambda k, at: self.pool.alloc(k))
         group = ForkGroup(take(shared, 0), seq.msg.sampling.n)
         forks = [seq] + [replace(seq, index=i, output_ids=[], transfer=None,
                                  constraint=seq.constraint and seq.constraint.fork())
                          for i in range(1, seq.msg.sampling.n)]
-        for f in forks:
-            f.group, f.shared, f.pages = group, shared, group.pages + take(own, shared)
+        for i, f in enumerate(forks):
+            f.group, f.shared, f.pages = group, shared, group.pages + take(own, shared + i * own)
         return forks
 
     def _load_states(self, forks: list[_Seq], transfer: KVTransfer) -> None:

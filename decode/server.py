@@ -8,7 +8,8 @@ Sockets (bound on ``config.host``):
   token outputs go back to the same peer as ``TokenOutputBatch`` (one message per gateway per step).
 - ``kv_port`` (PULL): ``KVTransfer`` from prefill servers, all KV heads; with TP, rank 0 receives it and the
   ranks each keep their heads (:meth:`epdserve.engine.tp_runner.TPRunner.write_kv`), so any prefill TP size feeds any
-  decode TP size.
+  decode TP size. With ``--kv-transfer nixl|mooncake`` every rank's engine offers its pool shard at bootstrap and
+  the prefill ranks write each decode rank its KV heads straight into its pages (:mod:`epdserve.kvcache.engine`).
 Out: one PUSH socket per prefill bootstrap address, carrying ``KVRegister`` and ``KVAck``.
 """
 
@@ -79,7 +80,7 @@ class _DecodeServer(StageServer):
         log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages, KV hand-off %s, "
                  "metrics=%s)", c.host, c.zmq_port, self.kv_endpoint, self.info.model_path, self.runner.device,
                  self.runner.num_pages, "shared or zmq" if self.share else
-                 (r := self.sched.engine_pages.region) and r.engine or "zmq", self.metrics_server.url)
+                 (r := self.sched.engine_pages.regions) and r[0].engine or "zmq", self.metrics_server.url)
 
     def on_request(self, peer: bytes, msg) -> None:
         if isinstance(msg, DecodeRequest):

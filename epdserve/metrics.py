@@ -161,10 +161,11 @@ class LMStageMetrics(StageMetrics):
         self.stage_latency = self._histogram("stage_latency_seconds", "Time from a request's arrival at this "
                                              "stage to its end there, seconds", LATENCY_BUCKETS)
         self.batch_size = self._histogram("batch_size", "Requests per forward", BATCH_BUCKETS)
-        self.kv_bytes = self._counter("kv_transfer_bytes", "Prompt KV bytes handed off (prefill: sent, decode: "
-                                                           "received)")
+        self.kv_bytes = self._counter("kv_transfer_bytes", "Prompt KV bytes handed off (prefill: sent; decode: got)")
         self.state_bytes = self._counter("state_transfer_bytes", "Hybrid models' linear-attention state bytes "
                                          "handed off with the KV (prefill: sent, decode: received)")
+        self.kv_engine_bytes = self._counter("kv_engine_bytes", "Of those, written by a transfer engine (nixl, "
+                                             "mooncake) into decode pages, all TP ranks' writes")
         self._kv_failures = self._counter("kv_transfer_failures", "KV hand-offs that failed, by reason",
                                           ("reason",))
 
@@ -249,6 +250,7 @@ class PrefillMetrics(LMStageMetrics):
         count its bytes (:func:`kv_transfer_bytes`)."""
         transfer.sent_at = time.time()
         self.kv_bytes.inc(kv_transfer_bytes(transfer))
+        self.kv_engine_bytes.inc(transfer.engine_bytes if getattr(transfer, "engine_written", False) else 0)
         self.state_bytes.inc(state_transfer_bytes(transfer))
 
 
@@ -269,6 +271,7 @@ class DecodeMetrics(LMStageMetrics):
         """A ``KVTransfer`` arrived: count its bytes (:func:`kv_transfer_bytes`) and the hand-off latency (errors
         are counted elsewhere)."""
         self.kv_bytes.inc(kv_transfer_bytes(transfer))
+        self.kv_engine_bytes.inc(transfer.engine_bytes if getattr(transfer, "engine_written", False) else 0)
         self.state_bytes.inc(state_transfer_bytes(transfer))
         if getattr(transfer, "sent_at", 0.0) > 0:
             self.kv_latency.observe(max(0.0, time.time() - transfer.sent_at))

@@ -31,7 +31,7 @@ from epdserve.engine.grammar import GrammarCompiler, constraint_for
 from epdserve.prefill.checks import check_embeds, validate_request
 from epdserve.prefill.first_token import sample_first_tokens
 from epdserve.prefill.records import PrefillRecord as _Req, RecordState as _State, image_pad_id, prefill_batch
-from epdserve.prefill.transfers import engine_transfer, host_transfer, shared_transfer, start_engine_write
+from epdserve.prefill.transfers import EngineWriter, engine_transfer, host_transfer, shared_transfer
 from epdserve.kvcache.engine import KVEngine, KVEngineError
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class PrefillScheduler:
                  chunked_prefill_size: int = 0, metrics: PrefillMetrics | None = None, state_snapshot_slots: int = 0,
                  grammars: GrammarCompiler | None = None, engine: KVEngine | None = None):
         self.runner, self.grammars, self.engine = runner, grammars, engine
+        self.writer = EngineWriter(engine, runner) if engine is not None else None  # writes on every TP rank
         self.cfg = runner.config
         self.pool = PagePool(runner.num_pages, runner.page_size)
         self.radix = RadixCache(runner.page_size)
@@ -210,7 +211,7 @@ class PrefillScheduler:
         out = []
         for rec in [r for r in self._in(_State.LENT) if r.write is not None]:
             try:
-                if not self.engine.poll(rec.write.handle):
+                if not self.writer.poll(rec.write):
                     continue
                 transfer, rec.write = engine_transfer(rec, rec.write), None
             except KVEngineError as e:
@@ -406,8 +407,8 @@ class PrefillScheduler:
         None when an engine write into the decode pages started (LENT too), else through host memory (also when
         the engine write cannot start: the decode server takes KV in the message on any path)."""
         reg = req.reg
-        if self.engine is not None and reg.region is not None and reg.region.engine == self.engine.name:
-            write = start_engine_write(self.engine, req, self.runner.kv_pool.buffer)
+        if self.engine is not None and reg.regions:
+            write = self.writer.start(req)
             if not isinstance(write, str):
                 req.state, req.deadline, req.write = _State.LENT, time.monotonic() + self.timeout_s, write
                 self.reqs[req.room] = req
@@ -431,7 +432,7 @@ class PrefillScheduler:
         the pool; then unlock its matched prefix. Its state slot (hybrid models) goes back too, and an engine
         write still in flight out of its pages is given up."""
         if req.write is not None:
-            self.engine.cancel(req.write.handle)
+            self.writer.cancel(req.write)
             req.write = None
         self.states.release(req.room)
         ps = self.runner.page_size

@@ -5,15 +5,17 @@ transfer engine path (:mod:`epdserve.kvcache.engine`) the write into the decode 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from epdserve.kvcache.engine import KVEngine, KVEngineError, check_region, page_copies
+from epdserve.kvcache.engine import KVEngine, KVEngineError
+from epdserve.kvcache.engine_copies import writer_heads
+from epdserve.kvcache.rank_writes import RankWrites
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.state_slots import StateSlots
 from epdserve.prefill.records import PrefillRecord
-from epdserve.wire.messages import KVPoolHandle, KVTransfer
+from epdserve.wire.messages import KVPoolHandle, KVTransfer, TPEngineWrite
 
 
 def shared_transfer(req: PrefillRecord, pool: PagePool, handle: KVPoolHandle, states: StateSlots,
@@ -38,25 +40,72 @@ def host_transfer(req: PrefillRecord, pool: PagePool, runner, states: StateSlots
 
 @dataclass
 class EngineWrite:
-    """A transfer engine's write of a request's prompt KV into its decode server's pages, in flight."""
-    handle: object  # the engine's (KVEngine.submit)
-    started: float  # time.perf_counter() at submit
-    nbytes: int
+    """A request's prompt KV being written into its decode server's pages by every TP rank's engine."""
+    room: int
+    started: float  # time.perf_counter() at the start
+    waiting: set[int]  # TP ranks whose writes have not all ended
+    nbytes: int = 0  # written by the ranks that ended
+    errors: list[str] = field(default_factory=list)
 
 
-def start_engine_write(engine: KVEngine, req: PrefillRecord, buffer: torch.Tensor) -> EngineWrite | str:
-    """Start writing prefilled ``req``'s prompt KV out of the pool ``buffer`` into the decode pages its
-    registration names; an error message (the write cannot happen: other pools, a dead peer) instead."""
-    reg = req.reg
-    err = check_region(reg.region, buffer, reg.kv_pages, req.n)
-    if err:
-        return err
-    copies = page_copies(buffer, req.pages, reg.region, reg.kv_pages, req.n)
-    started = time.perf_counter()  # before submit: posting thousands of writes is part of the write's cost
-    try:
-        return EngineWrite(engine.submit(reg.region, copies), started, sum(c[2] for c in copies))
-    except KVEngineError as e:
-        return str(e)
+class EngineWriter:
+    """Prefill rank 0's engine writes, each made by every TP rank of this server (its own :class:`RankWrites`,
+    and ``TPEngineWrite`` to the other ranks, which answer ``TPEngineWriteDone``): a write is done when every rank
+    reported its part ended, and failed when any part failed.
+
+    Args:
+        engine: rank 0's engine, its pool registered.
+        runner: a ``ModelRunner`` (TP 1) or a ``TPRunner`` (``local`` is rank 0's runner; ``engine_write``,
+            ``engine_cancel`` and ``write_reports`` reach the other ranks).
+    """
+
+    def __init__(self, engine: KVEngine, runner):
+        local, cfg = getattr(runner, "local", runner), runner.config
+        self.engine, self.runner, self.tp_size = engine, runner, local.tp.size
+        self.rank = RankWrites(engine, local.kv_pool.buffer, local.heads.kv_start,
+                               writer_heads(cfg.num_heads, cfg.num_kv_heads, self.tp_size, 0), cfg.num_kv_heads)
+        self._writes: dict[int, EngineWrite] = {}
+
+    def start(self, req: PrefillRecord) -> EngineWrite | str:
+        """Start writing prefilled ``req``'s prompt KV into the decode pages its registration names, on every
+        rank; an error message instead when rank 0 cannot (other pools, a dead peer): nothing was started then."""
+        reg, started = req.reg, time.perf_counter()  # the write's time includes the engines' submits
+        if err := self.rank.start(req.room, req.pages, req.n, reg.regions, reg.kv_pages):
+            return err
+        if self.tp_size > 1:  # after the forward that computed the KV, in the ranks' call order
+            self.runner.engine_write(TPEngineWrite(room=req.room, src_pages=list(req.pages), n_tokens=req.n,
+                                                   regions=list(reg.regions), dst_pages=list(reg.kv_pages)))
+        write = self._writes[req.room] = EngineWrite(req.room, started, set(range(self.tp_size)))
+        return write
+
+    def poll(self, write: EngineWrite) -> bool:
+        """True once every rank's part of ``write`` has landed (it is then spent).
+
+        Raises:
+            KVEngineError: a rank's part failed; every part has ended (none can still land).
+        """
+        reports = [(0, *r) for r in self.rank.poll()]
+        if self.tp_size > 1:
+            reports += [(r.rank, r.room, r.nbytes, r.error) for r in self.runner.write_reports()]
+        for rank, room, nbytes, error in reports:
+            if (w := self._writes.get(room)) is not None:  # else: cancelled
+                w.waiting.discard(rank)
+                w.nbytes += nbytes
+                if error:
+                    w.errors.append(f"TP rank {rank}: {error}" if self.tp_size > 1 else error)
+        if write.waiting:
+            return False
+        del self._writes[write.room]
+        if write.errors:
+            raise KVEngineError("; ".join(write.errors))
+        return True
+
+    def cancel(self, write: EngineWrite) -> None:
+        """Give up ``write`` on every rank (its request ended)."""
+        self._writes.pop(write.room, None)
+        self.rank.cancel(write.room)
+        if self.tp_size > 1:
+            self.runner.engine_cancel(write.room)
 
 
 def engine_transfer(req: PrefillRecord, write: EngineWrite) -> KVTransfer:

@@ -9,7 +9,8 @@ every way a hand-off ends gives prefill's and decode's pages and rooms back.
   with too few free pages it registers without a region (host path).
 - Both: an engine-written hand-off (a stand-in that really copies, both pools being in this process) decodes the
   same greedy tokens as the host path out of the pages decode reserved, and frees each of them once; a request of
-  ``n > 1`` choices registers without a region and its forks take the host path.
+  ``n > 1`` choices reserves its forks' pages too, the engine writes fork 0's and decode copies the partial last
+  page to the other forks: every greedy fork decodes the same.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def test_prefill_engine_write_ends_with_pages_back(runner, photo_request, outcom
     sched = PrefillScheduler(runner, context_length=4096, max_prefill_tokens=8192, timeout_s=60.0, engine=eng)
     n = len(photo_request[0])
     region = eng.describe()  # a decode pool of the same layout
-    sched.register(KVRegister(rid="r", bootstrap_room=1, kv_endpoint="tcp://d", region=region,
+    sched.register(KVRegister(rid="r", bootstrap_room=1, kv_endpoint="tcp://d", regions=[region],
                               kv_pages=list(range(-(-n // PAGE)))))
     sched.add_request(_req(photo_request, "r", 1, max_new_tokens=4))
     sched.add_embeddings(_embeds(photo_request, "r"))
@@ -103,7 +104,7 @@ def test_decode_reserved_pages_come_back(runner):  # noqa: F811
             max_new_tokens=new), bootstrap_host="h", bootstrap_port=1, bootstrap_room=room), peer=b"g")[1]
 
     reg = ask("a", 1)
-    assert reg.region is not None and reg.region.agent == "stand-in"
+    assert [r.agent for r in reg.regions] == ["stand-in"]
     assert len(reg.kv_pages) == dec.pool.pages_for(110) == free - dec.pool.num_free
     dec.abort("a")  # its pages stay held while a write into them may still be in flight ...
     assert dec.pool.num_free == free - len(reg.kv_pages) and dec.load().rooms == 0
@@ -126,7 +127,7 @@ def test_decode_reserved_pages_come_back(runner):  # noqa: F811
     assert dec.pool.num_free == free
     # A request larger than the free pages registers without a region: its KV comes in the message.
     reg = ask("d", 4, prompt_len=10, new=free * PAGE)
-    assert reg.region is None and reg.kv_pages == [] and dec.pool.num_free == free
+    assert reg.regions == [] and reg.kv_pages == [] and dec.pool.num_free == free
     assert dec.load().rooms == 1
     dec.abort("d")
     assert dec.load().rooms == 0
@@ -141,7 +142,7 @@ class _Memmove(_StandIn):
         return super().submit(peer, copies)
 
 
-def test_engine_written_kv_decodes_like_the_host_path_and_n2_takes_the_host_path(runner, tiny_model_path):  # noqa: F811
+def test_engine_written_kv_decodes_like_the_host_path_n2_forks_too(runner, tiny_model_path):  # noqa: F811
     drunner = ModelRunner(tiny_model_path, device=torch.device("cpu"), dtype=torch.float32, num_pages=64,
                           page_size=PAGE)
     ids = list(range(100, 123))  # 23 tokens: 5 full pages and a partial last one
@@ -180,7 +181,7 @@ def test_engine_written_kv_decodes_like_the_host_path_and_n2_takes_the_host_path
     prefill, dec = scheds(engines)
     free = dec.pool.num_free
     reg, t = hand_off(prefill, dec, 2, greedy)
-    assert reg.region is not None and t.engine_written and t.kv is None and t.error is None
+    assert len(reg.regions) == 1 and t.engine_written and t.kv is None and t.error is None
     assert len(engines[0].writes) == 1 and not engines[1].writes
     outs = [o for _, o in dec.step()]  # admitted into the pages reserved at arrival
     [seq] = dec.running
@@ -192,9 +193,12 @@ def test_engine_written_kv_decodes_like_the_host_path_and_n2_takes_the_host_path
     prefill.ack(ack)
     assert prefill.load().rooms == 0
 
-    # n = 2: no region, no reservation; the KV comes in the message and both greedy forks decode the same.
+    # n = 2: the shared prompt pages and both forks' own pages reserved; the engine writes fork 0's pages only.
     reg, t = hand_off(prefill, dec, 3, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, n=2))
-    assert reg.region is None and reg.kv_pages == [] and not t.engine_written and t.kv is not None
-    assert len(engines[0].writes) == 1
+    own = dec.pool.pages_for(len(ids) + 8) - len(ids) // PAGE
+    assert len(reg.regions) == 1 and len(reg.kv_pages) == len(ids) // PAGE + 2 * own
+    assert t.engine_written and t.kv is None and len(engines[0].writes) == 2
     assert tokens(dec, 2) == {0: want[0], 1: want[0]}
+    (_, ack), = dec.take_acks()
+    prefill.ack(ack)
     assert dec.pool.num_free == free and dec.load().rooms == 0 and prefill.load().rooms == 0

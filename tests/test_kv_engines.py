@@ -5,13 +5,16 @@
 - ``epdserve launch --kv-transfer <engine>``: greedy output equals transformers' generate() (text, a photo, two
   photos, two turns; streaming and not), and every request's KV went the engine's way.
 - Killing decode while it holds a request whose KV is being handed over fails that request cleanly; prefill's and
-  decode's pages, rooms and registrations return to baseline (/health?details=1).
+  decode's pages, rooms and registrations return to baseline (/health?details=1). NIXL's case runs TP 2 on both
+  servers (every rank's write fails), Mooncake's TP 1.
 
-Each engine's tests skip when its package (``epdserve[nixl]``, ``epdserve[mooncake]``) does not import.
+Different TP sizes on the two sides: tests/test_kv_engines_tp.py. Each engine's tests skip when its package
+(``epdserve[nixl]``, ``epdserve[mooncake]``) does not import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 import threading
@@ -23,7 +26,8 @@ from cluster import StageProcs, at_baseline, body, details, noise_png, serve_gat
 from conftest import hf_reference_model, launched
 from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve
 
-from epdserve.kvcache.engine import KV_ENGINES, KVEngineError, check_region, make_engine, page_copies
+from epdserve.kvcache.engine import KV_ENGINES, KVEngineError, make_engine
+from epdserve.kvcache.engine_copies import check_region, page_copies
 
 
 def _import_error(name: str) -> str | None:
@@ -40,8 +44,12 @@ def _importable(name: str) -> bool:
     return _import_error(name) is None
 
 
-ENGINES = [pytest.param(n, marks=pytest.mark.skipif(not _importable(n), reason=str(_import_error(n))))
-           for n in KV_ENGINES]
+def needs(name: str):
+    """Skip unless engine ``name``'s package imports here."""
+    return pytest.mark.skipif(not _importable(name), reason=str(_import_error(name)))
+
+
+ENGINES = [pytest.param(n, marks=needs(n)) for n in KV_ENGINES]
 
 
 @pytest.mark.parametrize("name", ENGINES)
@@ -54,7 +62,7 @@ def test_engine_writes_exactly_the_named_pages(name):
         b.register(dst)
         region = b.describe()
         src_pages, dst_pages = [2, 3, 7], [4, 5, 1]  # 2, 3 -> 4, 5 is one run of two pages
-        assert check_region(region, src, dst_pages, 10) is None
+        assert check_region(region, src, dst_pages, 10, 2) is None
         copies = page_copies(src, src_pages, region, dst_pages, 10)
         assert len(copies) == 2 * 2 * 2  # (K, V) x layers x runs
         handle = a.submit(region, copies)
@@ -64,9 +72,11 @@ def test_engine_writes_exactly_the_named_pages(name):
         want[:, :, 1, :2] = src[:, :, 7, :2]  # 10 tokens: the last page only as far as the prompt goes
         assert torch.equal(dst, want)
         # Another layout, too few pages, or pages outside the peer pool are refused before any write.
-        assert "shape" in check_region(region, torch.zeros(2, 2, 8, 4, 1, 3), dst_pages, 10)
-        assert "pages" in check_region(region, src, [4, 5], 10)
-        assert "pages" in check_region(region, src, [4, 5, 6], 10)
+        assert "shape" in check_region(region, torch.zeros(2, 2, 8, 3, 2, 3), dst_pages, 10, 2)
+        assert "pages" in check_region(region, src, [4, 5], 10, 2)
+        assert "pages" in check_region(region, src, [4, 5, 6], 10, 2)
+        # A region holding KV heads the model does not have (another model, a forged registration) is refused too.
+        assert "KV heads" in check_region(dataclasses.replace(region, head_start=1), src, dst_pages, 10, 2)
     finally:
         a.close()
         b.close()
@@ -118,14 +128,19 @@ def _load(base: str, role: str) -> dict:
     return details(base, fresh=False)["stages"].get(role, {}).get("load") or {}
 
 
-@pytest.mark.parametrize("name", ENGINES)
-def test_decode_killed_during_hand_off_frees_everything(name, tiny_model_path, tmp_path_factory):
+# NIXL's case runs both servers with TP 2: every rank's engine writes, and a dead decode fails every rank's write.
+KILL_CASES = [pytest.param("nixl", "2", id="nixl-tp2", marks=needs("nixl")),
+              pytest.param("mooncake", "1", id="mooncake", marks=needs("mooncake"))]
+
+
+@pytest.mark.parametrize("name,tp", KILL_CASES)
+def test_decode_killed_during_hand_off_frees_everything(name, tp, tiny_model_path, tmp_path_factory):
     """Decode reserves the request's pages and registers them while prefill is stopped; then decode is stopped,
     prefill prefills and starts its write into the stopped process, and decode is killed: the request fails, and
     every stage is back at baseline (prefill's pages, rooms and registrations, decode's reserved pages); a new
     decode server serves the same request as before."""
     procs = StageProcs(tiny_model_path, tmp_path_factory.mktemp(f"stages-{name}"), num_pages=64,
-                       request_timeout_s=4.0, lm_args=("--kv-transfer", name))
+                       request_timeout_s=4.0, lm_args=("--kv-transfer", name, "--tp", tp))
     procs.start()
     try:
         with serve_gateway(procs.gateway_config(stage_timeout_s=10.0)) as (base, _):
@@ -157,17 +172,3 @@ def test_decode_killed_during_hand_off_frees_everything(name, tiny_model_path, t
             assert stream(base, req).token_ids == reference
     finally:
         procs.stop_all()
-
-
-@pytest.mark.skipif(not _importable("nixl"), reason="epdserve[nixl] not installed")
-def test_tp2_prefill_to_tp1_decode_falls_back_to_host_path(hf, tiny_model_path, photo_paths, tmp_path_factory):
-    """A TP prefill server takes the host path (its KV is split over its ranks); its TP=1 decode partner, which
-    reserved pages and offered its pool, takes the KV from the message into those pages."""
-    turns = _resolve("one_photo", photo_paths)
-    _, ref_ids, _ = _hf_reference(hf, turns)
-    with launched(tiny_model_path, tmp_path_factory.mktemp("launch-tp"), "--kv-transfer", "nixl",
-                  "--prefill-tp", "2") as (url, log_path):
-        assert _chat(url, tiny_model_path, _openai_messages(turns))["choices"][0]["token_ids"] == ref_ids
-        log = log_path.read_text()
-    assert "--kv-transfer nixl with --tp 2: KV goes through host memory (zmq)" in log
-    assert "KV received (written by the engine" not in log and "KV hand-off nixl" in log  # decode offered it

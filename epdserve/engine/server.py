@@ -9,7 +9,6 @@ line and what it does when a TP rank is lost.
 
 from __future__ import annotations
 
-import logging
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -36,23 +35,20 @@ def kv_shared(config: Any, device: torch.device) -> bool:
 
 def start_kv_engine(config: Any) -> KVEngine | None:
     """The transfer engine ``--kv-transfer nixl|mooncake`` asks for, started before the model loads (so a missing
-    package fails at once); None for the other modes, and with TP > 1, whose KV then goes the host (zmq) way:
-    the ranks each hold a part of the KV heads, and this first version moves one pool per server.
+    package fails at once); None for the other modes. Every TP rank starts its own (one per process, each for its
+    rank's KV pool shard: :mod:`epdserve.kvcache.engine`).
 
     Raises:
         KVEngineError: the engine's package is not installed or the engine cannot start.
     """
     if config.kv_transfer not in KV_ENGINES:
         return None
-    if config.tp > 1:
-        logging.getLogger(__name__).warning("--kv-transfer %s with --tp %d: KV goes through host memory (zmq)",
-                                            config.kv_transfer, config.tp)
-        return None
     return make_engine(config.kv_transfer, config.host)
 
 
 def register_kv_engine(engine: KVEngine | None, runner) -> None:
-    """Register ``runner``'s KV pool with ``engine`` (if any).
+    """Register ``runner``'s KV pool (this TP rank's shard, holding the KV heads from ``runner.heads.kv_start``
+    on) with ``engine`` (if any).
 
     Raises:
         ValueError: a hybrid model (Qwen3.5): its DeltaNet state does not travel through the engines yet.
@@ -63,7 +59,7 @@ def register_kv_engine(engine: KVEngine | None, runner) -> None:
     if getattr(runner, "state_pool", None) is not None:
         raise ValueError(f"--kv-transfer {engine.name} does not carry a hybrid model's (Qwen3.5) DeltaNet state "
                          f"yet; use --kv-transfer zmq or shared")
-    engine.register(runner.kv_pool.buffer)
+    engine.register(runner.kv_pool.buffer, head_start=runner.heads.kv_start)
 
 
 class StageServer:

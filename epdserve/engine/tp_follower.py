@@ -14,6 +14,11 @@ rank 0, then serves two sockets:
   ``ImageEmbeddings`` for this rank. The rank keeps its own copy until rank 0 releases it and reports each
   arrival to rank 0, which schedules a request only once every rank holds its embeddings.
 
+With ``--kv-transfer nixl|mooncake`` the rank runs its own transfer engine with its KV pool shard registered (its
+region goes to rank 0 in ``TPHello``): a decode rank's pages are written into by the prefill ranks; a prefill rank
+writes its KV heads on ``TPEngineWrite`` (:class:`~epdserve.kvcache.rank_writes.RankWrites`), gives them up on
+``TPEngineCancel`` and reports each request's end with ``TPEngineWriteDone``.
+
 It exits 0 on ``TPShutdown``, 1 when a call fails or its parent (rank 0) is gone.
 """
 
@@ -32,11 +37,14 @@ from epdserve.wire import transport
 from epdserve.config import DecodeConfig, PrefillConfig, add_config_args, config_from_args
 from epdserve.engine.distributed import TPGroup, rank_device
 from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.engine.server import register_kv_engine, start_kv_engine
+from epdserve.kvcache.engine_copies import writer_heads
+from epdserve.kvcache.rank_writes import RankWrites
 from epdserve.wire.device_share import take_embeddings
 from epdserve.wire.messages import ImageEmbeddings
 from epdserve.wire.tp_messages import (
-    TPCopyState, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown,
-    TPWriteKV, TPWriteState,
+    TPCopyState, TPEmbedReceipt, TPEngineCancel, TPEngineWrite, TPEngineWriteDone, TPForward, TPHello, TPReadKV,
+    TPReadState, TPReleaseEmbeddings, TPShutdown, TPWriteKV, TPWriteState,
 )
 from epdserve.engine.model_runner import ModelRunner, build_runner
 
@@ -65,10 +73,11 @@ class Follower:
     Args:
         runner: this rank's model runner (``runner.tp.rank > 0``).
         report: sends a message to rank 0 (the control DEALER).
+        writes: this prefill rank's transfer engine writes (``--kv-transfer nixl|mooncake``), or None.
     """
 
-    def __init__(self, runner: ModelRunner, report):
-        self.runner, self.rank, self._report = runner, runner.tp.rank, report
+    def __init__(self, runner: ModelRunner, report, writes: RankWrites | None = None):
+        self.runner, self.rank, self._report, self.writes = runner, runner.tp.rank, report, writes
         self.embeds: dict[str, dict[str, torch.Tensor]] = {}  # rid -> image hash -> [n, embed_width]
         self._inflight: torch.cuda.Event | None = None  # the previous forward's end on the device
 
@@ -120,12 +129,24 @@ class Follower:
                                torch.empty(rec, dtype=pool.recurrent_dtype, device=dev))
         elif isinstance(msg, TPCopyState):
             runner.copy_state(msg.src, msg.dst)
+        elif isinstance(msg, TPEngineWrite):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)  # the forwards that computed the KV have run before the engine reads it
+            if err := self.writes.start(msg.room, msg.src_pages, msg.n_tokens, msg.regions, msg.dst_pages):
+                self._report(TPEngineWriteDone(rank=self.rank, room=msg.room, nbytes=0, error=err))
+        elif isinstance(msg, TPEngineCancel):
+            self.writes.cancel(msg.room)
         elif isinstance(msg, TPReleaseEmbeddings):
             for rid in msg.rids:
                 self.embeds.pop(rid, None)
         elif isinstance(msg, TPShutdown):
             return False
         return True
+
+    def poll_writes(self) -> None:
+        """Report every request whose engine writes have all ended since the last call."""
+        for room, nbytes, error in self.writes.poll() if self.writes is not None else ():
+            self._report(TPEngineWriteDone(rank=self.rank, room=room, nbytes=nbytes, error=error))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -151,8 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(PrefillConfig if args.role == "prefill" else DecodeConfig, args)
     rank = args.tp_rank
     _watch_parent()
+    engine = start_kv_engine(cfg)  # this rank's own, for its pool shard
     tp = TPGroup.init(rank, cfg.tp, port=args.dist_port, device=rank_device(cfg.device, cfg.base_gpu_id, rank))
     runner = build_runner(cfg, cfg.model_path, tp, args.graph_bs)
+    register_kv_engine(engine, runner)
+    writes = None
+    if engine is not None and args.role == "prefill":
+        mc = runner.config
+        writes = RankWrites(engine, runner.kv_pool.buffer, runner.heads.kv_start,
+                            writer_heads(mc.num_heads, mc.num_kv_heads, cfg.tp, rank), mc.num_kv_heads)
     ctx = zmq.Context()
     try:
         ctrl = ctx.socket(zmq.DEALER)
@@ -167,12 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.role == "prefill":
             embeds = transport.bind(ctx, zmq.PULL, cfg.host, 0)  # any free port: reported to rank 0 below
             poller.register(embeds, zmq.POLLIN)
-        follower = Follower(runner, lambda m: transport.send(ctrl, m))
+        follower = Follower(runner, lambda m: transport.send(ctrl, m), writes)
         endpoint = embeds.getsockopt_string(zmq.LAST_ENDPOINT) if embeds is not None else ""
-        transport.send(ctrl, TPHello(rank=rank, embed_endpoint=endpoint))
+        transport.send(ctrl, TPHello(rank=rank, embed_endpoint=endpoint,
+                                     kv_region=engine.describe() if engine is not None else None))
         log.debug("%s TP rank %d serving on %s", args.role, rank, runner.device)
         while True:
-            poller.poll(1000)
+            poller.poll(1 if writes is not None and writes.busy else 1000)  # writes in flight: poll them often
+            follower.poll_writes()
             while embeds is not None and (msg := transport.recv(embeds)) is not None:
                 if isinstance(msg, ImageEmbeddings) and (msg := take_embeddings(msg, runner.device)) is not None:
                     follower.add_embeddings(msg)
@@ -185,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         ctx.destroy(linger=0)
+        if engine is not None:
+            engine.close()
 
 
 if __name__ == "__main__":

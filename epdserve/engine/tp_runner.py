@@ -35,8 +35,8 @@ from epdserve.engine.distributed import TPGroup, rank_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.wire.messages import encode
 from epdserve.wire.tp_messages import (
-    TPCopyState, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown,
-    TPWriteKV, TPWriteState,
+    TPCopyState, TPEmbedReceipt, TPEngineCancel, TPEngineWrite, TPEngineWriteDone, TPForward, TPHello, TPReadKV,
+    TPReadState, TPReleaseEmbeddings, TPShutdown, TPWriteKV, TPWriteState,
 )
 from epdserve.engine.model_runner import ModelRunner, build_runner
 from epdserve.models.config import ModelConfig
@@ -70,17 +70,21 @@ class TPRunner:
     ``write_state``, ``copy_state``), each call run on every rank.
 
     Also: :attr:`ctrl` (poll it for :meth:`receipts`), :meth:`release_embeddings` (prefill), :attr:`failed`
-    (set when a rank is lost), :meth:`close`. Build it with :func:`start_tp_runner`.
+    (set when a rank is lost), :meth:`close`; with a transfer engine, :attr:`kv_regions` (ranks 1..N-1's pools)
+    and :meth:`engine_write` / :meth:`engine_cancel` / :meth:`write_reports` (prefill). Build it with
+    :func:`start_tp_runner`.
     """
 
     def __init__(self, local: ModelRunner, ctx: zmq.Context, ctrl: zmq.Socket, procs: dict[int, subprocess.Popen]):
         self.local = local
         self.config, self.num_pages, self.page_size = local.config, local.num_pages, local.page_size
         self.device, self.dtype, self.tp, self.heads = local.device, local.dtype, local.tp, local.heads
-        self.state_pool = local.state_pool
+        self.state_pool, self.kv_pool = local.state_pool, local.kv_pool  # rank 0's own shards
         self._ctx, self.ctrl, self._procs = ctx, ctrl, procs
         self._receipts: list[TPEmbedReceipt] = []
+        self._write_reports: list[TPEngineWriteDone] = []
         self.embed_endpoints: list[str] = []  # ranks 1..N-1's embedding endpoints (prefill), set at start
+        self.kv_regions: list = []  # ranks 1..N-1's transfer engine regions (KVEngineRegion), set at start
         self.failed: str | None = None
         self._closing = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
@@ -160,11 +164,31 @@ class TPRunner:
     # ---- embeddings (prefill) ------------------------------------------------------------------------------
     def receipts(self) -> list[TPEmbedReceipt]:
         """The embedding receipts the other ranks sent since the last call (never blocks)."""
+        self._drain()
+        out, self._receipts = self._receipts, []
+        return out
+
+    def _drain(self) -> None:
         while (got := transport.recv_routed(self.ctrl)) is not None:
             _, msg = got
             if isinstance(msg, TPEmbedReceipt):
                 self._receipts.append(msg)
-        out, self._receipts = self._receipts, []
+            elif isinstance(msg, TPEngineWriteDone):
+                self._write_reports.append(msg)
+
+    # ---- transfer engine writes (prefill) ------------------------------------------------------------------
+    def engine_write(self, msg: TPEngineWrite) -> None:
+        """Tell the other ranks to write their KV heads of a request (after the forwards sent before)."""
+        self._send(msg)
+
+    def engine_cancel(self, room: int) -> None:
+        """Tell the other ranks to give up their writes of ``room``."""
+        self._send(TPEngineCancel(room=room))
+
+    def write_reports(self) -> list[TPEngineWriteDone]:
+        """The other ranks' reports of writes that ended, since the last call (never blocks)."""
+        self._drain()
+        out, self._write_reports = self._write_reports, []
         return out
 
     def release_embeddings(self, rids: list[str]) -> None:
@@ -262,7 +286,7 @@ def start_tp_runner(cfg, model_path: str, cuda_graph_max_bs: int = 0) -> TPRunne
             # Own session: a Ctrl-C at the terminal reaches rank 0 only, which then stops the ranks in order.
             procs[rank] = subprocess.Popen(cmd, start_new_session=True)
         runner = _start_rank0(cfg, model_path, cuda_graph_max_bs, device, dist_port, procs)
-        embed_endpoints = _wait_hellos(ctrl, procs)
+        hellos = _wait_hellos(ctrl, procs)
     except BaseException:
         for proc in procs.values():
             proc.kill()
@@ -271,7 +295,8 @@ def start_tp_runner(cfg, model_path: str, cuda_graph_max_bs: int = 0) -> TPRunne
         raise
     log.info("%s TP ranks 0..%d ready (rank 0 on %s)", role, cfg.tp - 1, device)
     tp_runner = TPRunner(runner, ctx, ctrl, procs)
-    tp_runner.embed_endpoints = [embed_endpoints[r] for r in sorted(embed_endpoints)]
+    tp_runner.embed_endpoints = [hellos[r].embed_endpoint for r in sorted(hellos)]
+    tp_runner.kv_regions = [hellos[r].kv_region for r in sorted(hellos) if hellos[r].kv_region is not None]
     return tp_runner
 
 
@@ -298,10 +323,10 @@ def _start_rank0(cfg, model_path, cuda_graph_max_bs, device, dist_port, procs) -
         done.set()
 
 
-def _wait_hellos(ctrl: zmq.Socket, procs: dict[int, subprocess.Popen]) -> dict[int, str]:
-    """Wait for every rank's ``TPHello``; returns each rank's embedding endpoint (prefill) by rank."""
+def _wait_hellos(ctrl: zmq.Socket, procs: dict[int, subprocess.Popen]) -> dict[int, TPHello]:
+    """Wait for every rank's ``TPHello``; returns them by rank."""
     waiting, deadline = set(procs), time.monotonic() + _START_TIMEOUT_S
-    endpoints: dict[int, str] = {}
+    hellos: dict[int, TPHello] = {}
     while waiting:
         dead = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
         if dead:
@@ -312,5 +337,5 @@ def _wait_hellos(ctrl: zmq.Socket, procs: dict[int, subprocess.Popen]) -> dict[i
             got = transport.recv_routed(ctrl)
             if got is not None and isinstance(got[1], TPHello):
                 waiting.discard(got[1].rank)
-                endpoints[got[1].rank] = got[1].embed_endpoint
-    return endpoints
+                hellos[got[1].rank] = got[1]
+    return hellos

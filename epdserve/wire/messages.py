@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from epdserve.wire.codec import Codec, WireError, tensor_bytes, tensor_from_bytes  # noqa: F401  (the wire's names)
+from epdserve.wire.engine_region import KVEngineRegion
 from epdserve.wire.tp_messages import (
-    TPCopyState, TPEmbedReceipt, TPForward, TPHello, TPReadKV, TPReadState, TPReleaseEmbeddings, TPShutdown,
-    TPWriteKV, TPWriteState,
+    TPCopyState, TPEmbedReceipt, TPEngineCancel, TPEngineWrite, TPEngineWriteDone, TPForward, TPHello, TPReadKV,
+    TPReadState, TPReleaseEmbeddings, TPShutdown, TPWriteKV, TPWriteState,
 )
 
 
@@ -219,34 +220,15 @@ class ImageEmbeddings:
 
 
 @dataclass
-class KVEngineRegion:
-    """How a transfer engine (``--kv-transfer nixl|mooncake``) reaches a decode server's KV pool; no data.
-
-    ``engine`` is the engine's name; ``agent`` the peer's name for it (NIXL: the agent name; Mooncake: the
-    ``host:rpc_port`` session of its P2P handshake); ``metadata`` what the engine needs to connect (NIXL: the
-    agent's metadata blob; Mooncake: nothing). ``base`` is the pool buffer's address in the decode process, of
-    ``shape`` ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`` and dtype name ``dtype``, on
-    ``gpu`` (CUDA device index; -1: host memory).
-    """
-
-    engine: str
-    agent: str
-    base: int
-    shape: list[int]
-    dtype: str
-    gpu: int = -1
-    metadata: bytes = b""
-
-
-@dataclass
 class KVRegister:
     """decode -> prefill bootstrap: send the KV of ``bootstrap_room`` to ``kv_endpoint`` (SGLang's rendezvous).
 
     ``host_id`` names the decode server's machine; with ``accept_shared`` the decode server can map a prefill KV
-    pool on that machine (see :class:`KVPoolHandle`) and copy pages from it itself. With a ``region`` and
+    pool on that machine (see :class:`KVPoolHandle`) and copy pages from it itself. With ``regions`` and
     ``kv_pages`` (transfer engine path) the prefill server writes the prompt's KV straight into those pages of
-    the decode pool (token ``i`` into page ``kv_pages[i // page_size]``), then sends a tensor-less
-    ``KVTransfer`` with ``engine_written`` set.
+    the decode pools (one region per decode TP rank, in rank order; token ``i`` into page
+    ``kv_pages[i // page_size]`` of every rank's pool, each rank getting its own KV heads), then sends a
+    tensor-less ``KVTransfer`` with ``engine_written`` set once every write landed.
     """
 
     rid: str
@@ -254,7 +236,8 @@ class KVRegister:
     kv_endpoint: str
     host_id: str = ""
     accept_shared: bool = False
-    region: KVEngineRegion | None = None  # transfer engine path: the decode pool the prefill server writes into
+    # Transfer engine path: the decode pools (one per decode TP rank) the prefill server writes into ...
+    regions: list[KVEngineRegion] = field(default_factory=list)
     kv_pages: list[int] = field(default_factory=list)  # ... and this request's pages there (prompt + output)
 
 
@@ -396,7 +379,7 @@ _CODEC = Codec((
     SharedTensor, ImageEmbeddings, KVEngineRegion, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput,
     TokenOutputBatch,
     StateHandoff, TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt,
-    TPReadState, TPWriteState, TPCopyState,
+    TPReadState, TPWriteState, TPCopyState, TPEngineWrite, TPEngineCancel, TPEngineWriteDone,
 ))
 KINDS = _CODEC.kinds  # every kind the stages exchange, by class name
 encode = _CODEC.encode  # see Codec.encode: a registered dataclass -> [header, *tensor frames]

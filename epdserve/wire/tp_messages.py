@@ -6,14 +6,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from epdserve.wire.engine_region import KVEngineRegion
+
 
 @dataclass
 class TPHello:
     """TP rank ``rank`` -> rank 0: loaded, warmed up, listening (for embeddings on a prefill server, at
-    ``embed_endpoint``, a port the rank bound itself so no two processes race for one chosen in advance)."""
+    ``embed_endpoint``, a port the rank bound itself so no two processes race for one chosen in advance). With
+    ``--kv-transfer nixl|mooncake``, ``kv_region`` is where this rank's own transfer engine reaches its KV pool
+    shard (decode ranks name it at bootstrap, one region per rank)."""
 
     rank: int
     embed_endpoint: str = ""
+    kv_region: KVEngineRegion | None = None
 
 
 @dataclass
@@ -98,3 +103,35 @@ class TPEmbedReceipt:
     rank: int
     rid: str
     image_hashes: list[str]
+
+
+@dataclass
+class TPEngineWrite:
+    """Prefill TP rank 0 -> other ranks (``--kv-transfer nixl|mooncake``): write the KV heads this rank is the
+    writer of, of the first ``n_tokens`` tokens in its pool's ``src_pages``, into ``dst_pages`` of each decode
+    rank's pool in ``regions`` that holds any of them (:func:`epdserve.kvcache.engine_copies.rank_copies`);
+    report with ``TPEngineWriteDone`` under ``room``. Sent after the forward that computed the KV."""
+
+    room: int
+    src_pages: list[int]
+    n_tokens: int
+    regions: list[KVEngineRegion]
+    dst_pages: list[int]
+
+
+@dataclass
+class TPEngineCancel:
+    """Prefill TP rank 0 -> other ranks: give up the write of ``room`` (its request ended); no report follows."""
+
+    room: int
+
+
+@dataclass
+class TPEngineWriteDone:
+    """TP rank ``rank`` -> rank 0: every write of ``room`` this rank started has ended, ``nbytes`` written, or
+    failed (``error`` set; the writes that did not fail ended too, so none still lands in the decode pages)."""
+
+    rank: int
+    room: int
+    nbytes: int
+    error: str = ""
