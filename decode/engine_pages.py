@@ -34,7 +34,7 @@ class EnginePages:
 
     def __init__(self, pool: PagePool, engine: KVEngine | None, timeout_s: float,
                  rank_regions: list[KVEngineRegion] = ()):
-        self.pool, self.timeout_s = pool, timeout_s
+        self.pool, self.timeout_s, self.engine = pool, timeout_s, engine
         self.regions = [engine.describe(), *rank_regions] if engine is not None else []
         self._held_back: dict[int, tuple[float, list[int]]] = {}  # room -> (time.monotonic() deadline, pages)
 
@@ -62,8 +62,11 @@ class EnginePages:
         if held is not None:
             self.pool.free(held[1])
 
-    def expire(self) -> None:
-        """Free held-back pages whose timeout has passed (the write can no longer be in flight)."""
+    def tick(self) -> None:
+        """Every loop turn: let the engine progress (:meth:`KVEngine.progress`), and free held-back pages whose
+        timeout has passed (the write can no longer be in flight)."""
+        if self.engine is not None:
+            self.engine.progress()
         now = time.monotonic()
         for room in [r for r, (until, _) in self._held_back.items() if until < now]:
             self.pool.free(self._held_back.pop(room)[1])

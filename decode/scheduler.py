@@ -229,7 +229,7 @@ class DecodeScheduler:
     # ---- internals ----------------------------------------------------------------------------------------
     def _expire(self) -> None:
         now = time.monotonic()
-        self.engine_pages.expire()
+        self.engine_pages.tick()
         for room, seq in list(self.pending.items()):
             if seq.deadline < now:
                 self.engine_pages.hold_back(room, self.pending.pop(room).pages)  # a write may still land in them

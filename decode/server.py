@@ -82,6 +82,13 @@ class _DecodeServer(StageServer):
                  self.runner.num_pages, "shared or zmq" if self.share else
                  (r := self.sched.engine_pages.regions) and r[0].engine or "zmq", self.metrics_server.url)
 
+    def idle_poll_ms(self) -> int:
+        # A transfer engine writing into reserved pages progresses on this loop's turns (KVEngine.progress):
+        # over TCP a write lands only as it does, so turn every millisecond while one may be in flight.
+        if self.sched.engine_pages.engine is not None and self.sched.pending:
+            return 1
+        return super().idle_poll_ms()
+
     def on_request(self, peer: bytes, msg) -> None:
         if isinstance(msg, DecodeRequest):
             endpoint, register = self.sched.add_request(msg, peer)

@@ -66,7 +66,7 @@ def test_engine_writes_exactly_the_named_pages(name):
         copies = page_copies(src, src_pages, region, dst_pages, 10)
         assert len(copies) == 2 * 2 * 2  # (K, V) x layers x runs
         handle = a.submit(region, copies)
-        assert wait_for(lambda: a.poll(handle), 10, 0.001)
+        assert wait_for(lambda: b.progress() or a.poll(handle), 10, 0.001)  # b: as a decode loop turn does
         want = torch.zeros_like(dst)
         want[:, :, [4, 5]] = src[:, :, [2, 3]]
         want[:, :, 1, :2] = src[:, :, 7, :2]  # 10 tokens: the last page only as far as the prompt goes

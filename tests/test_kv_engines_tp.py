@@ -40,12 +40,20 @@ from epdserve.wire.messages import (KVAck, KVRegister, PrefillRequest, SamplingP
 L, PAGES, PS, D = 2, 300, 4, 3  # layers, pages per pool, page size, head dim; two KV heads in the model
 
 
-def _write_all(writes: list[RankWrites], regions, src_pages, dst_pages, n_tokens) -> None:
+def _write_all(writes: list[RankWrites], regions, src_pages, dst_pages, n_tokens, targets=()) -> None:
+    """Start ``writes`` and poll them to their end, the ``targets`` engines (written into) progressing meanwhile
+    as a decode loop turn lets them."""
     for w in writes:
         assert w.start(7, src_pages, n_tokens, regions, dst_pages) is None
     ended = []
-    assert wait_for(lambda: ended.extend(r for w in writes for r in w.poll()) or len(ended) == len(writes), 10,
-                    0.001)
+
+    def turn() -> bool:
+        for t in targets:
+            t.progress()
+        ended.extend(r for w in writes for r in w.poll())
+        return len(ended) == len(writes)
+
+    assert wait_for(turn, 10, 0.001)
     assert all(err == "" for _, _, err in ended) and not any(w.busy for w in writes), ended
 
 
@@ -70,7 +78,7 @@ def test_head_sliced_writes_fill_each_ranks_heads(name):
             e.register(buf, head_start=h)
         engines[2].register(dst)
         writes = [RankWrites(engines[r], shards[r], r, writer_heads(4, 2, 2, r), 2) for r in range(2)]
-        _write_all(writes, [engines[2].describe()], src_pages, dst_pages, n)
+        _write_all(writes, [engines[2].describe()], src_pages, dst_pages, n, engines[2:])
         assert torch.equal(dst, want_full)
     finally:
         for e in engines:
@@ -83,7 +91,7 @@ def test_head_sliced_writes_fill_each_ranks_heads(name):
         for e, buf, h in zip(engines[1:], dsts, range(2)):
             e.register(buf, head_start=h)
         writes = [RankWrites(engines[0], full, 0, writer_heads(4, 2, 1, 0), 2)]
-        _write_all(writes, [e.describe() for e in engines[1:]], src_pages, dst_pages, n)
+        _write_all(writes, [e.describe() for e in engines[1:]], src_pages, dst_pages, n, engines[1:])
         for h in range(2):
             assert torch.equal(dsts[h], want_full[..., h:h + 1, :]), h
     finally:

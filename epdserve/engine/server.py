@@ -109,6 +109,10 @@ class StageServer:
         transport.send(self.requests, msg, identity=peer)
 
     # ---- what a stage fills in ----------------------------------------------------------------------------
+    def idle_poll_ms(self) -> int:
+        """How long the loop waits for a message when its scheduler has no work (milliseconds)."""
+        return _IDLE_POLL_MS
+
     def log_ready(self) -> None:
         """Log the stage's ready line (tests and launchers wait for it)."""
         raise NotImplementedError
@@ -136,7 +140,7 @@ class StageServer:
         self.log_ready()
         try:
             while not stopping and not self.runner.failed:
-                self.poller.poll(0 if self.sched.has_work() else _IDLE_POLL_MS)
+                self.poller.poll(0 if self.sched.has_work() else self.idle_poll_ms())
                 self.metrics.update_load(self.sched.load)
                 while (got := transport.recv_routed(self.requests)) is not None:
                     peer, msg = got

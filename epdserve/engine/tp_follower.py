@@ -201,8 +201,12 @@ def main(argv: list[str] | None = None) -> int:
                                      kv_region=engine.describe() if engine is not None else None))
         log.debug("%s TP rank %d serving on %s", args.role, rank, runner.device)
         while True:
-            poller.poll(1 if writes is not None and writes.busy else 1000)  # writes in flight: poll them often
+            # Writes in flight: poll them often. A pool written into: its engine progresses on these turns (over TCP
+            # a write lands only as it does), and this rank does not know when one comes: every millisecond.
+            poller.poll(1 if (writes is not None and writes.busy) or (engine is not None and writes is None) else 1000)
             follower.poll_writes()
+            if engine is not None and writes is None:
+                engine.progress()
             while embeds is not None and (msg := transport.recv(embeds)) is not None:
                 if isinstance(msg, ImageEmbeddings) and (msg := take_embeddings(msg, runner.device)) is not None:
                     follower.add_embeddings(msg)

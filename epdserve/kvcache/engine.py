@@ -98,6 +98,10 @@ class KVEngine(ABC):
     def cancel(self, handle) -> None:
         """Give up on an unfinished write (its request ended): release what the engine holds for it."""
 
+    def progress(self) -> None:
+        """Let the engine answer its peers (UCX's connection set-up to a pool written into) where it runs no
+        thread of its own for that; cheap. A server written into calls it every loop turn."""
+
     def close(self) -> None:
         """Release the engine (deregister memory, stop its threads)."""
 
