@@ -24,10 +24,11 @@ def _descs(addresses: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarra
 
 
 class NixlEngine(KVEngine):
-    """A NIXL agent (UCX backend) named uniquely per process, so a restarted peer is a new agent.
+    """A NIXL agent (UCX backend) named uniquely per process, so a restarted peer is a new agent. The agent
+    starts when the KV pool is registered, since its device decides the agent's progress thread.
 
     Raises:
-        KVEngineError: the agent or its UCX backend cannot start.
+        KVEngineError: the agent or its UCX backend cannot start (at :meth:`register`).
     """
 
     name = "nixl"
@@ -35,19 +36,23 @@ class NixlEngine(KVEngine):
     def __init__(self, host: str):
         super().__init__()
         self._name = f"epdserve-{host}-{uuid.uuid4().hex[:12]}"
-        # No UCX progress thread: nixl's Python API runs it with no pause between polls, a core spun per process
-        # (on the 2-core CPU machine it slowed prefill's forward ~10x: a 789-token prompt's TTFT 1.0 s against
-        # 0.08 s over zmq). A writer progresses its writes when it polls them; a pool written into progresses in
-        # progress(), which its server's loop calls every turn (one-sided writes need it only while the writer's
-        # connection is set up).
-        try:
-            self.agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        except Exception as e:  # nixl raises its own binding errors
-            raise KVEngineError(f"NIXL agent with the UCX backend cannot start: {e}") from e
+        self.agent, self._progress_thread = None, False
         self._peers: set[str] = set()
         self._reg = None
 
     def _register(self, buffer: torch.Tensor) -> None:
+        # nixl's Python API runs UCX's progress thread with no pause between polls: a core spun per process. With
+        # the KV on the GPU that core is spare, and the thread answers peers at once (on an H100, without it the
+        # servers' time to the first output was ~10 ms longer). With the KV in host memory the forward needs every
+        # core (on the 2-core CPU machine the thread slowed prefill's forward ~10x: a 789-token prompt's TTFT 1.0 s
+        # against 0.08 s over zmq), so there is none: a writer progresses its writes when it polls them, a pool
+        # written into in progress(), which its server's loop calls every turn.
+        self._progress_thread = buffer.is_cuda
+        try:
+            self.agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=self._progress_thread,
+                                                                  backends=["UCX"]))
+        except Exception as e:  # nixl raises its own binding errors
+            raise KVEngineError(f"NIXL agent with the UCX backend cannot start: {e}") from e
         try:
             self._reg = self.agent.register_memory(buffer)  # DRAM or VRAM, as the tensor's device says
         except Exception as e:
@@ -85,7 +90,8 @@ class NixlEngine(KVEngine):
         return peer.agent, handle
 
     def progress(self) -> None:
-        self.agent.get_new_notifs()  # progresses the UCX workers (the agent has no progress thread)
+        if self.agent is not None and not self._progress_thread:
+            self.agent.get_new_notifs()  # progresses the UCX workers
 
     def poll(self, handle) -> bool:
         agent, h = handle
