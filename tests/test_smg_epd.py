@@ -26,8 +26,8 @@ import pytest
 from conftest import hf_reference_model
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
 from smg_cluster import smg_executable, start_cluster, wait_at_rest
-from test_e2e import _hf_reference, _openai_messages
-from test_smg_grpc import CASES, _turns, smg_text
+from test_e2e import _openai_messages
+from test_smg_grpc import CASES, _turns, assert_openai_parity
 
 pytestmark = pytest.mark.skipif(smg_executable() is None, reason="smg is not installed")
 _proto = pytest.importorskip("smg_grpc_proto")
@@ -82,18 +82,7 @@ def _wait(cond, within_s: float, what: str) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_openai_client_through_smg_epd_matches_transformers(cluster, hf3, tiny_qwen3_vl_path, photo_paths, case):
     openai = pytest.importorskip("openai")
-    turns = _turns(case, photo_paths)
-    ref_prompt, ref_ids, _ = _hf_reference(hf3, turns, NEW_TOKENS)
-    expected = smg_text(hf3[0].tokenizer, ref_ids)
-    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="EMPTY", max_retries=0)
-    kw = dict(model=tiny_qwen3_vl_path, messages=_openai_messages(turns), temperature=0,
-              max_completion_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
-    resp = client.chat.completions.create(**kw)
-    assert resp.choices[0].message.content == expected
-    assert resp.usage.completion_tokens == NEW_TOKENS and resp.usage.prompt_tokens == len(ref_prompt)
-    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
-    assert chunks[-1].usage.completion_tokens == NEW_TOKENS and chunks[-1].usage.prompt_tokens == len(ref_prompt)
+    assert_openai_parity(openai, cluster.url, tiny_qwen3_vl_path, hf3, _turns(case, photo_paths))
 
 
 def test_repeated_images_hit_the_same_encoders_cache(cluster, tiny_qwen3_vl_path, photo_paths):

@@ -74,14 +74,13 @@ def smg_text(tokenizer, ids: list[int]) -> str:
     return ""
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_openai_client_through_smg_grpc_matches_transformers(cluster, hf3, tiny_qwen3_vl_path, photo_paths, case):
-    openai = pytest.importorskip("openai")
-    turns = _turns(case, photo_paths)
+def assert_openai_parity(openai, url: str, model: str, hf3, turns) -> None:
+    """The openai client through smg at ``url``, greedy, streamed and not: text and token counts equal
+    transformers' generate() on the same checkpoint (``hf3``) for the conversation ``turns``."""
     ref_prompt, ref_ids, _ = _hf_reference(hf3, turns, NEW_TOKENS)
     expected = smg_text(hf3[0].tokenizer, ref_ids)
-    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="EMPTY", max_retries=0)
-    kw = dict(model=tiny_qwen3_vl_path, messages=_openai_messages(turns), temperature=0,
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
+    kw = dict(model=model, messages=_openai_messages(turns), temperature=0,
               max_completion_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
     resp = client.chat.completions.create(**kw)
     assert resp.choices[0].message.content == expected
@@ -89,6 +88,12 @@ def test_openai_client_through_smg_grpc_matches_transformers(cluster, hf3, tiny_
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[-1].usage.completion_tokens == NEW_TOKENS and chunks[-1].usage.prompt_tokens == len(ref_prompt)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_openai_client_through_smg_grpc_matches_transformers(cluster, hf3, tiny_qwen3_vl_path, photo_paths, case):
+    openai = pytest.importorskip("openai")
+    assert_openai_parity(openai, cluster.url, tiny_qwen3_vl_path, hf3, _turns(case, photo_paths))
 
 
 def _stub(cluster, name: str):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.struct_pb2 import Struct
 
 from epdserve.frontend.errors import StageError
 from epdserve.frontend.prompt import EncodedImage
@@ -280,6 +281,37 @@ class SchedulerServicerBase:
     async def _ready(self, context) -> None:
         if not self.front.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.front.not_ready() or "the server is starting")
+
+    def model_info_fields(self) -> dict[str, Any]:
+        """The ``GetModelInfoResponse`` fields both protocols name alike: the checkpoint smg tokenizes for (its
+        tokenizer is the model directory) and its limits."""
+        m, tok = self.model, self.front.chat.builder.tokenizer
+        archs = getattr(self.front.chat.builder.model_config, "architectures", None) or []
+        context_length = self.front.stages.context_length
+        return dict(model_path=self.front.model_path, tokenizer_path=self.front.model_path,
+                    served_model_name=self.front.model_name, max_context_length=context_length,
+                    vocab_size=m.vocab_size, supports_vision=True, model_type=m.model_type,
+                    eos_token_ids=list(m.eos_token_ids), pad_token_id=tok.pad_token_id or 0,
+                    bos_token_id=tok.bos_token_id or 0, max_req_input_len=context_length - 1,
+                    architectures=list(archs))
+
+    def server_info_extra(self, version: str) -> dict[str, Any]:
+        """This protocol's own ``GetServerInfoResponse`` fields (its version field's name, ...)."""
+        raise NotImplementedError
+
+    async def GetServerInfo(self, request, context) -> Any:
+        """SGLang-named ``server_args`` (the keys smg reads) and the KV capacity in tokens."""
+        await self._ready(context)
+        from epdserve import __version__
+
+        args, sched = Struct(), Struct()
+        args.update(self.server_args())
+        info = self.front.stages.scheduler.info
+        sched.update({"max_total_num_tokens": info.num_pages * info.page_size, "is_generation": True})
+        return self.pb.GetServerInfoResponse(
+            server_args=args, scheduler_info=sched, active_requests=len(self.calls),
+            uptime_seconds=time.time() - self.started, max_total_num_tokens=info.num_pages * info.page_size,
+            **self.server_info_extra(f"epdserve-{__version__}"))
 
     def server_args(self) -> dict[str, Any]:
         """SGLang-named server arguments (the keys smg reads from ``GetServerInfo.server_args``)."""

@@ -25,11 +25,9 @@ RPCs:
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import grpc
-from google.protobuf.struct_pb2 import Struct
 
 from epdserve.frontend.grpc_service import GrpcService
 from epdserve.frontend.prompt import EncodedImage
@@ -75,29 +73,10 @@ class SglangSchedulerServicer(SchedulerServicerBase):
     async def GetModelInfo(self, request, context) -> Any:
         """The checkpoint smg tokenizes for (its tokenizer is the model directory) and its limits."""
         await self._ready(context)
-        m, tok = self.model, self.front.chat.builder.tokenizer
-        archs = getattr(self.front.chat.builder.model_config, "architectures", None) or []
-        context_length = self.front.stages.context_length
-        return self.pb.GetModelInfoResponse(
-            model_path=self.front.model_path, tokenizer_path=self.front.model_path, is_generation=True,
-            served_model_name=self.front.model_name, max_context_length=context_length, vocab_size=m.vocab_size,
-            supports_vision=True, model_type=m.model_type, eos_token_ids=list(m.eos_token_ids),
-            pad_token_id=tok.pad_token_id or 0, bos_token_id=tok.bos_token_id or 0,
-            max_req_input_len=context_length - 1, architectures=list(archs))
+        return self.pb.GetModelInfoResponse(**self.model_info_fields(), is_generation=True)
 
-    async def GetServerInfo(self, request, context) -> Any:
-        """SGLang-named ``server_args`` (the keys smg reads) and the KV capacity in tokens."""
-        await self._ready(context)
-        from epdserve import __version__
-
-        args, sched = Struct(), Struct()
-        args.update(self.server_args())
-        info = self.front.stages.scheduler.info
-        sched.update({"max_total_num_tokens": info.num_pages * info.page_size, "is_generation": True})
-        return self.pb.GetServerInfoResponse(
-            server_args=args, scheduler_info=sched, active_requests=len(self.calls),
-            uptime_seconds=time.time() - self.started, sglang_version=f"epdserve-{__version__}",
-            server_type="grpc", max_total_num_tokens=info.num_pages * info.page_size)
+    def server_info_extra(self, version: str) -> dict[str, Any]:
+        return {"sglang_version": version, "server_type": "grpc"}
 
     async def GetLoads(self, request, context) -> Any:
         """The scheduler's load as one DP rank (smg's fallback when no KV events flow)."""

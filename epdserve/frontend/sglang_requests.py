@@ -187,6 +187,40 @@ def check_encoded(spans: list[ImageSpan], encoded: list[EncodedImage]) -> None:
                                  f"prompt has {span.length} of grid {span.grid_thw}")
 
 
+def prompt_ids(req: Any, vocab_size: int) -> list[int]:
+    """The prompt's token ids of a ``GenerateRequest`` of either scheduler protocol (SGLang's and TokenSpeed's
+    name these fields alike).
+
+    Raises:
+        InvalidRequest: a ``data_parallel_rank`` above 0, no token ids, or one outside the vocabulary.
+    """
+    if req.HasField("data_parallel_rank") and req.data_parallel_rank > 0:
+        raise InvalidRequest(f"data_parallel_rank {req.data_parallel_rank}: this worker has one rank")
+    if not req.HasField("tokenized") or not req.tokenized.input_ids:
+        raise InvalidRequest("the request needs tokenized.input_ids (this worker takes no text)")
+    ids = list(req.tokenized.input_ids)
+    if max(ids) >= vocab_size:
+        raise InvalidRequest(f"token id {max(ids)} is outside the vocabulary ({vocab_size} ids)")
+    return ids
+
+
+def pd_bootstrap(req: Any, field: str, role: str) -> Any:
+    """The PD bootstrap message ``field`` of ``req`` (SGLang's ``disaggregated_params``, TokenSpeed's
+    ``kv_bootstrap_info``: bootstrap_host, bootstrap_port, bootstrap_room).
+
+    Raises:
+        InvalidRequest: it is missing, or on a decode worker it lacks the prefill server's host or port.
+    """
+    if not req.HasField(field):
+        raise InvalidRequest(f"this is a {role} worker for PD dual dispatch: the request needs {field} "
+                             "(bootstrap_host, bootstrap_port, bootstrap_room)")
+    info = getattr(req, field)
+    if role == "decode" and not (info.bootstrap_host and info.bootstrap_port):
+        raise InvalidRequest(f"{field} lacks the prefill server's bootstrap_host or bootstrap_port "
+                             "(smg: --prefill grpc://HOST:PORT BOOTSTRAP_PORT)")
+    return info
+
+
 async def build_leg(req: Any, rid: str, role: str, *, context_length: int, vocab_size: int, image_token_id: int,
                     image_processor: Any) -> GrpcLeg:
     """Both stage requests (request id ``rid``) of a proto ``GenerateRequest`` for a ``role`` ("prefill" or
@@ -198,20 +232,8 @@ async def build_leg(req: Any, rid: str, role: str, *, context_length: int, vocab
         InvalidRequest: no token ids, no room, a token id outside the vocabulary, or as :func:`sampling_params`
             and :func:`image_spans`.
     """
-    if req.HasField("data_parallel_rank") and req.data_parallel_rank > 0:
-        raise InvalidRequest(f"data_parallel_rank {req.data_parallel_rank}: this worker has one rank")
-    if not req.HasField("tokenized") or not req.tokenized.input_ids:
-        raise InvalidRequest("the request needs tokenized.input_ids (this worker takes no text)")
-    ids = list(req.tokenized.input_ids)
-    if max(ids) >= vocab_size:
-        raise InvalidRequest(f"token id {max(ids)} is outside the vocabulary ({vocab_size} ids)")
-    if not req.HasField("disaggregated_params"):
-        raise InvalidRequest(f"this is a {role} worker for PD dual dispatch: the request needs disaggregated_params "
-                             "(bootstrap_host, bootstrap_port, bootstrap_room)")
-    dp = req.disaggregated_params
-    if role == "decode" and not (dp.bootstrap_host and dp.bootstrap_port):
-        raise InvalidRequest("disaggregated_params lacks the prefill server's bootstrap_host or bootstrap_port "
-                             "(smg: --prefill grpc://HOST:PORT BOOTSTRAP_PORT)")
+    ids = prompt_ids(req, vocab_size)
+    dp = pd_bootstrap(req, "disaggregated_params", role)
     if req.input_embeds:
         raise InvalidRequest("input_embeds are not supported")
     if req.lora_id:

@@ -18,11 +18,9 @@ RPCs: ``Generate``, ``Abort``, ``HealthCheck``, ``GetTokenizer`` (shared), ``Get
 
 from __future__ import annotations
 
-import time
 from functools import cached_property
 from typing import Any
 
-from google.protobuf.struct_pb2 import Struct
 
 from epdserve.frontend.grpc_service import GrpcService
 from epdserve.frontend.prompt import EncodedImage
@@ -92,31 +90,13 @@ class TokenSpeedSchedulerServicer(SchedulerServicerBase):
     async def GetModelInfo(self, request, context) -> Any:
         """The checkpoint smg tokenizes for, its limits, and that it takes images (pixels in the tower's dtype)."""
         await self._ready(context)
-        m, tok = self.model, self.front.chat.builder.tokenizer
-        archs = getattr(self.front.chat.builder.model_config, "architectures", None) or []
-        context_length = self.front.stages.context_length
         dtype = dtype_name(self.config.dtype, self.config.device)
-        return self.pb.GetModelInfoResponse(
-            model_path=self.front.model_path, tokenizer_path=self.front.model_path,
-            served_model_name=self.front.model_name, max_context_length=context_length, vocab_size=m.vocab_size,
-            supports_vision=True, supports_multimodal=True, supported_modalities=[_IMAGE], model_type=m.model_type,
-            eos_token_ids=list(m.eos_token_ids), pad_token_id=tok.pad_token_id or 0,
-            bos_token_id=tok.bos_token_id or 0, max_req_input_len=context_length - 1, architectures=list(archs),
-            model_dtype=dtype, multimodal_encoder_dtype=dtype)
+        return self.pb.GetModelInfoResponse(**self.model_info_fields(), supports_multimodal=True,
+                                            supported_modalities=[_IMAGE], model_dtype=dtype,
+                                            multimodal_encoder_dtype=dtype)
 
-    async def GetServerInfo(self, request, context) -> Any:
-        """SGLang-named ``server_args`` (the keys smg reads) and the KV capacity in tokens."""
-        await self._ready(context)
-        from epdserve import __version__
-
-        args, sched = Struct(), Struct()
-        args.update(self.server_args())
-        info = self.front.stages.scheduler.info
-        sched.update({"max_total_num_tokens": info.num_pages * info.page_size, "is_generation": True})
-        return self.pb.GetServerInfoResponse(
-            server_args=args, scheduler_info=sched, active_requests=len(self.calls),
-            uptime_seconds=time.time() - self.started, tokenspeed_version=f"epdserve-{__version__}",
-            max_total_num_tokens=info.num_pages * info.page_size)
+    def server_info_extra(self, version: str) -> dict[str, Any]:
+        return {"tokenspeed_version": version}
 
     async def GetLoads(self, request, context) -> Any:
         """The scheduler's load as one DP rank."""

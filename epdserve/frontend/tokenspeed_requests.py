@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from epdserve.frontend.sglang_requests import EncodeRoom, GrpcLeg, InvalidRequest, sampling_params
+from epdserve.frontend.sglang_requests import (EncodeRoom, GrpcLeg, InvalidRequest, pd_bootstrap, prompt_ids,
+                                              sampling_params)
 from epdserve.frontend.tokenspeed_items import ProcessorLimits, check_spans, image_item
 from epdserve.wire.messages import DecodeRequest, ImageSpan, PrefillRequest, input_ids_digest
 
@@ -57,20 +58,8 @@ async def build_leg(req: Any, rid: str, role: str, *, context_length: int, vocab
             rooms (:func:`~epdserve.frontend.tokenspeed_items.image_item`, :func:`_rooms`), or as
             :func:`~epdserve.frontend.sglang_requests.sampling_params`.
     """
-    if req.HasField("data_parallel_rank") and req.data_parallel_rank > 0:
-        raise InvalidRequest(f"data_parallel_rank {req.data_parallel_rank}: this worker has one rank")
-    if not req.HasField("tokenized") or not req.tokenized.input_ids:
-        raise InvalidRequest("the request needs tokenized.input_ids (this worker takes no text)")
-    ids = list(req.tokenized.input_ids)
-    if max(ids) >= vocab_size:
-        raise InvalidRequest(f"token id {max(ids)} is outside the vocabulary ({vocab_size} ids)")
-    if not req.HasField("kv_bootstrap_info"):
-        raise InvalidRequest(f"this is a {role} worker for PD dual dispatch: the request needs kv_bootstrap_info "
-                             "(bootstrap_host, bootstrap_port, bootstrap_room)")
-    kv = req.kv_bootstrap_info
-    if role == "decode" and not (kv.bootstrap_host and kv.bootstrap_port):
-        raise InvalidRequest("kv_bootstrap_info lacks the prefill server's bootstrap_host or bootstrap_port "
-                             "(smg: --prefill grpc://HOST:PORT BOOTSTRAP_PORT)")
+    ids = prompt_ids(req, vocab_size)
+    kv = pd_bootstrap(req, "kv_bootstrap_info", role)
     sp = req.sampling_params
     sampling = await sampling_params(sp, len(ids), context_length, vocab_size,
                                      temperature=sp.temperature if sp.HasField("temperature") else 1.0)
