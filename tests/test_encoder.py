@@ -6,7 +6,6 @@ import asyncio
 import hashlib
 import io
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,23 +32,18 @@ from epdserve.encoder.vision import VisionEncoder, decode_image
 from epdserve.kvcache.kv_share import host_id
 from epdserve.wire.messages import ImageEmbeddings, decode
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
+from epdserve.wire.transport import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_PIXELS = 4_000_000
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerThread:
     """``serve(config)`` on its own event loop in a daemon thread, so tests can use the plain sync gRPC client."""
 
     def __init__(self, model_path: str, **overrides) -> None:
-        self.config = EncoderConfig(model_path=model_path, port=_free_port(), cache_size_mb=64,
+        self.config = EncoderConfig(model_path=model_path, port=free_port(), cache_size_mb=64,
                                     max_image_pixels=MAX_PIXELS, **{"metrics_port": 0, **overrides})
         self.address = f"127.0.0.1:{self.config.port}"
         self.error: BaseException | None = None
@@ -268,7 +262,7 @@ def test_example_client(encoder_addr, photo_paths):
 
 
 def test_main_logs_one_ready_line_and_stops_on_sigterm(tiny_model_path, photos):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "epdserve.encoder.server", "--model-path", tiny_model_path,
                              "--port", str(port), "--metrics-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

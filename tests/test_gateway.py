@@ -34,6 +34,7 @@ from epdserve.wire.messages import (
     TokenOutputBatch, decode, encode,
 )
 from epdserve.models.checkpoint_parts import build_tokenizer
+from epdserve.wire.transport import free_port
 
 CONTEXT = 4096
 EMBED_ENDPOINTS = ["tcp://127.0.0.1:39101", "tcp://127.0.0.1:39102"]
@@ -150,7 +151,7 @@ class FakeStage:
     def __init__(self, role: str, context_length: int = CONTEXT, port: int | None = None, delay_s: float = 0.0):
         self.role = role
         self.context_length = context_length
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.addr = f"tcp://127.0.0.1:{self.port}"
         self.script = default_script
         self.received: list = []
@@ -206,12 +207,6 @@ class FakeStage:
         self._thread.join(5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_for(pred, timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -228,7 +223,7 @@ def running_gateway(config: GatewayConfig, stages: StageClient):
 
     app = create_app(config, stages, startup_timeout_s=30)
     # The settings `epdserve gateway` serves with, on a free local port.
-    server = uvicorn.Server(server_config(app, "127.0.0.1", _free_port()))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", free_port()))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{server.config.port}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import socket
 from typing import Any
 
@@ -20,14 +21,42 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's ``ip_local_port_range``; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now. All are held until the last is chosen: ports picked
-    one at a time can repeat once released (a launch on an H100 failed with two servers given one port)."""
+    """``n`` distinct TCP ports free on 127.0.0.1 right now, below the kernel's ephemeral range. All are held until
+    the last is chosen: ports picked one at a time can repeat once released (a launch on an H100 failed with two
+    servers given one port). Below that range, since a port chosen now is bound later, by another process: in
+    between, an ephemeral port (any socket bound to port 0, any outgoing connection's local end) could take one
+    from inside the range (CI: a decode server's "Address already in use" on a port its launch had chosen). Falls
+    back to ephemeral ports when the range below is too small or taken."""
+    low, rng = _ephemeral_low(), random.SystemRandom()
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
+        ports: list[int] = []
+        for _ in range(64 * n):
+            if len(ports) == n or low <= 10_000:
+                break
+            port = rng.randrange(10_000, low)
+            if port in ports:
+                continue
+            s = stack.enter_context(socket.socket())
+            try:
+                s.bind((LOCAL, port))
+            except OSError:
+                continue
+            ports.append(port)
+        while len(ports) < n:
+            s = stack.enter_context(socket.socket())
             s.bind((LOCAL, 0))
-        return [s.getsockname()[1] for s in socks]
+            ports.append(s.getsockname()[1])
+        return ports
 
 
 log = logging.getLogger(__name__)
