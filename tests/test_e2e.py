@@ -248,7 +248,9 @@ def test_sampling_parameters(server, hf, tiny_model_path, photo_paths):
     greedy_choice = _chat(url, tiny_model_path, messages)["choices"][0]
     greedy = greedy_choice["message"]["content"]
     stop = greedy[len(greedy) // 2:len(greedy) // 2 + 3]
-    cut = _chat(url, tiny_model_path, messages, stop=[stop])
+    # Room to decode long past the stop string (ignore_eos): the gateway finds it while decode still runs, so the
+    # abort below is sent (with the greedy run's 40 tokens decode could finish first: nothing left to abort).
+    cut = _chat(url, tiny_model_path, messages, stop=[stop], max_completion_tokens=NEW_TOKENS * 10)
     assert cut["choices"][0]["finish_reason"] == "stop"
     assert cut["choices"][0]["message"]["content"] == greedy[:greedy.index(stop)]
     # The gateway found the stop string: the ids end with the one that completed it, and usage counts only those.
