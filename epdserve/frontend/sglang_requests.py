@@ -159,7 +159,7 @@ def image_spans(mm: Any, input_ids: list[int], image_token_id: int, image_proces
         grids = _tensor(mm.model_specific_tensors["image_grid_thw"], "image_grid_thw").reshape(-1, 3).tolist()
         if len(grids) != len(images):
             raise InvalidRequest(f"image_grid_thw has {len(grids)} rows for {len(images)} images")
-    spans, covered = [], 0
+    spans = []
     for i, (holder, slot) in enumerate(zip(holders, slots)):
         if grids is not None and grids[i] != slot.grid_thw:
             raise InvalidRequest(f"image {i}: the gateway's image_grid_thw {grids[i]} differs from this model's "
@@ -167,16 +167,28 @@ def image_spans(mm: Any, input_ids: list[int], image_token_id: int, image_proces
         if holder.length != slot.num_tokens:
             raise InvalidRequest(f"image {i}: {holder.length} placeholder tokens, but this model's processor "
                                  f"makes {slot.num_tokens} tokens of it")
-        run = input_ids[holder.offset:holder.offset + holder.length]
-        if len(run) != holder.length or any(t != image_token_id for t in run):
-            raise InvalidRequest(f"image {i}: input_ids[{holder.offset}:{holder.offset + holder.length}] is not a "
-                                 f"run of the image token {image_token_id}")
         spans.append(ImageSpan(offset=holder.offset, length=holder.length, image_hash=slot.image_hash,
                                grid_thw=list(slot.grid_thw)))
-        covered += holder.length
-    if sum(t == image_token_id for t in input_ids) != covered:
-        raise InvalidRequest("input_ids hold image tokens outside the mm_placeholders")
+    check_image_runs([(s.offset, s.length) for s in spans], input_ids, image_token_id, "image", "mm_placeholders")
     return images, spans
+
+
+def check_image_runs(runs: list[tuple[int, int]], input_ids: list[int], image_token_id: int, label: str,
+                     holders: str) -> None:
+    """Each ``(offset, length)`` of ``runs`` is a run of the image token in ``input_ids``, and no image token is
+    outside them (the scheduler protocols' placeholders of SGLang and TokenSpeed alike).
+
+    Raises:
+        InvalidRequest: otherwise; the message names the run as ``label`` and its number, and the runs as
+            ``holders``.
+    """
+    for i, (offset, length) in enumerate(runs):
+        run = input_ids[offset:offset + length]
+        if len(run) != length or any(t != image_token_id for t in run):
+            raise InvalidRequest(f"{label} {i}: input_ids[{offset}:{offset + length}] is not a run of the image "
+                                 f"token {image_token_id}")
+    if sum(t == image_token_id for t in input_ids) != sum(length for _, length in runs):
+        raise InvalidRequest(f"input_ids hold image tokens outside the {holders}")
 
 
 def check_encoded(spans: list[ImageSpan], encoded: list[EncodedImage]) -> None:

@@ -139,19 +139,3 @@ def item_pixels(item: Any, checked: ImageItem, limits: ProcessorLimits) -> torch
                              f"processor needs {want}")
     return pixels
 
-
-def check_spans(items: list[ImageItem], input_ids: list[int], image_token_id: int) -> None:
-    """Every item's run in ``input_ids`` is the image token, and no image token is outside them.
-
-    Raises:
-        InvalidRequest: otherwise.
-    """
-    covered = 0
-    for i, it in enumerate(items):
-        run = input_ids[it.offset:it.offset + it.length]
-        if len(run) != it.length or any(t != image_token_id for t in run):
-            raise InvalidRequest(f"item {i}: input_ids[{it.offset}:{it.offset + it.length}] is not a run of the "
-                                 f"image token {image_token_id}")
-        covered += it.length
-    if sum(t == image_token_id for t in input_ids) != covered:
-        raise InvalidRequest("input_ids hold image tokens outside the items' placeholders")

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from epdserve.frontend.sglang_requests import (EncodeRoom, GrpcLeg, InvalidRequest, pd_bootstrap, prompt_ids,
-                                              sampling_params)
-from epdserve.frontend.tokenspeed_items import ProcessorLimits, check_spans, image_item
+from epdserve.frontend.sglang_requests import (EncodeRoom, GrpcLeg, InvalidRequest, check_image_runs, pd_bootstrap,
+                                              prompt_ids, sampling_params)
+from epdserve.frontend.tokenspeed_items import ProcessorLimits, image_item
 from epdserve.wire.messages import DecodeRequest, ImageSpan, PrefillRequest, input_ids_digest
 
 
@@ -68,7 +68,8 @@ async def build_leg(req: Any, rid: str, role: str, *, context_length: int, vocab
     spans, rooms = [], []
     if role == "prefill" and req.HasField("mm_inputs") and req.mm_inputs.items:
         items = [image_item(it, i, limits) for i, it in enumerate(req.mm_inputs.items)]
-        check_spans(items, ids, limits.image_token_id)
+        check_image_runs([(it.offset, it.length) for it in items], ids, limits.image_token_id, "item",
+                         "items' placeholders")
         spans = [ImageSpan(offset=it.offset, length=it.length, image_hash=it.image_hash, grid_thw=it.grid_thw)
                  for it in items]
         rooms = _rooms(req, len(items))
