@@ -13,8 +13,9 @@ Layout choice: a token's KV heads are contiguous in a page (``[page_size, H, D]`
 head of both pools (equal TP) a run of pages is one descriptor per layer and K/V; when it moves part of a pool's
 heads (different TP) each token's head slice is its own descriptor (``L * 2 * n_tokens`` descriptors, as SGLang's
 per-token slices). We keep the attention layout rather than make pools head-major (``[L, 2, H, pages, ...]``,
-where a head slice of a page would be contiguous): the paged attention kernels (FlashInfer, SDPA) read
-``[pages, page_size, H, D]``, and the per-token descriptors are built vectorised here and batched by the engines.
+where a head slice of a page would be contiguous): FlashInfer could read that (``HND``), but the runner's KV
+writes, its SDPA path and its CUDA graphs all read ``[pages, page_size, H, D]``; the per-token descriptors are built
+vectorised here and batched by the engines (slow all the same: docs/performance.md).
 """
 
 from __future__ import annotations
