@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from epdserve.config import GatewayConfig
-from epdserve.wire.transport import free_port
+from epdserve.wire.transport import free_port, free_ports
 
 READY = {"encoder": "encoder ready on", "prefill": "prefill ready on", "decode": "decode ready on"}
 
@@ -42,7 +42,8 @@ class StageProcs:
                  request_timeout_s: float = 60.0, lm_args: tuple[str, ...] = ()):
         self.model_path, self.log_dir, self.lm_args = model_path, log_dir, tuple(lm_args)
         self.num_pages, self.page_size, self.request_timeout_s = num_pages, page_size, request_timeout_s
-        self.ports = {name: free_port() for name in ("encoder", "prefill", "embed", "bootstrap", "decode", "kv")}
+        names = ("encoder", "prefill", "embed", "bootstrap", "decode", "kv")
+        self.ports = dict(zip(names, free_ports(len(names))))  # distinct: picked one by one they could repeat
         self.procs: dict[str, subprocess.Popen] = {}
         self._logs: dict[str, object] = {}
 

@@ -29,7 +29,7 @@ from test_e2e import _chat, _hf_reference, _openai_messages, _resolve, hf  # noq
 
 from epdserve.engine.distributed import TPGroup
 from epdserve.prefill.embed_gate import EmbeddingGate
-from epdserve.wire.transport import free_port
+from epdserve.wire.transport import free_port, free_ports
 from epdserve.wire.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, PrefillRequest, SamplingParams,
                                ServerInfo, ServerInfoRequest, TPEmbedReceipt, decode, encode)
 from epdserve.models.parallel import head_shard
@@ -369,7 +369,7 @@ def test_tp2_greedy_equals_tp1_on_two_gpus(tmp_path_factory, gpu_test_models):
         prompts = [torch.randint(10, vocab, (int(n),), generator=gen).tolist() for n in (7, 60, 200, 450)]
         outs, exits = {}, {}
         for ptp, dtp in ((1, 1), (2, 2), (2, 1)):
-            ports = {k: free_port() for k in ("p", "e", "b", "d", "kv")}
+            ports = dict(zip(("p", "e", "b", "d", "kv"), free_ports(5)))
             common = ["--model-path", path, "--device", "cuda", "--num-pages", "4096"]
             logs = {k: tmp / f"{k}-{ptp}{dtp}.log" for k in ("prefill", "decode")}
             procs = {
