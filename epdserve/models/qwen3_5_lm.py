@@ -258,9 +258,17 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(core.reshape(-1, self.dv), z).reshape(x.shape[0], -1))
 
     def _qkv(self, conv_out: torch.Tensor, n: int, t: int):
-        """Conv output ``[n, t, conv_dim]`` -> q, k ``[n, t, hk, dk]`` and v ``[n, t, hv, dv]``."""
+        """Conv output ``[n, t, conv_dim]`` -> q, k, v ``[n, t, hv, d]``: q and k repeated to the value heads (each
+        key head serves ``hv / hk`` consecutive value heads, ``Qwen3_5GatedDeltaNet``'s ``repeat_interleave``).
+
+        transformers' torch delta-rule references differ by release: 5.17's expect the heads already repeated (its
+        module repeats them first) and fail on grouped heads; 5.24's repeat inside when the counts differ, a no-op
+        on repeated heads. Repeating here is right for both."""
         q, k, v = conv_out.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        return q.reshape(n, t, -1, self.dk), k.reshape(n, t, -1, self.dk), v.reshape(n, t, -1, self.dv)
+        q, k = q.reshape(n, t, self.hk, self.dk), k.reshape(n, t, self.hk, self.dk)
+        if self.hv != self.hk:
+            q, k = (x.repeat_interleave(self.hv // self.hk, dim=2) for x in (q, k))
+        return q, k, v.reshape(n, t, self.hv, self.dv)
 
     def _step(self, mixed, g, beta, slots, pool) -> torch.Tensor:
         """One token for each of B requests: ``causal_conv1d_update`` and ``torch_recurrent_gated_delta_rule``
