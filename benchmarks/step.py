@@ -101,6 +101,26 @@ def graph_gpu_time(runner: ModelRunner, batch_size: int, reps: int = 30) -> floa
     return start.elapsed_time(end) / 1e3 / reps
 
 
+def profile_replays(runner: ModelRunner, batch_size: int, reps: int = 10, top: int = 25) -> list[dict]:
+    """The GPU kernels of ``reps`` replays of the graph serving ``batch_size`` (torch.profiler, CUDA activity),
+    the ``top`` by total device time: ``[{name, calls_per_step, us_per_step}]``. Call right after
+    :func:`time_steps`, as :func:`graph_gpu_time`. Empty without graphs."""
+    if runner.graphs is None or batch_size > runner.graphs.max_bs:
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = runner.graphs.graphs[next(s for s in runner.graphs.sizes if s >= batch_size)]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = [dict(name=e.key[:90], calls_per_step=e.count / reps, us_per_step=e.device_time_total / reps)
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; prints a table and optionally writes ``--output-json``. Returns 0."""
     ap = argparse.ArgumentParser(prog="python -m epdserve.bench.step", description=__doc__,
@@ -111,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--num-pages", type=int, default=0, help="0: sized from free memory")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also list each batch size's top GPU kernels over graph replays (torch.profiler)")
     ap.add_argument("--output-json", default="")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -125,10 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         gpu = graph_gpu_time(runner, bs)
         kv_tokens = bs * (args.context + args.steps // 2)
         roof = step_bytes(runner, kv_tokens, bs) / bw
+        kernels = profile_replays(runner, bs) if args.profile else []
         rows.append(dict(batch_size=bs, context=args.context, step_ms=median * 1e3,
                          graph_gpu_ms=None if gpu is None else gpu * 1e3, roofline_ms=roof * 1e3,
                          roofline_fraction=roof / median, tokens_per_s=bs / median,
-                         cuda_graph=runner.graphs is not None))
+                         cuda_graph=runner.graphs is not None, kernels=kernels))
     print(f"device: {torch.cuda.get_device_name(dev)}; copy bandwidth {bw / 1e12:.2f} TB/s (read + write); "
           f"CUDA graphs: {'on' if runner.graphs is not None else 'off'}")
     print(f"{'batch':>6} {'step ms':>9} {'GPU ms':>8} {'roofline ms':>12} {'of roofline':>12} {'tok/s':>10}")
@@ -136,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         gpu = "-" if r["graph_gpu_ms"] is None else f"{r['graph_gpu_ms']:.3f}"
         print(f"{r['batch_size']:>6} {r['step_ms']:>9.3f} {gpu:>8} {r['roofline_ms']:>12.3f} "
               f"{100 * r['roofline_fraction']:>11.1f}% {r['tokens_per_s']:>10.0f}")
+    for r in rows:
+        if r["kernels"]:
+            print(f"batch {r['batch_size']}: top GPU kernels per step (us, calls)")
+            for k in r["kernels"]:
+                print(f"  {k['us_per_step']:9.1f} {k['calls_per_step']:6.1f}  {k['name']}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(dev), copy_bandwidth=bw, model_path=args.model_path,

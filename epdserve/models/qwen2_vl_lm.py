@@ -25,6 +25,7 @@ kernel serves text and image positions alike.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -201,7 +202,7 @@ class DecoderLayer(nn.Module):
 
 
 # Checkpoint projection names -> (fused parameter, index of the part within it).
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+FUSED_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
@@ -219,6 +220,7 @@ class Qwen2VLLanguageModel(nn.Module):
     """
 
     _attention_cls: type[Attention] = Attention  # a subclass's decoder layers may use another attention
+    fused_parts = FUSED_PARTS  # checkpoint names filling parts of one fused parameter (load_weights)
 
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend | None = None, tp: TPGroup | None = None):
         super().__init__()
@@ -274,7 +276,7 @@ class Qwen2VLLanguageModel(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # shares embed_tokens' parameter
             target, part = name, None
-            for piece, (fused_name, idx) in _FUSED.items():
+            for piece, (fused_name, idx) in self.fused_parts.items():
                 if f".{piece}." in name:
                     target, part = name.replace(f".{piece}.", f".{fused_name}."), idx
                     break
@@ -295,7 +297,8 @@ class Qwen2VLLanguageModel(nn.Module):
                 param.data.copy_(tensor)
             loaded.add(target)
         missing = [n for n in params if n not in loaded]
-        partial = [n for n, c in parts_done.items() if c != (3 if "qkv_proj" in n else 2)]
+        parts_of = collections.Counter(fused for fused, _ in self.fused_parts.values())
+        partial = [n for n, c in parts_done.items() if c != parts_of[n.rpartition(".")[0].rpartition(".")[2]]]
         if missing or partial:
             raise ValueError(f"checkpoint lacks LM tensors: {sorted(missing + partial)[:8]}")
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -52,7 +53,8 @@ from epdserve.kvcache.state_pool import StatePool
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                       VocabParallelEmbedding, head_shard, split_evenly)
-from epdserve.models.qwen2_vl_lm import MLP, Qwen2VLLanguageModel, _rotate, mrope_cos_sin
+from epdserve.models.qwen2_vl_lm import (FUSED_PARTS, MLP, Qwen2VLLanguageModel, _flashinfer, _rotate,
+                                         mrope_cos_sin)
 
 
 _KERNELS = ("causal_conv1d_update", "causal_conv1d_fn", "torch_recurrent_gated_delta_rule",
@@ -119,46 +121,75 @@ def _take_parts(tensor: torch.Tensor, parts: list[tuple[int, int, int]]) -> torc
     return torch.cat(rows)
 
 
-class PartsLinear(nn.Module):
-    """A bias-free linear layer stored in the checkpoint as one tensor ``[sum(full), in]`` of consecutive parts
-    (``in_proj_qkv``: q|k|v) of which this rank keeps the ``parts`` slices; ``[T, in]`` -> ``[T, sum(length)]``."""
+class DeltaNetInProj(nn.Module):
+    """``in_proj_qkv | in_proj_z | in_proj_b | in_proj_a`` as one bias-free projection (one GEMM a layer instead of
+    four; ``b`` and ``a`` have only ``value_heads`` rows each), ``[T, hidden]`` -> ``[T, sum(sizes)]``. Checkpoint
+    tensor ``i`` of the four is part ``i``; this rank keeps its heads' rows of each (``in_proj_qkv``: its q, k and
+    v heads, :func:`deltanet_parts`)."""
 
-    def __init__(self, in_features: int, parts: list[tuple[int, int, int]]):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.parts = parts
-        self.weight = nn.Parameter(torch.empty(sum(p[2] for p in parts), in_features))
+        _, _, v0, hv = deltanet_heads(cfg, tp)
+        hv_all, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        self.parts = [deltanet_parts(cfg, tp), [(hv_all * dv, v0 * dv, hv * dv)], [(hv_all, v0, hv)],
+                      [(hv_all, v0, hv)]]
+        self.sizes = [sum(length for _, _, length in parts) for parts in self.parts]
+        self.weight = nn.Parameter(torch.empty(sum(self.sizes), cfg.hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
-        """Keep this rank's rows of the whole checkpoint ``tensor``. Raises ValueError on a shape mismatch."""
+        """Keep this rank's rows of checkpoint tensor ``part`` (0 qkv, 1 z, 2 b, 3 a). Raises ValueError on a
+        shape mismatch."""
+        rows = _take_parts(tensor, self.parts[part or 0])
+        offset, size = sum(self.sizes[:part or 0]), self.sizes[part or 0]
+        if rows.shape != (size, param.shape[1]):
+            raise ValueError(f"checkpoint shape {tuple(tensor.shape)} does not give {(size, param.shape[1])}")
+        param.data[offset:offset + size].copy_(rows)
+
+
+class PartsConv1d(nn.Module):
+    """The depthwise causal conv's weight ``[channels, 1, kernel]`` (only the weight: the kernels take it), whose
+    channels are this rank's ``parts`` slices (:func:`deltanet_parts`) of the checkpoint's."""
+
+    def __init__(self, parts: list[tuple[int, int, int]], kernel: int):
+        super().__init__()
+        self.parts = parts
+        self.weight = nn.Parameter(torch.empty(sum(p[2] for p in parts), 1, kernel))
+
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
+        """Keep this rank's channels of the whole checkpoint ``tensor``. Raises ValueError on a shape mismatch."""
         rows = _take_parts(tensor, self.parts)
         if rows.shape != param.shape:
             raise ValueError(f"checkpoint shape {tuple(tensor.shape)} does not give {tuple(param.shape)}")
         param.data.copy_(rows)
 
 
-class PartsConv1d(PartsLinear):
-    """The depthwise causal conv's weight ``[channels, 1, kernel]`` (only the weight: the kernels take it), its
-    channels sliced like :class:`PartsLinear` rows."""
-
-    def __init__(self, parts: list[tuple[int, int, int]], kernel: int):
-        nn.Module.__init__(self)
-        self.parts = parts
-        self.weight = nn.Parameter(torch.empty(sum(p[2] for p in parts), 1, kernel))
-
-
 class ZeroCenteredRMSNorm(nn.Module):
     """``Qwen3_5RMSNorm``: ``(x_hat * (1 + w)).to(x.dtype)`` with ``x_hat`` the float32 RMS-normalised ``x``
-    (weights stored centred on 0). ``[..., dim]`` -> same shape and dtype."""
+    (weights stored centred on 0); optionally fused with the residual add before it, as
+    :class:`~epdserve.models.qwen2_vl_lm.RMSNorm`. Fused (``fused``, CUDA): flashinfer's ``gemma_rmsnorm`` /
+    ``gemma_fused_add_rmsnorm``, Gemma's norm being this one (float32 inside, ``* (1 + w)``)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.fused = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``x`` ``[..., dim]`` -> ``norm(x)``, same shape and dtype; with ``residual`` (``[T, dim]``, ``x`` too):
+        ``(norm(x + residual), x + residual)``. Fused, ``x`` and ``residual`` are overwritten in place."""
+        if self.fused:
+            if residual is None:
+                return _flashinfer().norm.gemma_rmsnorm(x.reshape(-1, x.shape[-1]), self.weight,
+                                                        self.eps).view(x.shape)
+            _flashinfer().norm.gemma_fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is not None:
+            residual = x + residual
+            return self.forward(residual), residual
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
@@ -211,9 +242,22 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(-1, self.hq * self.d)))
 
 
+@dataclass
+class DeltaNetBatch:
+    """What every DeltaNet layer of one forward shares: the requests' state slots (int64 ``[B]``, device) and,
+    for an extend on the CUDA kernels, the packed tokens' offsets (int64 ``[B + 1]``, on the device and the host)."""
+
+    slots: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_cpu: torch.Tensor | None = None
+
+
 class GatedDeltaNet(nn.Module):
-    """``Qwen3_5GatedDeltaNet`` over a :class:`StatePool` (parameter names as in the checkpoint). ``state_layer``:
-    this layer's index among the pool's layers."""
+    """``Qwen3_5GatedDeltaNet`` over a :class:`StatePool` (parameter names as in the checkpoint, but for the four
+    input projections, fused in ``in_proj``). ``state_layer``: this layer's index among the pool's layers.
+
+    Two implementations, chosen per model (``fused``): the torch references of transformers (CPU, the parity
+    path), or flash-linear-attention's kernels over the slots in place (:mod:`epdserve.models.deltanet_cuda`)."""
 
     def __init__(self, cfg: ModelConfig, state_layer: int, tp: TPGroup):
         super().__init__()
@@ -221,16 +265,15 @@ class GatedDeltaNet(nn.Module):
         _, self.hk, self.v0, self.hv = deltanet_heads(cfg, tp)
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.kernel = cfg.linear_conv_kernel_dim
-        parts, hv_all, dv = deltanet_parts(cfg, tp), cfg.linear_num_value_heads, self.dv
-        self.conv1d = PartsConv1d(parts, self.kernel)
+        hv_all, dv = cfg.linear_num_value_heads, self.dv
+        self.conv1d = PartsConv1d(deltanet_parts(cfg, tp), self.kernel)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = RowParallelLinear(hv_all * dv, cfg.hidden_size, tp)
-        self.in_proj_qkv = PartsLinear(cfg.hidden_size, parts)
-        self.in_proj_z = ColumnParallelLinear(cfg.hidden_size, [(hv_all * dv, self.v0 * dv, self.hv * dv)], False)
-        self.in_proj_b = ColumnParallelLinear(cfg.hidden_size, [(hv_all, self.v0, self.hv)], bias=False)
-        self.in_proj_a = ColumnParallelLinear(cfg.hidden_size, [(hv_all, self.v0, self.hv)], bias=False)
+        self.in_proj = DeltaNetInProj(cfg, tp)
+        self.fused = False
+        self.kernel_params: dict[str, torch.Tensor] = {}
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
         """``A_log`` / ``dt_bias`` (``[value_heads]`` in the checkpoint): keep this rank's value heads. Raises
@@ -239,23 +282,47 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != ({param.shape[0] * self.out_proj.tp.size},)")
         param.data.copy_(tensor[self.v0:self.v0 + self.hv])
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, slots: torch.Tensor, pool: StatePool) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``; reads and writes the states of ``slots`` (int64 ``[B]``)."""
-        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+    def use_kernels(self, enabled: bool) -> None:
+        """Switch to the CUDA kernels (after the weights are loaded: they take derived copies of some)."""
+        self.fused = enabled
+        self.kernel_params = {} if not enabled else {
+            "conv_weight": self.conv1d.weight.squeeze(1).contiguous(),  # [conv_dim, kernel]
+            "dt_bias_k": self.dt_bias.repeat_interleave(self.dk).contiguous(),  # a bias per key feature
+            "norm_weight": self.norm.weight.repeat(self.hv).contiguous()}  # one norm weight per head
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, dn: DeltaNetBatch, pool: StatePool) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``; reads and writes the states of ``dn.slots``."""
+        mixed, z, b, a = self.in_proj(x).split(self.in_proj.sizes, dim=-1)
+        if self.fused:
+            return self.out_proj(self._forward_kernels(mixed, z, b, a, batch, dn, pool))
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if batch.is_decode:
-            core = self._step(mixed, g, beta, slots, pool)
+            core = self._step(mixed, g, beta, dn.slots, pool)
         else:
             core, start = [], 0
             for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
                 end = start + q_len
-                core.append(self._extend(mixed[start:end], g[start:end], beta[start:end], slots[i:i + 1], pool,
+                core.append(self._extend(mixed[start:end], g[start:end], beta[start:end], dn.slots[i:i + 1], pool,
                                          continued=kv_len > q_len))
                 start = end
             core = torch.cat(core)
-        z = self.in_proj_z(x).reshape(-1, self.dv)
+        z = z.reshape(-1, self.dv)
         return self.out_proj(self.norm(core.reshape(-1, self.dv), z).reshape(x.shape[0], -1))
+
+    def _forward_kernels(self, mixed, z, b, a, batch: ForwardBatch, dn: DeltaNetBatch, pool: StatePool):
+        """The CUDA kernels' path (:mod:`epdserve.models.deltanet_cuda`): ``[T, hv * dv]`` before ``out_proj``."""
+        from epdserve.models import deltanet_cuda
+
+        kp, layer, heads = self.kernel_params, self.state_layer, (self.hk, self.hv, self.dk, self.dv)
+        if batch.is_decode:
+            core = deltanet_cuda.decode(mixed, a, b, dn.slots, pool.conv[layer], pool.recurrent[layer],
+                                        kp["conv_weight"], self.A_log, kp["dt_bias_k"], heads)
+        else:
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            core = deltanet_cuda.extend(mixed, g, b.sigmoid(), dn.slots, dn.cu_seqlens, dn.cu_seqlens_cpu,
+                                        pool.conv[layer], pool.recurrent[layer], kp["conv_weight"], heads)
+        return deltanet_cuda.gated_norm(core, z, kp["norm_weight"], self.norm.eps)
 
     def _qkv(self, conv_out: torch.Tensor, n: int, t: int):
         """Conv output ``[n, t, conv_dim]`` -> q, k, v ``[n, t, hv, d]``: q and k repeated to the value heads (each
@@ -306,7 +373,9 @@ class GatedDeltaNet(nn.Module):
 
 class HybridDecoderLayer(nn.Module):
     """``Qwen3_5DecoderLayer``: ``h = x + mixer(norm(x))``, ``out = h + mlp(norm(h))``; the mixer is
-    :class:`GatedDeltaNet` (``linear_attn``) or :class:`GatedAttention` (``self_attn``)."""
+    :class:`GatedDeltaNet` (``linear_attn``) or :class:`GatedAttention` (``self_attn``). The block's output is
+    kept as ``(x, residual)`` as in :class:`~epdserve.models.qwen2_vl_lm.DecoderLayer`, so the next norm can fuse
+    the add."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
         super().__init__()
@@ -319,15 +388,18 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn, batch, slots, pool) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``."""
-        h = self.input_layernorm(x)
-        if self.is_linear:
-            h = self.linear_attn(h, batch, slots, pool)
+    def forward(self, x, residual, cos, sin, attn, batch, dn: DeltaNetBatch, pool):
+        """``(x, residual)`` ``[T, hidden]`` each -> the same after this block (``residual`` None: first block)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
         else:
-            h = self.self_attn(h, cos, sin, attn)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x, residual = self.input_layernorm(x, residual)
+        if self.is_linear:
+            x = self.linear_attn(x, batch, dn, pool)
+        else:
+            x = self.self_attn(x, cos, sin, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Qwen3_5LanguageModel(nn.Module):
@@ -342,6 +414,10 @@ class Qwen3_5LanguageModel(nn.Module):
         ValueError: a config without ``layer_types``, or heads / DeltaNet heads / the intermediate size that do
             not split over ``tp.size`` ranks.
     """
+
+    # Checkpoint projection names -> (fused parameter, part): Qwen2's q/k/v and gate/up, and the DeltaNet inputs.
+    fused_parts = {**FUSED_PARTS, "in_proj_qkv": ("in_proj", 0), "in_proj_z": ("in_proj", 1),
+                   "in_proj_b": ("in_proj", 2), "in_proj_a": ("in_proj", 3)}
 
     def __init__(self, cfg: ModelConfig, attn=None, tp: TPGroup | None = None):
         super().__init__()
@@ -363,15 +439,48 @@ class Qwen3_5LanguageModel(nn.Module):
         dim = cfg.rotary_dim
         return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
 
-    # Same code as Qwen2's: tied re-binding and the RoPE table (materialize); fused q/k/v and gate/up parts, shape
+    # Same code as Qwen2's: tied re-binding and the RoPE table (materialize); fused parts (``fused_parts``), shape
     # checks and the completeness check (load_weights, names of :func:`~epdserve.models.weights.iter_lm_weights`).
     materialize = Qwen2VLLanguageModel.materialize
     load_weights = Qwen2VLLanguageModel.load_weights
 
     def use_fused_ops(self, enabled: bool) -> Qwen3_5LanguageModel:
-        """Recorded only: Qwen3.5 always runs its torch ops (no flashinfer fused path yet). Returns self."""
+        """Switch to the CUDA kernels: flashinfer's Gemma norms (fused with the residual adds) and SiLU-and-mul,
+        flash-linear-attention's DeltaNet kernels over the state slots (:mod:`epdserve.models.deltanet_cuda`).
+        Call after :meth:`load_weights`. Returns self.
+
+        Raises:
+            ImportError: enabled and flashinfer or fla-core is not installed (the message names the extra).
+        """
+        if enabled:
+            _flashinfer()
+            from epdserve.models import deltanet_cuda
+
+            deltanet_cuda._fla()
         self.fused_ops = enabled
+        for m in self.modules():
+            if isinstance(m, (ZeroCenteredRMSNorm, MLP)):
+                m.fused = enabled
+            elif isinstance(m, GatedDeltaNet):
+                m.use_kernels(enabled)
         return self
+
+    def _deltanet_batch(self, batch: ForwardBatch, device: torch.device) -> DeltaNetBatch:
+        """The slots (a decode CUDA graph passes its static device buffer) and, for an extend on the kernels, the
+        token offsets; zeroes the slots of requests starting fresh (``kv_len == q_len``: no prefix before them)."""
+        slots = batch.state_slots
+        if not isinstance(slots, torch.Tensor):
+            slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        if batch.is_decode or not self.fused_ops:
+            return DeltaNetBatch(slots)
+        from epdserve.models import deltanet_cuda
+
+        fresh = [s for s, q, kv in zip(batch.state_slots, batch.q_lens, batch.kv_lens) if kv == q]
+        if fresh:
+            deltanet_cuda.zero_fresh_slots(self.states.conv_buffer, self.states.recurrent_buffer,
+                                           torch.tensor(fresh, dtype=torch.int64, device=device))
+        cu = torch.tensor([0, *batch.q_lens], dtype=torch.int64).cumsum(0)
+        return DeltaNetBatch(slots, cu.to(device, non_blocking=True), cu)
 
     def forward(self, batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``batch`` and return float32 logits ``[B, vocab]`` at each request's last new token (written into
@@ -387,10 +496,9 @@ class Qwen3_5LanguageModel(nn.Module):
         if batch.state_slots is None or len(batch.state_slots) != batch.batch_size:
             raise ValueError(f"a Qwen3.5 batch needs one state slot per request, got {batch.state_slots}")
         x = Qwen2VLLanguageModel._embed(self, batch)
-        slots = batch.state_slots  # a decode CUDA graph passes its static device buffer
-        if not isinstance(slots, torch.Tensor):
-            slots = torch.tensor(slots, dtype=torch.int64, device=x.device)
+        dn = self._deltanet_batch(batch, x.device)
         cos, sin = mrope_cos_sin(batch.positions, self.inv_freq, self.config.mrope_section, x.dtype, True)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, self.attn, batch, slots, self.states)
-        return Qwen2VLLanguageModel._logits(self, batch, x, None, out)
+            x, residual = layer(x, residual, cos, sin, self.attn, batch, dn, self.states)
+        return Qwen2VLLanguageModel._logits(self, batch, x, residual, out)

@@ -1,0 +1,189 @@
+"""Gated DeltaNet on CUDA over the :class:`~epdserve.kvcache.state_pool.StatePool`: flash-linear-attention's
+(``fla-core``) Triton kernels, the states read and written in place through each request's slot.
+
+Decode (one token per request, inside the decode CUDA graph; no gathered copy of any state):
+
+1. :func:`conv_update`: the causal depthwise conv1d over the slot's last ``kernel`` inputs and the new one, SiLU,
+   the window shifted in place in ``pool.conv[layer][slot]``; the output lands split into contiguous q, k, v.
+   Our own small Triton kernel, the arithmetic of fla's ``causal_conv1d_update_kernel`` (fla 0.6
+   ``fla/modules/causal_conv1d/ops.py``) with the row's state found through its slot: fla's kernel (and
+   ``causal-conv1d``'s on the channel-last layout) takes a state per batch row, which would need a gather and a
+   scatter of every layer's conv state around it.
+2. fla's ``fused_recurrent_kda_fwd`` (fla 0.6 ``fla/ops/kda/fused_recurrent.py``, itself from vLLM's decode
+   kernel) with ``ssm_state_indices``: it reads ``pool.recurrent[layer][slot]`` and writes the new state back there.
+   Kimi Delta Attention is the gated delta rule with a decay per key feature; given the same decay on every key
+   feature it is Gated DeltaNet's recurrence (Yang et al., arXiv:2412.06464) exactly. Its fused gate computes
+   ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)`` and the q/k L2 norms in the kernel, so those
+   elementwise ops cost no launches. fla's own gated-delta-rule decode kernel takes no slot indices.
+3. The gated RMSNorm (``w * norm(o) * silu(z)``) as one fla ``layer_norm_fwd`` launch per layer.
+
+Extend (prefill, chunked prefill; not graphed): every request of the batch at once through fla's varlen kernels
+(``cu_seqlens``): ``causal_conv1d`` from the slots' conv states, ``chunk_gated_delta_rule`` from their recurrent
+states; the final states are written back to the slots. A request's first extend starts from zeros, as a fresh
+transformers cache does (:func:`zero_fresh_slots`).
+
+The kernels compute in float32 from bf16 inputs, so outputs are close to, not bit-equal with, the torch reference
+that the CPU tests hold equal to transformers (``tests/test_qwen3_5_gpu.py`` bounds the difference).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INSTALL_HINT = "Qwen3.5 on CUDA needs flash-linear-attention's kernels: pip install 'epdserve[hybrid-gpu]'"
+
+
+def _fla():
+    """fla's modules (imported on first use). Raises ImportError naming the extra when fla-core is missing."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.modules.norm.layernorm_gated import layer_norm_fwd
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    return causal_conv1d, layer_norm_fwd, chunk_gated_delta_rule, fused_recurrent_kda_fwd
+
+
+@triton.jit
+def _conv_update_kernel(x, state, slots, weight, q, k, v, stride_x, stride_slot,
+                        QK: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr):
+    i_n, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    o_w = tl.arange(0, BW)
+    m_d, m_w = o_d < D, o_w < W
+    slot = tl.load(slots + i_n).to(tl.int64)
+    b_x = tl.load(x + i_n * stride_x + o_d, mask=m_d, other=0.0)
+    # The window: the state's last W - 1 inputs, oldest first, then this token's.
+    p_state = state + slot * stride_slot + o_d[:, None] * W + o_w[None, :]
+    b_old = tl.load(p_state + 1, mask=m_d[:, None] & (o_w + 1 < W)[None, :], other=0.0)
+    b_win = tl.where((o_w == W - 1)[None, :], b_x[:, None], b_old)
+    tl.store(p_state, b_win, mask=m_d[:, None] & m_w[None, :])
+    b_w = tl.load(weight + o_d[:, None] * W + o_w[None, :], mask=m_d[:, None] & m_w[None, :], other=0.0)
+    b_y = tl.sum(b_win.to(tl.float32) * b_w.to(tl.float32), 1)
+    b_y = b_y * tl.sigmoid(b_y)
+    # Channels q | k | v: each output is contiguous, as the delta-rule kernel reads it.
+    tl.store(q + i_n * QK + o_d, b_y, mask=o_d < QK)
+    tl.store(k + i_n * QK + (o_d - QK), b_y, mask=(o_d >= QK) & (o_d < 2 * QK))
+    tl.store(v + i_n * (D - 2 * QK) + (o_d - 2 * QK), b_y, mask=(o_d >= 2 * QK) & m_d)
+
+
+def conv_update(x: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                qk_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode token per request through the causal depthwise conv1d + SiLU, in place on the slots' states.
+
+    Args:
+        x: ``[B, D]`` this step's conv inputs (q|k|v channels; rows may be strided, channels contiguous).
+        state: ``[num_slots + 1, D, W]`` one layer's conv states (``pool.conv[layer]``), contiguous; row ``slot``
+            holds that request's last ``W`` inputs, oldest first. Updated in place: the window shifts by one.
+        slots: int64 ``[B]`` each row's slot (padding rows may share the scratch slot).
+        weight: ``[D, W]`` the conv weight, contiguous.
+        qk_dim: channels of q (and of k); v has ``D - 2 * qk_dim``.
+
+    Returns:
+        ``(q, k, v)``: ``[B, qk_dim]``, ``[B, qk_dim]``, ``[B, D - 2 * qk_dim]`` in ``x.dtype``, contiguous.
+    """
+    B, D = x.shape
+    W = weight.shape[-1]
+    if x.stride(-1) != 1 or not state.is_contiguous() or not weight.is_contiguous():
+        raise ValueError("conv_update needs channel-contiguous x and contiguous state and weight")
+    q = torch.empty(B, qk_dim, dtype=x.dtype, device=x.device)
+    k = torch.empty_like(q)
+    v = torch.empty(B, D - 2 * qk_dim, dtype=x.dtype, device=x.device)
+    BD = 256
+    _conv_update_kernel[(B, triton.cdiv(D, BD))](x, state, slots, weight, q, k, v, x.stride(0), state.stride(0),
+                                                 QK=qk_dim, D=D, W=W, BD=BD, BW=triton.next_power_of_2(W))
+    return q, k, v
+
+
+def decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor,
+           recurrent_state: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias_k: torch.Tensor,
+           heads: tuple[int, int, int, int]) -> torch.Tensor:
+    """One decode token per request of a DeltaNet layer: conv, then the gated delta rule, states in place.
+
+    Args:
+        mixed: ``[B, conv_dim]`` ``in_proj_qkv``'s output (q|k|v channels).
+        a, b: ``[B, hv]`` ``in_proj_a`` / ``in_proj_b`` outputs (the raw decay and beta inputs).
+        slots: int64 ``[B]`` state slots.
+        conv_state, recurrent_state: this layer's pool tensors ``[num_slots + 1, conv_dim, W]`` and
+            ``[num_slots + 1, hv, dk, dv]`` (float32), updated in place.
+        conv_weight: ``[conv_dim, W]``. A_log: ``[hv]``. dt_bias_k: ``[hv * dk]``, ``dt_bias`` repeated over
+            each head's key features (the kernel reads a bias per key feature).
+        heads: ``(hk, hv, dk, dv)``.
+
+    Returns:
+        ``[B, hv, dv]`` the layer's core output in ``mixed.dtype``.
+    """
+    *_, fused_recurrent_kda_fwd = _fla()
+    hk, hv, dk, dv = heads
+    B = mixed.shape[0]
+    q, k, v = conv_update(mixed, conv_state, slots, conv_weight, hk * dk)
+    # The per-key-feature decay input: the head's one value on each of its dk features (materialised: the kernel
+    # reads g as a contiguous [B, 1, hv, dk]).
+    g = a[:, None, :, None].expand(B, 1, hv, dk).contiguous()
+    out = torch.empty(B, 1, hv, dv, dtype=mixed.dtype, device=mixed.device)
+    fused_recurrent_kda_fwd(
+        q=q.view(B, 1, hk, dk), k=k.view(B, 1, hk, dk), v=v.view(B, 1, hv, dv), g=g,
+        beta=b.contiguous().view(B, 1, hv), A_log=A_log, dt_bias=dt_bias_k, initial_state=recurrent_state,
+        inplace_final_state=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, out=out)
+    return out.view(B, hv, dv)
+
+
+def zero_fresh_slots(conv_buffer: torch.Tensor, recurrent_buffer: torch.Tensor, fresh: torch.Tensor) -> None:
+    """Zero every layer's states of the ``fresh`` slots (int64 ``[n]``, device): their requests' first extend
+    starts from the zero state whatever a previous request left there."""
+    if fresh.numel():
+        conv_buffer.index_fill_(1, fresh, 0)
+        recurrent_buffer.index_fill_(1, fresh, 0)
+
+
+def extend(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+           cu_seqlens_cpu: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+           conv_weight: torch.Tensor, heads: tuple[int, int, int, int]) -> torch.Tensor:
+    """All requests' new tokens of a DeltaNet layer at once (varlen), continuing each slot's states.
+
+    Args:
+        mixed: ``[T, conv_dim]`` the packed tokens' ``in_proj_qkv`` outputs.
+        g: float32 ``[T, hv]`` log decays; beta: ``[T, hv]`` (after the sigmoid).
+        slots: int64 ``[N]`` the requests' slots; cu_seqlens: int64 ``[N + 1]`` token offsets on the device,
+            cu_seqlens_cpu the same on the host.
+        conv_state, recurrent_state, conv_weight, heads: as for :func:`decode`; the slots' rows are read as the
+            initial states and overwritten with the final ones.
+
+    Returns:
+        ``[T, hv, dv]`` in ``mixed.dtype``.
+    """
+    causal_conv1d, _, chunk_gated_delta_rule, _ = _fla()
+    hk, hv, dk, dv = heads
+    T = mixed.shape[0]
+    out, conv_final = causal_conv1d(
+        mixed[None], weight=conv_weight, initial_state=conv_state[slots], output_final_state=True,
+        activation="silu", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    conv_state[slots] = conv_final.to(conv_state.dtype)
+    q, k, v = out[0].split([hk * dk, hk * dk, hv * dv], dim=-1)
+    core, rec_final = chunk_gated_delta_rule(
+        q.reshape(1, T, hk, dk), k.reshape(1, T, hk, dk), v.reshape(1, T, hv, dv), g=g[None], beta=beta[None],
+        initial_state=recurrent_state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    recurrent_state[slots] = rec_final.to(recurrent_state.dtype)
+    return core[0]
+
+
+def gated_norm(core: torch.Tensor, z: torch.Tensor, weight_rep: torch.Tensor, eps: float) -> torch.Tensor:
+    """``Qwen3_5RMSNormGated`` in one launch: per head, ``w * rmsnorm(core) * silu(z)`` (float32 inside).
+
+    Args:
+        core: ``[N, hv, dv]`` (contiguous). z: ``[N, hv * dv]`` (rows may be strided). weight_rep: ``[hv * dv]``
+            the norm weight repeated for each head.
+
+    Returns:
+        ``[N, hv * dv]`` in ``core.dtype``.
+    """
+    _, layer_norm_fwd, _, _ = _fla()
+    N, hv, dv = core.shape
+    out, _, _ = layer_norm_fwd(core.view(N, hv * dv), weight_rep, None, eps, z=z, group_size=dv,
+                               norm_before_gate=True, is_rms_norm=True)
+    return out
