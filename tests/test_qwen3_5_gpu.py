@@ -1,11 +1,14 @@
-"""Qwen3.5's hybrid LM on CUDA (skipped without one): the GPU kernels (flash-linear-attention's gated delta rule
-and whatever transformers' wrappers pick for the conv, flashinfer or SDPA attention) against the torch reference
-that the CPU tests hold equal to transformers, and decode CUDA graphs against eager steps, on the ``small`` random
-checkpoint (the 9B's head shapes, so the kernels run at their real tile sizes).
+"""Qwen3.5's hybrid LM on CUDA (skipped without one): the GPU kernels (:mod:`epdserve.models.deltanet_cuda`:
+flash-linear-attention's varlen conv and chunked delta rule for extends, the slot-indexed conv update and fla's
+continuous-batching recurrent kernel for decode; flashinfer's norms and attention in bf16) against the torch
+reference that the CPU tests hold equal to transformers, and decode CUDA graphs against eager steps, on the
+``small`` random checkpoint (the 9B's head shapes, so the kernels run at their real tile sizes).
 
-The float32 comparison is teacher-forced on the CPU reference's tokens, so one near-tie cannot derail the rest:
-every step's logits must agree within a bound, and a differing argmax is allowed only where the reference's own
-top-two margin is within twice the step's measured logit difference (a near-tie)."""
+The comparisons are teacher-forced on the CPU reference's tokens, so one near-tie cannot derail the rest. In
+float32 (SDPA attention: flashinfer's kernels are 16-bit only) every step's logits must agree within a bound, and a
+differing argmax is allowed only where the reference's own top-two margin is within twice the step's measured
+logit difference (a near-tie). In bf16 the whole CUDA path (flashinfer's fused norms too) may differ from the
+float32 reference by no more than the CPU's plain bf16 torch path does, within a factor of two."""
 
 from __future__ import annotations
 
@@ -77,6 +80,7 @@ def test_cuda_kernels_equal_the_torch_reference_in_float32(small35):
     kw = dict(dtype=torch.float32, num_pages=512, page_size=PAGE, num_state_slots=4)
     ref = ModelRunner(small35, device=torch.device("cpu"), attention_backend="sdpa", **kw)
     gpu = ModelRunner(small35, device=torch.device("cuda"), **kw)
+    assert gpu.model.deltanet_kernels, "fla-core is not installed: pip install -e '.[hybrid-gpu]'"
     prompts = _prompts(ref.config.vocab_size)
     want, fed = _teacher_forced(ref, prompts, None, steps)
     got, _ = _teacher_forced(gpu, prompts, fed, steps)
@@ -105,3 +109,23 @@ def test_bf16_decode_graphs_equal_eager_steps(small35):
         _, fed = _teacher_forced(eager, batch, None, steps)
         _, fed_graphed = _teacher_forced(graphed, batch, None, steps)
         assert fed_graphed == fed, f"batch {len(batch)}: graph replays diverged from eager steps"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_cuda_path_is_within_bf16_rounding_of_float32(small35):
+    steps = 16
+    kw = dict(num_pages=512, page_size=PAGE, num_state_slots=4)
+    cpu = dict(device=torch.device("cpu"), attention_backend="sdpa")
+    ref = ModelRunner(small35, dtype=torch.float32, **cpu, **kw)
+    prompts = _prompts(ref.config.vocab_size)
+    want, fed = _teacher_forced(ref, prompts, None, steps)
+    del ref
+    plain, _ = _teacher_forced(ModelRunner(small35, dtype=torch.bfloat16, **cpu, **kw), prompts, fed, steps)
+    gpu_runner = ModelRunner(small35, device=torch.device("cuda"), dtype=torch.bfloat16, **kw)
+    assert gpu_runner.model.fused_ops and gpu_runner.model.deltanet_kernels
+    got, _ = _teacher_forced(gpu_runner, prompts, fed, steps)
+    err_plain = max(float((w - p).abs().max()) for w, p in zip(want, plain))
+    err_gpu = max(float((w - g).abs().max()) for w, g in zip(want, got))
+    print(f"max |logit - float32 reference|: CPU bf16 torch path {err_plain:.4g}, CUDA bf16 kernels {err_gpu:.4g}")
+    assert err_gpu <= 2 * err_plain, f"CUDA bf16 error {err_gpu:.4g} > 2x the CPU bf16 path's {err_plain:.4g}"

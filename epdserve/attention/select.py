@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from epdserve.attention.base import AttentionBackend
 from epdserve.kvcache.kv_pool import KVPool
 
@@ -16,7 +18,7 @@ _FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 def make_backend(name: str, kv_pool: KVPool, num_qo_heads: int) -> AttentionBackend:
     """Build the backend ``name``: ``"sdpa"``, ``"flashinfer"`` or ``"auto"`` (flashinfer on CUDA when it is
-    installed and the head size is 64, 128 or 256, else SDPA).
+    installed, the head size is 64, 128 or 256 and the KV is 16-bit, else SDPA).
 
     Raises:
         ValueError: unknown name, or ``"flashinfer"`` on a non-CUDA pool.
@@ -29,6 +31,8 @@ def make_backend(name: str, kv_pool: KVPool, num_qo_heads: int) -> AttentionBack
         raise ValueError(f"the flashinfer backend needs a CUDA device, the KV pool is on {kv_pool.device}")
     if name == "auto" and on_cuda and kv_pool.head_dim not in _FLASHINFER_HEAD_DIMS:
         name = "sdpa"  # e.g. the tiny test checkpoint (head_dim 32): flashinfer ships no kernels for it
+    if name == "auto" and on_cuda and kv_pool.dtype not in (torch.bfloat16, torch.float16):
+        name = "sdpa"  # flashinfer's attention kernels are 16-bit only (float32: KeyError in its JIT)
     if name == "auto" and on_cuda:
         try:
             import flashinfer  # noqa: F401  (probe only; the backend module imports it for real)

@@ -3,13 +3,17 @@ layers, over the paged KV cache (attention layers only) and a :class:`~epdserve.
 
 Reference: transformers 5 ``models/qwen3_5/modeling_qwen3_5.py`` (``Qwen3_5TextModel``, ``Qwen3_5DecoderLayer``,
 ``Qwen3_5Attention``, ``Qwen3_5GatedDeltaNet``, ``Qwen3_5RMSNorm``, ``Qwen3_5RMSNormGated``,
-``Qwen3_5TextRotaryEmbedding``); the gated delta rule is Yang et al., arXiv:2412.06464. The math is copied from
-those classes, and the DeltaNet kernels are transformers' own torch references (``torch_chunk_gated_delta_rule``
-for extends, ``torch_recurrent_gated_delta_rule`` for one-token steps, ``causal_conv1d_fn`` /
-``causal_conv1d_update``), so CPU outputs equal transformers'. On CUDA the same calls go through transformers'
-wrappers, which run flash-linear-attention's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` and
-the ``causal_conv1d`` package's kernels when those are installed (``pip install -e '.[hybrid-gpu]'``; untested on a
-GPU so far). Extends loop over their requests (fla's varlen ``cu_seqlens`` path would batch them).
+``Qwen3_5TextRotaryEmbedding``); the gated delta rule is Yang et al., arXiv:2412.06464. Two implementations of the
+DeltaNet layers:
+
+- the torch path (CPU, the reference): the math copied from those classes, the kernels transformers' own torch
+  references (``torch_chunk_gated_delta_rule`` for extends, ``torch_recurrent_gated_delta_rule`` for one-token
+  steps, ``causal_conv1d_fn`` / ``causal_conv1d_update``), so CPU outputs equal transformers'. Extends loop over
+  their requests; decode gathers the slots' states and scatters them back.
+- the CUDA path (:mod:`epdserve.models.deltanet_cuda`, ``pip install -e '.[hybrid-gpu]'``): flash-linear-attention's
+  kernels over the state pool in place through the slots, every request of an extend in one varlen call, decode
+  inside the CUDA graph. With the flashinfer attention backend, the norms (Gemma's, fused with the residual adds)
+  and SiLU-and-mul are flashinfer's too (:meth:`Qwen3_5LanguageModel.use_fused_ops`).
 
 What differs from the Qwen2/Qwen3 decoders of :mod:`epdserve.models.qwen2_vl_lm`:
 
@@ -29,8 +33,8 @@ and value heads ``[r*hv/n, ...)``, which are exactly the value heads those key h
 and the conv channels keep this rank's q, k and v heads part by part, ``in_proj_z/a/b``, ``A_log`` and
 ``dt_bias`` its value heads, and ``out_proj`` is row-parallel; the state pool of a rank holds its heads only
 (:func:`deltanet_local_shapes`). Images: ``mm_embeds`` rows are spliced in as for Qwen2 (Qwen3.5 has no
-DeepStack). No flashinfer fused ops; decode CUDA graphs take the slots as a device tensor (padding rows on the
-scratch slot), and there are no prefill graphs.
+DeepStack). Decode CUDA graphs take the slots as a device tensor (padding rows on the scratch slot); there are no
+prefill graphs.
 
 A request's first extend (``kv_len == q_len``: no prefix before it) starts from the zero state whatever its slot
 holds, as a fresh transformers cache does, so a slot need not be zeroed on every TP rank at allocation.
@@ -42,6 +46,8 @@ import functools
 import inspect
 from dataclasses import dataclass
 from types import SimpleNamespace
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +62,7 @@ from epdserve.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowP
 from epdserve.models.qwen2_vl_lm import (FUSED_PARTS, MLP, Qwen2VLLanguageModel, _flashinfer, _rotate,
                                          mrope_cos_sin)
 
+log = logging.getLogger(__name__)
 
 _KERNELS = ("causal_conv1d_update", "causal_conv1d_fn", "torch_recurrent_gated_delta_rule",
             "torch_chunk_gated_delta_rule")
@@ -79,6 +86,19 @@ def _ref(device: torch.device) -> SimpleNamespace:
     peeled off (``inspect.unwrap``): always the torch references, so CPU output equals transformers' torch path
     even where those packages are installed (their kernels are GPU-only)."""
     return _kernels(device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _deltanet_kernels_available() -> bool:
+    """Whether flash-linear-attention imports (checked once per process; logs the install hint when not)."""
+    from epdserve.models import deltanet_cuda
+
+    try:
+        deltanet_cuda._fla()
+    except ImportError as e:
+        log.warning("%s; DeltaNet layers run transformers' slower torch code", e)
+        return False
+    return True
 
 
 def deltanet_heads(cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int, int]:
@@ -445,25 +465,30 @@ class Qwen3_5LanguageModel(nn.Module):
     load_weights = Qwen2VLLanguageModel.load_weights
 
     def use_fused_ops(self, enabled: bool) -> Qwen3_5LanguageModel:
-        """Switch to the CUDA kernels: flashinfer's Gemma norms (fused with the residual adds) and SiLU-and-mul,
-        flash-linear-attention's DeltaNet kernels over the state slots (:mod:`epdserve.models.deltanet_cuda`).
-        Call after :meth:`load_weights`. Returns self.
+        """Switch norms and SiLU-and-mul to flashinfer's kernels (the Gemma norms, fused with the residual adds),
+        as the runner does with the flashinfer attention backend. Independently, the DeltaNet layers of a model on
+        CUDA run flash-linear-attention's kernels over the state slots (:mod:`epdserve.models.deltanet_cuda`)
+        whatever the attention backend, when ``fla-core`` imports (else transformers' torch code, logged once).
+        Call after :meth:`load_weights` (the kernels take derived copies of some weights). Returns self.
 
         Raises:
-            ImportError: enabled and flashinfer or fla-core is not installed (the message names the extra).
+            ImportError: enabled and flashinfer is not installed.
         """
         if enabled:
             _flashinfer()
-            from epdserve.models import deltanet_cuda
-
-            deltanet_cuda._fla()
         self.fused_ops = enabled
+        kernels = self.embed_tokens.weight.is_cuda and _deltanet_kernels_available()
         for m in self.modules():
             if isinstance(m, (ZeroCenteredRMSNorm, MLP)):
                 m.fused = enabled
             elif isinstance(m, GatedDeltaNet):
-                m.use_kernels(enabled)
+                m.use_kernels(kernels)
         return self
+
+    @property
+    def deltanet_kernels(self) -> bool:
+        """Whether the DeltaNet layers run the CUDA kernels (see :meth:`use_fused_ops`)."""
+        return any(isinstance(m, GatedDeltaNet) and m.fused for m in self.layers.modules())
 
     def _deltanet_batch(self, batch: ForwardBatch, device: torch.device) -> DeltaNetBatch:
         """The slots (a decode CUDA graph passes its static device buffer) and, for an extend on the kernels, the
@@ -471,7 +496,7 @@ class Qwen3_5LanguageModel(nn.Module):
         slots = batch.state_slots
         if not isinstance(slots, torch.Tensor):
             slots = torch.tensor(slots, dtype=torch.int64, device=device)
-        if batch.is_decode or not self.fused_ops:
+        if batch.is_decode or not self.deltanet_kernels:
             return DeltaNetBatch(slots)
         from epdserve.models import deltanet_cuda
 
@@ -496,7 +521,7 @@ class Qwen3_5LanguageModel(nn.Module):
         if batch.state_slots is None or len(batch.state_slots) != batch.batch_size:
             raise ValueError(f"a Qwen3.5 batch needs one state slot per request, got {batch.state_slots}")
         x = Qwen2VLLanguageModel._embed(self, batch)
-        dn = self._deltanet_batch(batch, x.device)
+        dn = self._deltanet_batch(batch, x.device)  # before any layer: it zeroes the fresh requests' slots
         cos, sin = mrope_cos_sin(batch.positions, self.inv_freq, self.config.mrope_section, x.dtype, True)
         residual = None
         for layer in self.layers:
