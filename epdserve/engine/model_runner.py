@@ -295,6 +295,27 @@ class ModelRunner:
         self.forward(ForwardBatch(False, ids[:n], positions[:, :n], slots[:n], [n], [n], [pages], state_slots=state))
         self.forward(ForwardBatch(True, ids[n:], positions[:, n:], slots[n:], [1], [n + 1], [pages],
                                   state_slots=state))
+        if self.state_pool is not None and self.device.type == "cuda":
+            self._warmup_varlen_extends()
+
+    def _warmup_varlen_extends(self) -> None:
+        """A hybrid model's varlen DeltaNet kernels (Triton) compile one variant per specialisation of their
+        integer arguments (a value of 1, a multiple of 16) and autotune on first use; served batches hit several
+        (one request or many, fresh or continued, short or past a 64-token chunk). Each compile of a new variant
+        stalls the prefill loop for seconds, so they are all built here: batches of requests on scratch state and
+        the first pages, whose KV no request reads before writing it."""
+        ps = self.page_size
+        for q_lens, prefix in (([70, 5], 0), ([4] * 16, 0), ([1], 8), ([33, 1], 8), ([16], 0)):
+            kv_lens = [q + prefix for q in q_lens]
+            longest = max(kv_lens)
+            pages = list(range(-(-longest // ps)))
+            if len(pages) > self.num_pages:
+                return
+            pos = torch.cat([torch.arange(prefix, kv) for kv in kv_lens])
+            T = len(pos)
+            self.forward(ForwardBatch(False, torch.zeros(T, dtype=torch.int64), pos.expand(3, -1), pos.clone(),
+                                      q_lens, kv_lens, [pages] * len(q_lens),
+                                      state_slots=[self.state_pool.scratch_slot] * len(q_lens)))
 
 
 def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
