@@ -127,9 +127,11 @@ def test_bf16_decode_graphs_equal_eager_steps(small35):
 @pytest.mark.gpu
 @needs_cuda
 def test_bf16_cuda_path_is_within_bf16_rounding_of_float32(small35, reference32):
-    steps = 8
+    # The two shorter prompts (one inside the conv window, one over three delta-rule chunks): the CPU's bf16
+    # matmuls are slow, and the 700-token prompt adds no path the float32 test has not covered.
+    steps, n = 6, 2
     prompts, want, fed = reference32
-    want, fed = want[:steps + 1], [f[:steps] for f in fed]
+    prompts, want, fed = prompts[:n], [w[:n] for w in want[:steps + 1]], [f[:steps] for f in fed[:n]]
     cpu = ModelRunner(small35, device=torch.device("cpu"), attention_backend="sdpa", dtype=torch.bfloat16, **KW)
     plain, _ = _teacher_forced(cpu, prompts, fed, steps)
     gpu = ModelRunner(small35, device=torch.device("cuda"), dtype=torch.bfloat16, **KW)
