@@ -269,3 +269,85 @@ def test_preset_qwen3_5_9b_shapes_init_and_loaders(tmp_path):
     enc = VisionEncoder(path, torch.device("cpu"), torch.bfloat16)
     [(emb, grid)] = enc.encode([Image.new("RGB", (256, 256), (200, 40, 40))])
     assert emb.shape == (grid[0] * grid[1] * grid[2] // 4, 256)
+
+
+# Released parameter counts where a public source gives one (Qwen3.5-4B: 4.66B, an admission report reading the Hub's
+# safetensors metadata; Qwen3.5-27B's architecture: 55.56 GB of bf16 = 27.78B, Qwen3.6-27B's index) include the MTP
+# head, which Qwen3_5ForConditionalGeneration does not build; the others are the model names.
+QWEN35_PARAMS = {"qwen3.5-0.8b": (0.80e9, 0.90e9), "qwen3.5-4b": (4.40e9, 4.66e9), "qwen3.5-9b": (9.0e9, 9.7e9),
+                 "qwen3.5-27b": (26.5e9, 27.78e9)}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN35_PARAMS))
+def test_qwen3_5_presets_real_shapes_without_weights(name):
+    """Every Qwen3.5 preset, config-level and on the meta device (no 27B of weights on a CPU runner): the released
+    layout (3 DeltaNet : 1 attention, as ``full_attention_interval`` 4 gives: the last layer attention), grouped query
+    attention and grouped DeltaNet heads that divide evenly, equal DeltaNet key and value head dims, partial rotary
+    0.25 with an mrope_section covering the rotated half, the vision tower projecting to the text width, and a
+    parameter count in the released range."""
+    from epdserve.models.checkpoint_parts import build_tokenizer
+    from epdserve.models.config import ModelConfig
+    from epdserve.models.presets import _preset_config
+
+    spec = PRESETS[name]
+    config, model_cls, _ = _preset_config(spec, build_tokenizer(), {})
+    text, vision = config.text_config, config.vision_config
+    layers = text.layer_types
+    assert len(layers) == text.num_hidden_layers and text.num_hidden_layers % 4 == 0
+    assert layers == (["linear_attention"] * 3 + ["full_attention"]) * (text.num_hidden_layers // 4)
+    assert text.num_attention_heads % text.num_key_value_heads == 0
+    assert text.linear_num_value_heads % text.linear_num_key_heads == 0
+    assert text.linear_key_head_dim == text.linear_value_head_dim == 128 and text.head_dim == 256
+    rope = text.rope_parameters
+    assert rope["partial_rotary_factor"] == 0.25 and sum(rope["mrope_section"]) == 256 * 0.25 // 2
+    assert rope["rope_theta"] == 1e7 and rope["mrope_interleaved"]
+    assert (text.vocab_size, text.max_position_embeddings) == (248320, 262144)
+    assert vision.out_hidden_size == text.hidden_size and vision.patch_size == 16
+    assert config.tie_word_embeddings is spec["tie_word_embeddings"]
+    with torch.device("meta"):
+        model = model_cls(config)
+    low, high = QWEN35_PARAMS[name]
+    assert low <= sum(p.numel() for p in model.parameters()) <= high
+    assert hasattr(model, "lm_head") and (model.lm_head.weight is model.model.language_model.embed_tokens.weight) \
+        is spec["tie_word_embeddings"]
+    # epdserve's own reading of the written config.json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        cfg = ModelConfig.load(tmp)
+    assert cfg.attention_layers == tuple(range(3, text.num_hidden_layers, 4))
+    assert (cfg.rotary_dim, cfg.tie_word_embeddings) == (64, spec["tie_word_embeddings"])
+
+
+def test_preset_qwen3_5_tied_small_loads_and_matches_transformers(tmp_path):
+    """The tied Qwen3.5 presets (0.8B, 4B) scaled down (4 layers of 256, the 0.8B's ungrouped 16 K / 16 V DeltaNet
+    heads and vocabulary, 1 vision block): no lm_head tensor on disk, transformers loads it without missing
+    tensors, and epdserve's prefill logits equal transformers'."""
+    import dataclasses
+
+    from test_model_runtime import Seq, make_batch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from epdserve.engine.model_runner import ModelRunner
+
+    small = {"text": {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                      "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                      "num_key_value_heads": 1},
+             "vision": {"depth": 1}}
+    path = make_preset_model(tmp_path / "q35-tied", "qwen3.5-0.8b", overrides=small)
+    tensors = _tensors(path)
+    assert "lm_head.weight" not in tensors
+    assert tensors["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"].shape == (3 * 16 * 128, 256)
+    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    runner = ModelRunner(str(path), device=torch.device("cpu"), dtype=torch.float32, num_pages=64, page_size=16,
+                         attention_backend="sdpa", num_state_slots=2)
+    assert runner.config.tie_word_embeddings
+    ids = torch.arange(3, 40)
+    seq, slot = Seq(ids, [], [0, 1, 2], 16), runner.state_pool.alloc()
+    logits = runner.forward(dataclasses.replace(make_batch([seq.extend_part(len(ids))]), state_slots=[slot]))
+    with torch.no_grad():
+        want = model(input_ids=ids[None]).logits[0, -1]
+    torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=0)

@@ -10,8 +10,14 @@ fixtures of the 2B and 4B configs); their processors from the quoted ``preproces
 transformers 5's ``Qwen3_5TextConfig`` defaults and agree with a public test fixture quoting Qwen/Qwen3.5-9B's
 ``config.json`` (24 DeltaNet + 8 gated-attention layers, 16 key / 32 value DeltaNet heads of 128, kernel 4), and
 whose tower (27 blocks of 1152, no DeepStack, out 4096) is quoted alike by several public repositories (code
-search, 2026-11). Its processor is assumed to be Qwen3-VL's released one (patch 16, merge 2; not checked). The
-other dense sizes are left out: their DeltaNet head counts were not found in a public source.
+search, 2026-11). Its processor is assumed to be Qwen3-VL's released one (patch 16, merge 2; not checked).
+``qwen3.5-0.8b``, ``qwen3.5-4b`` and ``qwen3.5-27b`` (2026-11, sources at each entry of ``PRESETS``): the released
+``config.json`` as quoted verbatim in public files (0.8B: a full ``curl`` of it; 4B: a plan listing every text field
+of the fetched file; 27B: THUDM/slime's launch script plus a full ``Qwen3_5Config`` copy). Qwen3.5-2B is left out:
+its text sizes are public (model card: 24 layers of 2048, 16 K / 16 V DeltaNet heads, 8 Q / 2 KV heads of 256, FFN
+6144, tied) but only the depth (24) and width (1024) of its tower were found, not its MLP width or head count.
+The released DeltaNet grouping is not one ratio: value heads = key heads (16) in 0.8B and 2B, twice in 4B and 9B,
+three times in 27B.
 """
 
 from __future__ import annotations
@@ -30,8 +36,23 @@ _QWEN3_TEXT = dict(vocab_size=151936, num_key_value_heads=8, head_dim=128, max_p
                    mrope_section=[24, 20, 20])
 _QWEN3_VISION_SMALL = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
                            deepstack_visual_indexes=[5, 11, 17])
-# Qwen3.5-9B: three DeltaNet layers, then one gated-attention layer, eight times.
-_QWEN35_9B_LAYERS = (["linear_attention"] * 3 + ["full_attention"]) * 8
+
+
+def _qwen35_layers(groups: int) -> list[str]:
+    """The released Qwen3.5 layout: ``groups`` times three DeltaNet layers, then one gated-attention layer
+    (``full_attention_interval`` 4)."""
+    return (["linear_attention"] * 3 + ["full_attention"]) * groups
+
+
+# Every released dense Qwen3.5: vocabulary 248320 (padded), 262144 positions, attention heads of 256 (partial rotary
+# 0.25: 64 rotated features, interleaved mrope_section [11, 11, 10]), DeltaNet heads of 128 (key = value dim), conv
+# kernel 4 (all quoted in each source below).
+_QWEN35_TEXT = dict(vocab_size=248320, head_dim=256, max_position_embeddings=262144, linear_num_key_heads=16,
+                    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                    mrope_section=[11, 11, 10])
+# The 27-block tower of 1152 (Qwen3.5-9B and -27B; out_hidden_size is the text width, set by qwen3_5_config).
+_QWEN35_VISION_LARGE = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16)
+_QWEN35_9B_LAYERS = _qwen35_layers(8)
 PRESETS = {
     "qwen2.5-vl-3b": dict(
         arch="qwen2_5_vl", tie_word_embeddings=False,
@@ -64,14 +85,52 @@ PRESETS = {
                   num_attention_heads=32),
         vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
                     deepstack_visual_indexes=[8, 16, 24])),
+    # Qwen/Qwen3.5-9B: transformers 5's Qwen3_5TextConfig defaults; checked again 2026-11 against two public
+    # copies of the released text_config (cpehle/tyr Tyr/Model/Qwen35/Config.lean `qwen35_9B`, and a Rust test
+    # fixture found with find_string '"model_type": "qwen3_5_text",': 4096 x 32 layers, FFN 12288, 16 Q / 4 KV
+    # heads of 256, 16 K / 32 V DeltaNet heads of 128, kernel 4, untied).
     "qwen3.5-9b": dict(
         arch="qwen3_5", tie_word_embeddings=False,
-        text=dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                  num_attention_heads=16, num_key_value_heads=4, head_dim=256, max_position_embeddings=262144,
-                  layer_types=_QWEN35_9B_LAYERS, linear_num_key_heads=16, linear_num_value_heads=32,
-                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                  mrope_section=[11, 11, 10]),
-        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16)),
+        text=dict(_QWEN35_TEXT, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                  num_attention_heads=16, num_key_value_heads=4, layer_types=_QWEN35_9B_LAYERS,
+                  linear_num_value_heads=32),
+        vision=dict(_QWEN35_VISION_LARGE)),
+    # Qwen/Qwen3.5-0.8B: https://huggingface.co/Qwen/Qwen3.5-0.8B/resolve/main/config.json, quoted whole (a curl of
+    # it in a public agent session log; find_string '"linear_num_value_heads": 16,' / 'Qwen3.5-0.8B'): 24 layers
+    # (6 x 3+1) of 1024, FFN 3584, 8 Q / 2 KV heads, 16 K / 16 V DeltaNet heads, tied; tower 12 blocks of 768, MLP
+    # 3072, 12 heads, out 1024. The text part agrees with cpehle/tyr Tyr/Model/Qwen35/Config.lean `qwen35_0_8B`.
+    "qwen3.5-0.8b": dict(
+        arch="qwen3_5", tie_word_embeddings=True,
+        text=dict(_QWEN35_TEXT, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                  num_attention_heads=8, num_key_value_heads=2, layer_types=_qwen35_layers(6),
+                  linear_num_value_heads=16),
+        vision=dict(depth=12, hidden_size=768, intermediate_size=3072, num_heads=12)),
+    # Qwen/Qwen3.5-4B: text from https://huggingface.co/Qwen/Qwen3.5-4B/resolve/main/config.json as listed field by
+    # field in a public implementation plan that fetched it (find_string 'Qwen3.5-4B/resolve/main/config.json'):
+    # 32 layers (8 x 3+1) of 2560, FFN 9216, 16 Q / 4 KV heads of 256, 16 K / 32 V DeltaNet heads of 128, kernel 4,
+    # rope theta 1e7, partial rotary 0.25; tie_word_embeddings true (a second public file, hash-checked against the
+    # same URL). The tower (24 blocks of 1024, MLP 4096, 16 heads, out 2560) is read from public copies of the
+    # config.json of a fine-tune of Qwen3.5-4B (find_string '"out_hidden_size": 2560'), not the released file: a
+    # fine-tune keeps the architecture; it is the tower of Qwen3-VL-2B/4B too.
+    "qwen3.5-4b": dict(
+        arch="qwen3_5", tie_word_embeddings=True,
+        text=dict(_QWEN35_TEXT, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+                  num_attention_heads=16, num_key_value_heads=4, layer_types=_qwen35_layers(8),
+                  linear_num_value_heads=32),
+        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16)),
+    # Qwen/Qwen3.5-27B: THUDM/slime scripts/models/qwen3.5-27B.sh (64 layers of 5120, FFN 17408, 24 Q heads in 4
+    # KV groups of 256, rotary 25 %, base 1e7, untied, vocabulary 248320), and a full copy of the released
+    # Qwen3_5Config in public benchmark code (find_string '"linear_num_value_heads": 48'): 16 K / 48 V DeltaNet
+    # heads of 128, kernel 4, mrope_section [11, 11, 10], layer_types 16 x 3+1; tower 27 blocks of 1152, MLP 4304,
+    # 16 heads, out 5120. 16 K / 48 V are also the defaults of Modular MAX's Qwen3_5Config
+    # (https://docs.modular.com/max/api/python/pipelines.architectures.qwen3_5/). ~54 GB of bf16 weights: one
+    # H200 with room for its pools.
+    "qwen3.5-27b": dict(
+        arch="qwen3_5", tie_word_embeddings=False,
+        text=dict(_QWEN35_TEXT, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                  num_attention_heads=24, num_key_value_heads=4, layer_types=_qwen35_layers(16),
+                  linear_num_value_heads=48),
+        vision=dict(_QWEN35_VISION_LARGE)),
 }
 # The image processor of the released Qwen2-VL / Qwen2.5-VL checkpoints (preprocessor_config.json).
 PRESET_MIN_PIXELS, PRESET_MAX_PIXELS = 56 * 56, 12845056
@@ -217,12 +276,12 @@ def _zero_rows(tokenizer, vocab: int, tied: bool):
     and lone UTF-8 bytes. So the LM-head row of every id whose ``tokenizer.decode([id],
     skip_special_tokens=True)`` is not visible text (empty, as for special tokens; all whitespace; containing
     U+FFFD or a non-printable character), and of every id >= ``len(tokenizer)``, is set to 0: its logit is
-    exactly 0 while visible ids' logits are random with std ~0.9 (sqrt(hidden) * 0.02), so greedy decoding
-    streams visible text (and never EOS: run with a length limit). Untied models zero rows of ``lm_head.weight``.
-    In a tied model (``qwen2-vl-2b``, ``qwen3-vl-2b``, ``qwen3-vl-4b``) the head IS the input embedding, so the
-    zeroed rows also zero those ids' input embeddings, which is harmless for ids that never appear in prompts; the
-    special tokens prompts use (``<|im_start|>``, ``<|image_pad|>``, ... all of ``SPECIAL_TOKENS``) keep their
-    embedding rows there.
+    exactly 0 while visible ids' logits are random with std ~0.9 (sqrt(hidden) * 0.02), so greedy decoding streams
+    visible text (and never EOS: run with a length limit). Untied models zero rows of ``lm_head.weight``. In a tied
+    model (``qwen2-vl-2b``, ``qwen3-vl-2b``, ``qwen3-vl-4b``, ``qwen3.5-0.8b``, ``qwen3.5-4b``) the head IS the input
+    embedding, so the zeroed rows also zero those ids' input embeddings, which is harmless for ids that never appear in
+    prompts; the special tokens prompts use (``<|im_start|>``, ``<|image_pad|>``, ... all of ``SPECIAL_TOKENS``) keep
+    their embedding rows there.
     """
     import torch
 
@@ -237,12 +296,12 @@ def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device
     """Write a random-weight checkpoint with the shapes of a released Qwen-VL model and return its path.
 
     ``preset`` is one of ``PRESETS`` (``qwen2.5-vl-3b``, ``qwen2.5-vl-7b``, ``qwen2-vl-2b``, ``qwen3-vl-2b``,
-    ``qwen3-vl-4b``, ``qwen3-vl-8b``, ``qwen3.5-9b``): the real text and vision sizes and vocabulary size
-    (151936 / 152064 / 248320 rows, more than the offline tokenizer's ~550 ids: only the shapes matter), and the
-    released image processor (Qwen2/2.5-VL: ``min_pixels`` 3136, ``max_pixels`` 12845056, so a 1280x720 image gives
-    1196 image tokens; Qwen3-VL, and assumed for Qwen3.5: 65536 .. 16777216 pixels, patch 16). Tokenizer,
-    processor, chat template and generation config are those of :func:`~epdserve.models.tiny.make_tiny_model` for
-    the same architecture.
+    ``qwen3-vl-4b``, ``qwen3-vl-8b``, ``qwen3.5-0.8b``, ``qwen3.5-4b``, ``qwen3.5-9b``, ``qwen3.5-27b``): the real text
+    and vision sizes and vocabulary size (151936 / 152064 / 248320 rows, more than the offline tokenizer's ~550 ids:
+    only the shapes matter), and the released image processor (Qwen2/2.5-VL: ``min_pixels`` 3136, ``max_pixels``
+    12845056, so a 1280x720 image gives 1196 image tokens; Qwen3-VL, and assumed for Qwen3.5: 65536 .. 16777216 pixels,
+    patch 16). Tokenizer, processor, chat template and generation config are those of
+    :func:`~epdserve.models.tiny.make_tiny_model` for the same architecture.
 
     Weights: the HF model class is built on the ``meta`` device only for the tensor names and shapes; each
     tensor is then drawn directly in bfloat16 on ``device`` from its own generator, seeded by ``seed`` and a

@@ -14,10 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 
 # tiny: four layers, DeltaNet, DeltaNet, attention, DeltaNet (the attention layer is not the last, so the KV-layer
-# map is exercised); head_dim 64 with the released partial_rotary_factor 0.25 (16 rotated features, mrope_section
-# summing to 8); DeltaNet with 2 key heads serving 4 value heads (the grouped case of the released models).
+# map is exercised; the released models' 3 : 1 ratio); head_dim 64 with the released partial_rotary_factor 0.25 (16
+# rotated features, mrope_section summing to 8); 8 query heads per 2 KV heads (the released 4 : 1 grouping of 0.8B,
+# 2B, 4B and 9B; 27B has 6 : 1); DeltaNet with 2 key heads serving 4 value heads of equal key and value dims (the
+# grouped case of 4B and 9B; 0.8B and 2B have as many value as key heads, 27B three times as many; see
+# epdserve.models.presets).
 QWEN3_5_SIZES = {
-    "tiny": dict(text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+    "tiny": dict(text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=2, head_dim=64,
                            layer_types=["linear_attention", "linear_attention", "full_attention",
                                         "linear_attention"],
