@@ -156,20 +156,32 @@ def extend(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torc
     Returns:
         ``[T, hv, dv]`` in ``mixed.dtype``.
     """
-    causal_conv1d, _, chunk_gated_delta_rule, _ = _fla()
+    _, _, chunk_gated_delta_rule, _ = _fla()
     hk, hv, dk, dv = heads
     T = mixed.shape[0]
-    out, conv_final = causal_conv1d(
-        mixed[None], weight=conv_weight, initial_state=conv_state[slots], output_final_state=True,
-        activation="silu", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    conv_state[slots] = conv_final.to(conv_state.dtype)
-    q, k, v = out[0].split([hk * dk, hk * dk, hv * dv], dim=-1)
+    out = conv_extend(mixed, slots, cu_seqlens, cu_seqlens_cpu, conv_state, conv_weight)
+    q, k, v = out.split([hk * dk, hk * dk, hv * dv], dim=-1)
     core, rec_final = chunk_gated_delta_rule(
         q.reshape(1, T, hk, dk), k.reshape(1, T, hk, dk), v.reshape(1, T, hv, dv), g=g[None], beta=beta[None],
         initial_state=recurrent_state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     recurrent_state[slots] = rec_final.to(recurrent_state.dtype)
     return core[0]
+
+
+def conv_extend(mixed: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
+                conv_state: torch.Tensor, conv_weight: torch.Tensor) -> torch.Tensor:
+    """The packed tokens of all requests through the causal conv1d + SiLU (fla's varlen ``causal_conv1d``),
+    each continuing its slot's conv window; the slots' windows are replaced by the last ``W`` inputs.
+
+    Args: as :func:`extend`. Returns ``[T, conv_dim]`` in ``mixed.dtype``.
+    """
+    causal_conv1d, *_ = _fla()
+    out, final = causal_conv1d(
+        mixed[None], weight=conv_weight, initial_state=conv_state[slots], output_final_state=True,
+        activation="silu", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    conv_state[slots] = final.to(conv_state.dtype)
+    return out[0]
 
 
 def gated_norm(core: torch.Tensor, z: torch.Tensor, weight_rep: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,113 @@
+"""The CUDA DeltaNet kernels' arithmetic (:mod:`epdserve.models.deltanet_cuda`) checked on the CPU, under Triton's
+interpreter (``TRITON_INTERPRET=1``, in a subprocess: the variable must be set before Triton is imported), against
+transformers' torch references that the model tests hold equal to transformers' Qwen3.5, in float32:
+
+- decode: our slot-indexed conv update and fla's continuous-batching recurrent kernel with the gate, beta and q/k
+  L2 norms fused, over three steps, states read and written in place through the slots (grouped heads, strided
+  input rows, slots out of order, two padding rows sharing the scratch slot);
+- extend: fla's varlen conv over several requests from their slots' windows (fresh, continued, one token), and the
+  final windows written back; fla's chunked delta rule does not run under the interpreter (tests/test_qwen3_5_gpu.py
+  checks it on a GPU);
+- the gated RMSNorm.
+
+Skipped when fla-core or Triton is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def test_kernels_equal_the_torch_references_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    pytest.importorskip("fla", reason="fla-core not installed (pip install -e '.[hybrid-gpu]')")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    print(run.stdout)
+    assert "decode ok" in run.stdout and "extend conv ok" in run.stdout and "gated norm ok" in run.stdout
+
+
+def _check() -> None:
+    import inspect
+
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    from triton.runtime.autotuner import Autotuner
+
+    # The interpreter has no device to time configs on (autotuning raises), and a config changes only the tiling,
+    # not the result: take the first.
+    Autotuner.prune_configs = lambda self, kwargs, *args: self.configs[:1]
+
+    from epdserve.models import deltanet_cuda as dc
+
+    conv_update = inspect.unwrap(m.causal_conv1d_update)
+    conv_fn = inspect.unwrap(m.causal_conv1d_fn)
+    recurrent_rule = inspect.unwrap(m.torch_recurrent_gated_delta_rule)
+    torch.manual_seed(0)
+    hk, hv, dk, dv, W, S = 2, 4, 16, 16, 4, 6
+    D = 2 * hk * dk + hv * dv
+    weight = torch.randn(D, W) * 0.3
+    A_log, dt_bias = torch.randn(hv) * 0.1, torch.randn(hv)
+    tol = 1e-5
+
+    def close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        err = float((got - want).abs().max())
+        assert err <= tol * max(1.0, float(want.abs().max())), f"{name}: max |difference| {err:.3g}"
+
+    # Decode. Rows 3 and 4 are CUDA-graph padding: both on the scratch slot S; the reference skips them.
+    conv, rec = torch.randn(S + 1, D, W), torch.randn(S + 1, hv, dk, dv)
+    conv_ref, rec_ref = conv.clone(), rec.clone()
+    slots = torch.tensor([4, 0, 2, S, S])
+    real = slots[:3]
+    for _ in range(3):
+        mixed = torch.randn(5, D + 9)[:, :D]  # strided rows, as a split of the fused input projection
+        a, b = torch.randn(5, hv), torch.randn(5, hv)
+        got = dc.decode(mixed, a, b, slots, conv, rec, weight, A_log, dt_bias.repeat_interleave(dk), (hk, hv, dk, dv))
+        window = conv_ref[real]
+        out = conv_update(mixed[:3, :, None].contiguous(), window, weight, None, "silu")[..., 0]
+        conv_ref[real] = window
+        q, k, v = out.split([hk * dk, hk * dk, hv * dv], -1)
+        q, k = (x.reshape(3, 1, hk, dk).repeat_interleave(hv // hk, 2) for x in (q, k))
+        g = -A_log.exp() * F.softplus(a[:3] + dt_bias)
+        want, state = recurrent_rule(q, k, v.reshape(3, 1, hv, dv), g=g[:, None], beta=b[:3].sigmoid()[:, None],
+                                     initial_state=rec_ref[real], output_final_state=True,
+                                     use_qk_l2norm_in_kernel=True)
+        rec_ref[real] = state
+        close("decode output", got[:3], want[:, 0])
+        close("decode conv states", conv[:S], conv_ref[:S])
+        close("decode recurrent states", rec[:S], rec_ref[:S])
+    print("decode ok")
+
+    # Extend: a fresh request (zeroed first, as the model does), one continuing past W tokens, one single token.
+    lens, slots = [5, 70, 1], torch.tensor([1, 3, 0])
+    conv_buf = torch.randn(1, S + 1, D, W)
+    dc.zero_fresh_slots(conv_buf, torch.zeros(1, S + 1, 1), slots[:1])
+    conv_ref = conv_buf[0].clone()
+    mixed = torch.randn(sum(lens), D)
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    got = dc.conv_extend(mixed, slots, cu, cu, conv_buf[0], weight)
+    wants, start = [], 0
+    for n, slot in zip(lens, slots.tolist()):
+        full = torch.cat([conv_ref[slot:slot + 1], mixed[start:start + n].T[None]], -1)
+        conv_ref[slot] = full[0, :, -W:]
+        wants.append(conv_fn(full, weight, None, activation="silu")[0, :, -n:].T)
+        start += n
+    close("extend conv output", got, torch.cat(wants))
+    close("extend conv states", conv_buf[0], conv_ref)
+    print("extend conv ok")
+
+    core, z, w = torch.randn(7, hv, dv), torch.randn(7, hv * dv + 3)[:, :hv * dv], torch.randn(dv)
+    x = core.reshape(-1, dv)
+    want = (w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * F.silu(z.reshape(-1, dv))).reshape(7, -1)
+    close("gated norm", dc.gated_norm(core, z, w.repeat(hv), 1e-6), want)
+    print("gated norm ok")
+
+
+if __name__ == "__main__":
+    _check()
