@@ -135,7 +135,7 @@ class ModelRunner:
         """The linear-attention states of a hybrid model, this rank's heads: conv ``[conv_dim, kernel]`` in the
         model dtype, recurrent ``[value_heads, key_dim, value_dim]`` in float32 (see :class:`StatePool`); in
         /dev/shm files with ``share_kv`` on the CPU, like the KV pool."""
-        from epdserve.models.qwen3_5_lm import deltanet_local_shapes
+        from epdserve.models.qwen3_5_deltanet import deltanet_local_shapes
 
         cfg = self.config
         conv, rec = deltanet_local_shapes(cfg, self.tp)

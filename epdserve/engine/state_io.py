@@ -7,7 +7,7 @@ Whole means every DeltaNet head in the checkpoint's channel order, whatever the 
 - conv ``[layers, conv_dim, kernel]`` in the pool's dtype, channels q | k | v as ``in_proj_qkv`` makes them;
 - recurrent ``[layers, value_heads, key_dim, value_dim]`` in the pool's recurrent dtype (float32).
 
-A TP rank holds its own heads only (:func:`~epdserve.models.qwen3_5_lm.deltanet_parts`): reading all-gathers the
+A TP rank holds its own heads only (:func:`~epdserve.models.qwen3_5_deltanet.deltanet_parts`): reading all-gathers the
 ranks' slices and puts the conv channels back in q | k | v order; writing broadcasts rank 0's whole state and
 each rank keeps its slices, so any prefill TP size can feed any decode TP size, as for the KV.
 """
@@ -19,7 +19,7 @@ import torch
 from epdserve.engine.distributed import TPGroup
 from epdserve.kvcache.state_pool import StatePool
 from epdserve.models.config import ModelConfig
-from epdserve.models.qwen3_5_lm import deltanet_heads, deltanet_parts
+from epdserve.models.qwen3_5_deltanet import deltanet_heads, deltanet_parts
 
 
 def state_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -266,7 +266,7 @@ def start_tp_runner(cfg, model_path: str, cuda_graph_max_bs: int = 0) -> TPRunne
         head_shard(model.num_heads, model.num_kv_heads, group)
         split_evenly(model.intermediate_size, group, "intermediate size")
         if model.is_hybrid:
-            from epdserve.models.qwen3_5_lm import deltanet_heads
+            from epdserve.models.qwen3_5_deltanet import deltanet_heads
 
             deltanet_heads(model, group)
     ctx = zmq.Context()
