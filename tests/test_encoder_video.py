@@ -74,7 +74,9 @@ def _hf_video(path: str, data: bytes, fps: float | None, num_frames: int | None)
         out = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"])
     ref = out.pooler_output[0]
     if getattr(out, "deepstack_features", None):
-        ref = torch.cat([ref, *(level[0] for level in out.deepstack_features)], dim=-1)
+        # One video: a level is that video's rows (transformers 5.17) or a one-video split of them (>= 5.18).
+        ref = torch.cat([ref, *(level if torch.is_tensor(level) else level[0] for level in out.deepstack_features)],
+                        dim=-1)
     return inputs["video_grid_thw"][0].tolist(), ref
 
 

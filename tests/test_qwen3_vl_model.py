@@ -18,6 +18,11 @@ from epdserve.models.mrope import mrope_positions
 CPU = torch.device("cpu")
 
 
+def rows(x) -> torch.Tensor:
+    """Image rows ``[N, hidden]`` from one of ``get_image_features``' outputs: a tensor, or split per image."""
+    return x if torch.is_tensor(x) else torch.cat(list(x))
+
+
 # ---------------------------------------------------------------- helpers and fixtures
 
 
@@ -68,7 +73,8 @@ class HF3:
         with torch.no_grad():
             out = self.model.model.get_image_features(pixel_values=inputs["pixel_values"],
                                                       image_grid_thw=inputs["image_grid_thw"])
-        return torch.cat(out.pooler_output), torch.stack([torch.cat(level) for level in out.deepstack_features])
+        # transformers >= 5.18 splits each DeepStack level per image as it does pooler_output; 5.17 keeps one tensor.
+        return rows(out.pooler_output), torch.stack([rows(level) for level in out.deepstack_features])
 
     def seq(self, inputs, pages, page_size, features=None):
         """A :class:`Seq3` of the prompt, its image rows from ``features`` (``(embeds, deepstack)``; default:

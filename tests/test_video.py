@@ -14,6 +14,21 @@ from epdserve.video import VideoError, VideoLimits, load_video, probe_video
 av = pytest.importorskip("av")
 
 
+def xfail_if_reference_truncates_time(family: str, second_per_grid_ts) -> None:
+    """transformers 5.17's ``Qwen2_5_VLModel.get_rope_index`` takes a video's temporal interval as
+    ``tokens_per_second * int(second_per_grid_t)``: seconds per temporal patch under 1 (sampled at over 2 fps) put
+    every temporal patch at position 0, 1.5 s at 25 instead of 37. 5.18 multiplies first and truncates the
+    product, as the original Qwen2.5-VL code does, and so does epdserve (its own positions,
+    :mod:`epdserve.models.mrope`; serving never calls ``get_rope_index``). Where 5.17's reference is wrong, the
+    position comparison is an expected failure; the same case is compared in full with transformers >= 5.18."""
+    import transformers
+    from packaging.version import Version
+
+    if (family == "qwen2_5_vl" and Version(transformers.__version__) < Version("5.18")
+            and not all(float(s).is_integer() for s in second_per_grid_ts)):
+        pytest.xfail("transformers < 5.18 truncates a Qwen2.5-VL video's second_per_grid_t in get_rope_index")
+
+
 def make_clip(frames: int = 20, fps: int = 10, size: tuple[int, int] = (96, 64), fmt: str = "mp4",
               codec: str = "libx264", seed: int = 0) -> bytes:
     """A clip of random-ish frames (a moving gradient plus noise, so neighbouring frames differ)."""
@@ -188,6 +203,8 @@ def test_layout_from_metadata_equals_the_processor(family, frames, fps, size, wa
                                   getattr(config.vision_config, "tokens_per_second", 1))
     pos, delta = mrope_positions(len(ids), entries, config.vision_config.spatial_merge_size)
     model = AutoModelForImageTextToText.from_config(config)
+    if family == "qwen2_5_vl":
+        xfail_if_reference_truncates_time(family, inputs["second_per_grid_ts"])
     extra = {"second_per_grid_ts": inputs["second_per_grid_ts"]} if family == "qwen2_5_vl" else {}
     ref, ref_delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], None,
                                                 inputs["video_grid_thw"], **extra)
