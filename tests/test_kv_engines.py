@@ -90,17 +90,6 @@ def test_unknown_or_missing_engine_is_a_clear_error(monkeypatch):
         make_engine("nixl", "127.0.0.1")
 
 
-@pytest.mark.parametrize("name", list(KV_ENGINES))
-def test_hybrid_model_is_refused_before_any_engine_starts(name, tiny_qwen3_5_path):
-    # Checked from the checkpoint before the engine (and any TP rank) starts, so every rank says the same thing.
-    from epdserve.config import DecodeConfig, PrefillConfig
-    from epdserve.engine.server import start_kv_engine
-
-    for cls in (PrefillConfig, DecodeConfig):
-        with pytest.raises(ValueError, match=r"hybrid model's \(Qwen3\.5\) DeltaNet state"):
-            start_kv_engine(cls(model_path=tiny_qwen3_5_path, kv_transfer=name))
-
-
 @pytest.fixture(scope="module", params=ENGINES)
 def engine_server(request, tiny_model_path, tmp_path_factory):
     with launched(tiny_model_path, tmp_path_factory.mktemp(f"launch-{request.param}"),

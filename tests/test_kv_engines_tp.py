@@ -54,7 +54,7 @@ def _write_all(writes: list[RankWrites], regions, src_pages, dst_pages, n_tokens
         return len(ended) == len(writes)
 
     assert wait_for(turn, 10, 0.001)
-    assert all(err == "" for _, _, err in ended) and not any(w.busy for w in writes), ended
+    assert all(err == "" for *_, err in ended) and not any(w.busy for w in writes), ended
 
 
 @pytest.mark.parametrize("name", ENGINES)
@@ -113,7 +113,8 @@ class _Rank0Of2:
 
     def __init__(self, runner):  # noqa: F811
         self._runner, self.sent, self.reports = runner, [], []
-        self.local = SimpleNamespace(tp=SimpleNamespace(size=2), kv_pool=runner.kv_pool, heads=runner.heads)
+        self.local = SimpleNamespace(tp=SimpleNamespace(size=2, rank=0), kv_pool=runner.kv_pool, heads=runner.heads,
+                                     config=runner.config, state_pool=None)
 
     def __getattr__(self, name):
         return getattr(self._runner, name)

@@ -27,6 +27,7 @@ import pytest
 from cluster import at_baseline, body, details, serve_gateway, stream, wait_for
 from conftest import hf_reference_model, launch_metrics_urls, launched
 from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve, stream_text
+from test_kv_engines import needs
 from test_video_e2e import check_video_case
 
 CHUNK = 32  # --prefill-chunked-prefill-size of every launch
@@ -61,10 +62,15 @@ LAUNCHES = {
     "shared": ("--kv-transfer", "shared", "--prefill-chunked-prefill-size", str(CHUNK)),
     "tp2": ("--device", "cpu", "--prefill-tp", "2", "--decode-tp", "2", "--prefill-chunked-prefill-size",
             str(CHUNK)),
+    # The transfer engines write each request's KV pages and its state slot into decode's (docs/architecture.md).
+    "nixl": ("--kv-transfer", "nixl", "--prefill-chunked-prefill-size", str(CHUNK)),
+    "mooncake": ("--kv-transfer", "mooncake", "--prefill-chunked-prefill-size", str(CHUNK)),
 }
+ENGINE_LAUNCHES = ("nixl", "mooncake")
 
 
-@pytest.fixture(scope="module", params=list(LAUNCHES))
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=needs(n)) if n in ENGINE_LAUNCHES else n
+                                        for n in LAUNCHES])
 def server35(request, tiny_qwen3_5_path, tmp_path_factory):
     with launched(tiny_qwen3_5_path, tmp_path_factory.mktemp(f"q35-{request.param}"),
                   *LAUNCHES[request.param]) as (url, log_path):
