@@ -3,9 +3,10 @@ generate() on the same tiny checkpoint (issue 33).
 
 Greedy output through `epdserve launch` must equal ``generate(do_sample=False)`` token for token: text, one photo,
 two photos, a multi-turn chat, a prompt several times longer than ``--chunked-prefill-size``, a generated video
-alone and after a photo; streaming and not. Three launches, each with small prefill chunks: the host KV path
+alone and after a photo; streaming and not. Five launches, each with small prefill chunks: the host KV path
 (``--kv-transfer zmq``), the shared path (``--kv-transfer shared``: decode maps prefill's KV pool and state pool),
-and prefill and decode at TP=2 (gloo; DeltaNet heads split over the ranks). A request's DeltaNet
+prefill and decode at TP=2 (gloo; DeltaNet heads split over the ranks), and the transfer engines (``--kv-transfer
+nixl`` and ``mooncake``: prefill writes the KV pages and the state slot into decode's). A request's DeltaNet
 state (conv + recurrent, every linear-attention layer) must cross the prefill -> decode boundary on each: a lost or
 misplaced state would not match. A radix hit on a hybrid model restores the DeltaNet state snapshot taken at a
 chunk end (a second request sharing the long prefix, the next turn of a chat) and still matches. An aborted stream
@@ -188,8 +189,9 @@ def test_shared_path_took_kv_and_state(server35):
 
 def test_state_bytes_counted_per_hand_off(server35, tiny_qwen3_5_path):
     """``state_transfer_bytes`` on both LM stages: every hand-off so far carried one whole request state (every
-    DeltaNet layer's conv state in the model dtype and recurrent state in float32), sent and received alike."""
-    _, _, log_path = server35
+    DeltaNet layer's conv state in the model dtype and recurrent state in float32), sent and received alike. Through
+    a transfer engine every one was written by it (``kv_engine_state_bytes``), none through host memory."""
+    name, _, log_path = server35
     cfg = json.loads((Path(tiny_qwen3_5_path) / "config.json").read_text())["text_config"]
     layers = cfg["layer_types"].count("linear_attention")
     conv_dim = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"] + \
@@ -206,6 +208,12 @@ def test_state_bytes_counted_per_hand_off(server35, tiny_qwen3_5_path):
     assert handoffs > 0
     assert value("decode", "state_transfer_bytes_total") == handoffs * per_request
     assert value("prefill", "state_transfer_bytes_total") == handoffs * per_request
+    if name in ENGINE_LAUNCHES:
+        assert value("decode", "kv_engine_state_bytes_total") == handoffs * per_request
+        assert value("prefill", "kv_engine_state_bytes_total") == handoffs * per_request
+        log = log_path.read_text()
+        assert log.count("KV received (written by the engine") == handoffs and f"KV hand-off {name}" in log
+        assert "through host memory" not in log and "KV write to the decode server failed" not in log
 
 
 # ---------------------------------------------------------------------------------------------- killed decode
