@@ -15,6 +15,7 @@ forks' own first pages at admission.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from epdserve.decode.forks import fork_pages
 from epdserve.kvcache.engine import KVEngine
@@ -80,3 +81,18 @@ class EnginePages:
         _, pages, key = self._held_back.pop(room)
         self.pool.free(pages)
         self.states.release(key)
+
+
+def jump_reserved(ready: deque) -> bool:
+    """Move to the front of decode's ``ready`` queue (requests whose KV has come, first come first served) the first
+    request behind its head that needs nothing more to run: an engine-written one of one choice, whose pages and
+    state slot were all reserved at arrival; returns whether there was one. The head waits for pages or a state
+    slot; such a request takes none it could get, and without the jump, reservations held by requests queued behind
+    the head with none running would never come back (a host-path request registered when every slot was reserved,
+    whose KV came first)."""
+    for seq in list(ready)[1:]:
+        if seq.transfer is not None and seq.transfer.engine_written and seq.msg.sampling.n == 1:
+            ready.remove(seq)
+            ready.appendleft(seq)
+            return True
+    return False

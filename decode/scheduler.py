@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from epdserve.decode.engine_pages import EnginePages
+from epdserve.decode.engine_pages import EnginePages, jump_reserved
 from epdserve.decode.kv_checks import check_kv
 from epdserve.decode.forks import ForkGroup, fork_copy_plan, fork_pages
 from epdserve.decode.steps import Step, output_ids
@@ -261,7 +261,9 @@ class DecodeScheduler:
                 continue
             if need > self.pool.num_free + len(seq.pages) or len(self.running) + n > self.max_running \
                     or not self.states.acquire_all([(seq.msg.bootstrap_room, i) for i in range(n)]):
-                break  # first come, first served
+                if len(self.running) + n > self.max_running or not jump_reserved(self.ready):
+                    break  # first come, first served ...
+                continue  # ... but for a request that needs nothing it waits for
             self.ready.popleft()
             forks = self._fork(seq, shared, own)
             transfer, seq.transfer = seq.transfer, None

@@ -229,3 +229,32 @@ def test_decode_reserved_state_slots_come_back(tiny_qwen3_5_path, prompt):  # no
     dec.engine_pages._held_back[5] = (time.monotonic() - 1, *dec.engine_pages._held_back[5][1:])
     dec.step()
     assert held() == 0 and dec.pool.num_free == free and dec.load().rooms == 0
+
+
+def test_a_request_waiting_for_a_slot_lets_a_reserved_one_pass(tiny_qwen3_5_path, prompt, want):  # noqa: F811
+    """Decode's one state slot is reserved by request 1 at arrival, so request 2 registers for the host path; 2's KV
+    comes first and waits for a slot that only 1's run gives back: 1 (everything reserved) passes it, both finish
+    equal to transformers and everything comes back."""
+    pre_runner = _runner(tiny_qwen3_5_path, num_state_slots=2)
+    dec_runner = _runner(tiny_qwen3_5_path, num_state_slots=1)
+    engines = _engines(pre_runner, dec_runner)
+    prefill = PrefillScheduler(pre_runner, context_length=4096, max_prefill_tokens=8192, timeout_s=60.0,
+                               engine=engines[0])
+    dec = _dec(dec_runner, engines[1])
+    regs = [dec.add_request(_dreq(prompt, room), peer=b"g")[1] for room in (1, 2)]
+    assert regs[0].state_slot == 0 and regs[1].regions == [] and regs[1].state_slot == -1
+    for room in (2, 1):  # request 2's KV first
+        prefill.add_request(_req(prompt, room))
+        prefill.register(regs[room - 1])
+        (_, t), = _run(prefill, 20)
+        dec.add_transfer(t)
+        assert t.engine_written == (room == 1)
+        if room == 2:
+            dec.step()
+            assert not dec.running and len(dec.ready) == 1  # waits for request 1's slot
+    outs = [o for _ in range(3 * NEW) for _, o in dec.step()]
+    assert {o.rid: o.finish_reason for o in outs if o.finish_reason} == {"r1": "length", "r2": "length"}
+    assert [tok for o in outs if o.rid == "r2" for tok in o.token_ids] == want
+    for _, ack in dec.take_acks():
+        prefill.ack(ack)
+    assert _at_rest(prefill) and _at_rest(dec) and dec.load().rooms == 0
