@@ -12,8 +12,12 @@ bootstrap, and prefill writes its heads of the request's slot into it in the sam
   decode's reserved slot comes back on an error transfer, a wrong-sized state, its deadline, and after an abort
   once the write can no longer land; with no free slot decode registers without a region.
 
-The launches (parity with transformers for text, photos, video and multi-turn through both engines, the state
-bytes metric) are in tests/test_qwen3_5_e2e.py; a killed decode during a hybrid hand-off in
+- ``epdserve launch`` with prefill TP 1 -> decode TP 2 (Mooncake): greedy output equals transformers' (text, a
+  photo, n = 2), every state crossed by the engine (``kv_engine_state_bytes_total``: one whole state per
+  hand-off), none through host memory, and slots and pages are back at baseline.
+
+The TP 1 launches (parity with transformers for text, photos, video and multi-turn through both engines, the state
+bytes metric) are in tests/test_qwen3_5_e2e.py; a killed decode during a TP 2 hybrid hand-off in
 tests/test_kv_engines.py.
 """
 
@@ -26,8 +30,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cluster import at_baseline, details, wait_for
+from conftest import hf_reference_model, launch_metrics_urls, launched
+from test_e2e import _chat, _hf_reference, _openai_messages, _resolve
 from test_kv_engine_schedulers import _Memmove, _StandIn
-from test_kv_engines import ENGINES
+from test_kv_engines import ENGINES, needs
+from test_kv_engines_tp import _counter
 from test_qwen3_5_schedulers import NEW, _at_rest, _dreq, _req, _runner, prompt, want, hf  # noqa: F401  (fixtures)
 from test_schedulers import _decode_tokens, _run
 
@@ -258,3 +266,28 @@ def test_a_request_waiting_for_a_slot_lets_a_reserved_one_pass(tiny_qwen3_5_path
     for _, ack in dec.take_acks():
         prefill.ack(ack)
     assert _at_rest(prefill) and _at_rest(dec) and dec.load().rooms == 0
+
+
+@needs("mooncake")
+def test_launch_tp1_to_tp2_through_mooncake_equals_transformers(tiny_qwen3_5_path, photo_paths, tmp_path_factory):
+    hf = hf_reference_model(tiny_qwen3_5_path, "Qwen3_5ForConditionalGeneration")
+    refs = {case: _hf_reference(hf, _resolve(case, photo_paths)) for case in ("text", "one_photo")}
+    with launched(tiny_qwen3_5_path, tmp_path_factory.mktemp("q35-mooncake-tp"), "--kv-transfer", "mooncake",
+                  "--decode-tp", "2") as (url, log_path):
+        for case, (ref_prompt, ref_ids, _) in refs.items():
+            resp = _chat(url, tiny_qwen3_5_path, _openai_messages(_resolve(case, photo_paths)), n=2)
+            assert resp["prompt_token_ids"] == ref_prompt, case
+            assert [c["token_ids"] for c in resp["choices"]] == [ref_ids] * 2, case
+        per_request = 3 * (256 * 4 + 4 * 32 * 32) * 4  # the tiny model: 3 DeltaNet layers, float32 on the CPU
+        decode_metrics = launch_metrics_urls(log_path)["decode"]
+        assert _counter(decode_metrics, "epdserve:kv_engine_state_bytes_total") == len(refs) * per_request
+        problems = []
+
+        def rested():
+            problems[:] = at_baseline(details(url))
+            return not problems
+
+        assert wait_for(rested, 20, 0.3), problems
+        log = log_path.read_text()
+    assert log.count("KV received (written by the engine") == len(refs)
+    assert "through host memory" not in log and "KV write to the decode server failed" not in log
