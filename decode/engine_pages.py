@@ -53,9 +53,9 @@ class EnginePages:
         total = min(msg.prompt_len + msg.sampling.max_new_tokens, context_length)
         shared, own = fork_pages(self.pool, msg.prompt_len, total, msg.sampling.n)
         need = shared + msg.sampling.n * own
-        if not self.regions or need > self.pool.num_free or not self.states.acquire(key):
+        if not self.regions or need > self.pool.num_free or (slot := self.states.reserve(key)) is None:
             return [], [], -1
-        return list(self.regions), self.pool.alloc(need), self.states.slot(key) if self.states.enabled else -1
+        return list(self.regions), self.pool.alloc(need), slot
 
     def hold_back(self, room: int, pages: list[int], key) -> None:
         """Keep ``pages`` and the state slot of ``key`` of dropped request ``room`` (nothing when it reserved no

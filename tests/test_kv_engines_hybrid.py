@@ -9,8 +9,9 @@ bootstrap, and prefill writes its heads of the request's slot into it in the sam
 - The schedulers with an engine stand-in that really copies (both pools in this process): the engine path's
   greedy tokens equal transformers' (chunked prefill, a radix hit on a state snapshot, n = 2 forks each copying
   the written state); the state bytes are counted; a registration without a slot falls back to the host path;
-  decode's reserved slot comes back on an error transfer, a wrong-sized state, its deadline, and after an abort
-  once the write can no longer land; with no free slot decode registers without a region.
+  decode's reserved slot (not zeroed: the write fills it) comes back on an error transfer, a wrong-sized state,
+  its deadline, and after an abort once the write can no longer land; with no free slot decode registers without
+  a region, and a request waiting for a slot lets a reserved one behind it pass.
 
 - ``epdserve launch`` with prefill TP 1 -> decode TP 2 (Mooncake): greedy output equals transformers' (text, a
   photo, n = 2), every state crossed by the engine (``kv_engine_state_bytes_total``: one whole state per
@@ -216,8 +217,11 @@ def test_decode_reserved_state_slots_come_back(tiny_qwen3_5_path, prompt):  # no
     def held():
         return dec.load().state_slots_used
 
+    dec_runner.state_pool.conv_buffer.fill_(1.0)
     a, b = ask(1), ask(2)
     assert {a.state_slot, b.state_slot} == {0, 1} and held() == 2
+    # Not zeroed: the engines write it whole, and on CUDA a queued zeroing could land after their write.
+    assert bool(dec_runner.state_pool.conv_buffer[:, a.state_slot].eq(1.0).all())
     c = ask(3)  # no slot left: registered without a region (host path), no pages held for it
     assert c.regions == [] and c.kv_pages == [] and c.state_slot == -1 and held() == 2
     dec.abort("r3")

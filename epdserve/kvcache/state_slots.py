@@ -82,6 +82,19 @@ class StateSlots:
             self.runner.copy_state(snap, self._held[key])
         return True
 
+    def reserve(self, key) -> int | None:
+        """Decode, transfer engine path: a slot held by ``key`` for the engines to write the request's state into
+        (-1 without a state pool; None when every slot is held). It is not zeroed: the write fills all of it (every
+        head of every layer; :meth:`check_engine_written`), and a zeroing queued on a CUDA stream could run after
+        the write has landed. A failed write's slot is freed unread; a host or shared hand-off overwrites it."""
+        if self.pool is None:
+            return -1
+        if key not in self._held:
+            if self.pool.num_free == 0:
+                return None
+            self._held[key] = self.pool.alloc(zero=False)
+        return self._held[key]
+
     def acquire_all(self, keys: list) -> bool:
         """:meth:`acquire` (without a prefix) for every key of ``keys``, all or none (decode's forks of one
         request); True without a state pool. Keys that already held a slot (fork 0's, reserved for a transfer
