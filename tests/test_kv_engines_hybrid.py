@@ -31,12 +31,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster import at_baseline, details, wait_for
 from conftest import hf_reference_model, launch_metrics_urls, launched
 from test_e2e import _chat, _hf_reference, _openai_messages, _resolve
 from test_kv_engine_schedulers import _Memmove, _StandIn
 from test_kv_engines import ENGINES, needs
-from test_kv_engines_tp import _counter
+from test_kv_engines_tp import _counter, check_engine_launch
 from test_qwen3_5_schedulers import NEW, _at_rest, _dreq, _req, _runner, prompt, want, hf  # noqa: F401  (fixtures)
 from test_schedulers import _decode_tokens, _run
 
@@ -285,13 +284,4 @@ def test_launch_tp1_to_tp2_through_mooncake_equals_transformers(tiny_qwen3_5_pat
         per_request = 3 * (256 * 4 + 4 * 32 * 32) * 4  # the tiny model: 3 DeltaNet layers, float32 on the CPU
         decode_metrics = launch_metrics_urls(log_path)["decode"]
         assert _counter(decode_metrics, "epdserve:kv_engine_state_bytes_total") == len(refs) * per_request
-        problems = []
-
-        def rested():
-            problems[:] = at_baseline(details(url))
-            return not problems
-
-        assert wait_for(rested, 20, 0.3), problems
-        log = log_path.read_text()
-    assert log.count("KV received (written by the engine") == len(refs)
-    assert "through host memory" not in log and "KV write to the decode server failed" not in log
+        check_engine_launch(url, log_path, len(refs))

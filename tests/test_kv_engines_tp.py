@@ -213,13 +213,20 @@ def test_greedy_parity_across_tp_sizes(name, prefill_tp, decode_tp, refs, tiny_m
         # Every rank pair's write landed: the prompts' whole KV (all heads, once each) crossed by the engines.
         assert _counter(decode_metrics, "epdserve:kv_engine_bytes_total") == prompt_tokens * \
             _per_token_bytes(tiny_model_path)
-        problems = []
+        check_engine_launch(url, log_path, 4)
+        assert f"KV hand-off {name}" in log_path.read_text()
 
-        def rested():
-            problems[:] = at_baseline(details(url))
-            return not problems
 
-        assert wait_for(rested, 20, 0.3), problems
-        log = log_path.read_text()
-    assert log.count("KV received (written by the engine") == 4 and f"KV hand-off {name}" in log
+def check_engine_launch(url: str, log_path, handoffs: int) -> None:
+    """A launch through a transfer engine, its requests done: every stage back at baseline, and each of the
+    ``handoffs`` hand-offs written by the engine, none sent through host memory, none failed."""
+    problems = []
+
+    def rested():
+        problems[:] = at_baseline(details(url))
+        return not problems
+
+    assert wait_for(rested, 20, 0.3), problems
+    log = log_path.read_text()
+    assert log.count("KV received (written by the engine") == handoffs
     assert "through host memory" not in log and "KV write to the decode server failed" not in log
