@@ -10,7 +10,8 @@ from epdserve.wire.messages import DecodeRequest, KVTransfer
 def check_kv(cfg, states: StateSlots, req: DecodeRequest, reserved: bool, msg: KVTransfer) -> str | None:
     """Why the KV hand-off ``msg`` for decode request ``req`` cannot be loaded (None: it can): another prompt's
     tokens (input digest), first tokens out of ``cfg``'s vocabulary or not one per choice, an engine write into
-    pages this server did not reserve (``reserved``: it did), a state hand-off ``states`` cannot take, or KV (a
+    pages this server did not reserve (``reserved``: it did) or not of one whole state for a hybrid model, a state
+    hand-off ``states`` cannot take, or KV (a
     mapped prefill pool's, or in the message) of another shape than ``cfg``'s layers, heads and head size."""
     if req.input_digest and msg.input_digest and req.input_digest != msg.input_digest:
         return (f"tokenization mismatch: the prefill server computed the KV of other token ids than this decode "
@@ -20,7 +21,9 @@ def check_kv(cfg, states: StateSlots, req: DecodeRequest, reserved: bool, msg: K
     if len(firsts) != req.sampling.n or not all(0 <= t < cfg.vocab_size for t in firsts):
         return f"first tokens {firsts[:4]} out of the vocabulary or not one per choice (n={req.sampling.n})"
     if msg.engine_written:
-        return None if reserved else "KV written by a transfer engine into pages this server did not reserve"
+        if not reserved:
+            return "KV written by a transfer engine into pages this server did not reserve"
+        return states.check_engine_written(msg.engine_state_bytes)
     state_err = states.check_handoff(msg.state, shared=msg.pool is not None)
     if state_err:
         return state_err

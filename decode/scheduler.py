@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from epdserve.decode.engine_pages import EnginePages
+from epdserve.decode.engine_pages import EnginePages, jump_reserved
 from epdserve.decode.kv_checks import check_kv
 from epdserve.decode.forks import ForkGroup, fork_copy_plan, fork_pages
 from epdserve.decode.steps import Step, output_ids
@@ -101,7 +101,8 @@ class DecodeScheduler:
                  engine: KVEngine | None = None):
         self.runner, self.grammars = runner, grammars
         self.pool = PagePool(runner.num_pages, runner.page_size)
-        self.engine_pages = EnginePages(self.pool, engine, timeout_s, getattr(runner, "kv_regions", []))
+        self.states = StateSlots(runner)  # hybrid models: a state slot per running request (by bootstrap room)
+        self.engine_pages = EnginePages(self.pool, engine, timeout_s, getattr(runner, "kv_regions", []), self.states)
         self.context_length = context_length
         self.max_running = max_running_requests
         self.timeout_s = timeout_s
@@ -114,7 +115,6 @@ class DecodeScheduler:
         self.outputs: list[tuple[bytes, TokenOutput]] = []
         self.metrics = metrics if metrics is not None else DecodeMetrics()
         self.accept_shared, self.host_id, self.peer_pools = accept_shared, host_id(), PeerPools()
-        self.states = StateSlots(runner)  # hybrid models: a state slot per running request (by bootstrap room)
         # KV copied out of prefill pools, acknowledged once the copy ran: (done event or None, bootstrap, ack).
         self._acks: list[tuple[torch.cuda.Event | None, str, KVAck]] = []
 
@@ -125,11 +125,12 @@ class DecodeScheduler:
         # The grammar compiles while prefill runs: by the time the KV arrives it is usually done.
         seq = self.pending[msg.bootstrap_room] = _Seq(msg, peer, deadline=now + self.timeout_s, arrival=now,
                                                       constraint=constraint_for(self.grammars, msg.sampling.grammar))
-        regions, seq.pages = self.engine_pages.reserve(msg, self.context_length)  # [], []: KV in the message
+        regions, seq.pages, slot = self.engine_pages.reserve(msg, self.context_length, seq.key)  # []: KV in message
         log.debug("rid=%s request received", msg.rid)
         return _bootstrap(msg), KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room,
                                            kv_endpoint=self.kv_endpoint, host_id=self.host_id,
-                                           accept_shared=self.accept_shared, regions=regions, kv_pages=list(seq.pages))
+                                           accept_shared=self.accept_shared, regions=regions, kv_pages=list(seq.pages),
+                                           state_slot=slot)
 
     def add_transfer(self, msg: KVTransfer) -> None:
         """KV (or an error) for a pending request; transfers for unknown rooms (aborted) are dropped."""
@@ -160,7 +161,7 @@ class DecodeScheduler:
     def abort(self, rid: str) -> None:
         """Drop ``rid`` wherever it is and free its pages."""
         for room in [room for room, s in self.pending.items() if s.msg.rid == rid]:
-            self.engine_pages.hold_back(room, self.pending.pop(room).pages)  # a write may still land in them
+            self.engine_pages.hold_back(room, (seq := self.pending.pop(room)).pages, seq.key)  # a write may land
         for seq in [s for s in self.ready if s.msg.rid == rid]:
             self.ready.remove(seq)
             self._free(seq)
@@ -232,7 +233,7 @@ class DecodeScheduler:
         self.engine_pages.tick()
         for room, seq in list(self.pending.items()):
             if seq.deadline < now:
-                self.engine_pages.hold_back(room, self.pending.pop(room).pages)  # a write may still land in them
+                self.engine_pages.hold_back(room, self.pending.pop(room).pages, seq.key)  # a write may land
                 log.warning("rid=%s timed out waiting for KV", seq.msg.rid)
                 self.metrics.on_kv_failure("timeout")
                 self._emit(seq, "error", error="timed out waiting for KV from the prefill server")
@@ -260,17 +261,18 @@ class DecodeScheduler:
                 continue
             if need > self.pool.num_free + len(seq.pages) or len(self.running) + n > self.max_running \
                     or not self.states.acquire_all([(seq.msg.bootstrap_room, i) for i in range(n)]):
-                break  # first come, first served
+                if len(self.running) + n > self.max_running or not jump_reserved(self.ready):
+                    break  # first come, first served ...
+                continue  # ... but for a request that needs nothing it waits for
             self.ready.popleft()
             forks = self._fork(seq, shared, own)
             transfer, seq.transfer = seq.transfer, None
             idx, slots = fork_copy_plan(self.pool, [f.pages for f in forks], seq.msg.prompt_len)
-            if transfer.engine_written and n > 1:  # written into fork 0's pages: the partial page to the others
+            if transfer.engine_written:  # into the pages (and state slot) reserved at arrival; acknowledged then
                 p = seq.msg.prompt_len
-                if len(slots) > p:
+                if len(slots) > p:  # n > 1: written into fork 0's pages, the partial page to the others
                     self.runner.write_kv(slots[p:], self.runner.read_kv(slots[:p].index_select(0, idx[p:])))
-            elif transfer.engine_written:
-                pass  # the prefill server wrote the KV into the pages reserved at arrival; acknowledged then
+                self.states.copy_to(forks[0].key, [f.key for f in forks[1:]])
             elif transfer.pool is not None:
                 err = self._copy_shared_kv(forks, transfer, idx, slots)
                 if err:

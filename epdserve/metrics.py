@@ -18,13 +18,14 @@ there instead.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from epdserve.handoff_bytes import kv_transfer_bytes, state_transfer_bytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -114,41 +115,6 @@ class _LoadGauges:
                                                           "models; 0 otherwise)")
 
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
-
-
-def kv_transfer_bytes(transfer: Any) -> int:
-    """Bytes of KV a ``KVTransfer`` hands off: its ``kv`` tensor (host path), or the whole pages it lends from the
-    prefill pool (shared path: ``kv_pages`` of the ``pool`` handle's page size), or the bytes a transfer engine
-    wrote (``engine_bytes``); 0 for an error."""
-    if getattr(transfer, "engine_written", False):
-        return transfer.engine_bytes
-    if transfer.kv is not None:
-        return transfer.kv.numel() * transfer.kv.element_size()
-    pool = getattr(transfer, "pool", None)
-    if pool is None or not transfer.kv_pages:
-        return 0
-    layers, kv, _, page_size, heads, head_dim = pool.shape
-    return len(transfer.kv_pages) * layers * kv * page_size * heads * head_dim * _ITEMSIZE.get(pool.dtype, 2)
-
-
-def state_transfer_bytes(transfer: Any) -> int:
-    """Bytes of linear-attention state a hybrid model's ``KVTransfer`` hands off (``transfer.state``, a
-    ``StateHandoff``): its ``conv`` and ``recurrent`` tensors (host path), or one slot of each pool it lends
-    (shared path: ``[layers, slots + 1, ...]`` handles, one slot's ``layers * prod(shape[2:])`` elements); 0 for
-    none."""
-    state = getattr(transfer, "state", None)
-    if state is None:
-        return 0
-    if state.conv is not None and state.recurrent is not None:
-        return sum(t.numel() * t.element_size() for t in (state.conv, state.recurrent))
-    total = 0
-    for pool in (state.conv_pool, state.recurrent_pool):
-        if pool is not None:
-            total += math.prod([pool.shape[0], *pool.shape[2:]]) * _ITEMSIZE.get(pool.dtype, 2)
-    return total
-
-
 class LMStageMetrics(StageMetrics):
     """What the prefill and decode servers share: scheduler gauges, queue time, KV hand-off, batch sizes."""
 
@@ -166,6 +132,9 @@ class LMStageMetrics(StageMetrics):
                                          "handed off with the KV (prefill: sent, decode: received)")
         self.kv_engine_bytes = self._counter("kv_engine_bytes", "Of those, written by a transfer engine (nixl, "
                                              "mooncake) into decode pages, all TP ranks' writes")
+        self.kv_engine_state_bytes = self._counter("kv_engine_state_bytes", "Hybrid models' linear-attention "
+                                                   "state bytes written by a transfer engine into decode state slots, "
+                                                   "all TP ranks' writes (also in state_transfer_bytes)")
         self._kv_failures = self._counter("kv_transfer_failures", "KV hand-offs that failed, by reason",
                                           ("reason",))
 
@@ -190,6 +159,14 @@ class LMStageMetrics(StageMetrics):
 
     def _set_extra_load(self, load: Any) -> None:
         pass
+
+    def count_hand_off(self, transfer: Any) -> None:
+        """Count a ``KVTransfer``'s KV and state bytes, and of them the transfer engines' (0 for an error)."""
+        self.kv_bytes.inc(kv_transfer_bytes(transfer))
+        self.state_bytes.inc(state_transfer_bytes(transfer))
+        if getattr(transfer, "engine_written", False):
+            self.kv_engine_bytes.inc(transfer.engine_bytes)
+            self.kv_engine_state_bytes.inc(getattr(transfer, "engine_state_bytes", 0))
 
     def on_kv_failure(self, reason: str) -> None:
         """Count one failed KV hand-off (``no_registration``, ``timeout``, ``bad_kv``, ``prefill_error``)."""
@@ -249,9 +226,7 @@ class PrefillMetrics(LMStageMetrics):
         """A ``KVTransfer`` leaves for decode: stamp ``sent_at`` (wall clock, for decode's hand-off latency) and
         count its bytes (:func:`kv_transfer_bytes`)."""
         transfer.sent_at = time.time()
-        self.kv_bytes.inc(kv_transfer_bytes(transfer))
-        self.kv_engine_bytes.inc(transfer.engine_bytes if getattr(transfer, "engine_written", False) else 0)
-        self.state_bytes.inc(state_transfer_bytes(transfer))
+        self.count_hand_off(transfer)
 
 
 class DecodeMetrics(LMStageMetrics):
@@ -270,9 +245,7 @@ class DecodeMetrics(LMStageMetrics):
     def on_kv_received(self, transfer: Any) -> None:
         """A ``KVTransfer`` arrived: count its bytes (:func:`kv_transfer_bytes`) and the hand-off latency (errors
         are counted elsewhere)."""
-        self.kv_bytes.inc(kv_transfer_bytes(transfer))
-        self.kv_engine_bytes.inc(transfer.engine_bytes if getattr(transfer, "engine_written", False) else 0)
-        self.state_bytes.inc(state_transfer_bytes(transfer))
+        self.count_hand_off(transfer)
         if getattr(transfer, "sent_at", 0.0) > 0:
             self.kv_latency.observe(max(0.0, time.time() - transfer.sent_at))
 

@@ -408,7 +408,7 @@ class PrefillScheduler:
         the engine write cannot start: the decode server takes KV in the message on any path)."""
         reg = req.reg
         if self.engine is not None and reg.regions:
-            write = self.writer.start(req)
+            write = self.writer.start(req, self.states.slot(req.room) if self.states.enabled else -1)
             if not isinstance(write, str):
                 req.state, req.deadline, req.write = _State.LENT, time.monotonic() + self.timeout_s, write
                 self.reqs[req.room] = req

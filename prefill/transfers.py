@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import torch
 
 from epdserve.kvcache.engine import KVEngine, KVEngineError
-from epdserve.kvcache.engine_copies import writer_heads
 from epdserve.kvcache.rank_writes import RankWrites
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.state_slots import StateSlots
@@ -44,7 +43,8 @@ class EngineWrite:
     room: int
     started: float  # time.perf_counter() at the start
     waiting: set[int]  # TP ranks whose writes have not all ended
-    nbytes: int = 0  # written by the ranks that ended
+    nbytes: int = 0  # KV written by the ranks that ended
+    state_bytes: int = 0  # ... and state (hybrid models)
     errors: list[str] = field(default_factory=list)
 
 
@@ -60,37 +60,39 @@ class EngineWriter:
     """
 
     def __init__(self, engine: KVEngine, runner):
-        local, cfg = getattr(runner, "local", runner), runner.config
+        local = getattr(runner, "local", runner)
         self.engine, self.runner, self.tp_size = engine, runner, local.tp.size
-        self.rank = RankWrites(engine, local.kv_pool.buffer, local.heads.kv_start,
-                               writer_heads(cfg.num_heads, cfg.num_kv_heads, self.tp_size, 0), cfg.num_kv_heads)
+        self.rank = RankWrites.for_runner(engine, local)
         self._writes: dict[int, EngineWrite] = {}
 
-    def start(self, req: PrefillRecord) -> EngineWrite | str:
-        """Start writing prefilled ``req``'s prompt KV into the decode pages its registration names, on every
-        rank; an error message instead when rank 0 cannot (other pools, a dead peer): nothing was started then."""
+    def start(self, req: PrefillRecord, src_slot: int = -1) -> EngineWrite | str:
+        """Start writing prefilled ``req``'s prompt KV into the decode pages its registration names, and for a
+        hybrid model its state slot ``src_slot`` (the final prompt state) into the decode slot it names, on every
+        rank; an error message instead when rank 0 cannot (other pools, no decode slot, a dead peer): nothing
+        was started then."""
         reg, started = req.reg, time.perf_counter()  # the write's time includes the engines' submits
-        if err := self.rank.start(req.room, req.pages, req.n, reg.regions, reg.kv_pages):
+        if err := self.rank.start(req.room, req.pages, req.n, reg.regions, reg.kv_pages, src_slot, reg.state_slot):
             return err
         if self.tp_size > 1:  # after the forward that computed the KV, in the ranks' call order
             self.runner.engine_write(TPEngineWrite(room=req.room, src_pages=list(req.pages), n_tokens=req.n,
-                                                   regions=list(reg.regions), dst_pages=list(reg.kv_pages)))
+                                                   regions=list(reg.regions), dst_pages=list(reg.kv_pages),
+                                                   src_slot=src_slot, dst_slot=reg.state_slot))
         write = self._writes[req.room] = EngineWrite(req.room, started, set(range(self.tp_size)))
         return write
 
     def poll(self, write: EngineWrite) -> bool:
-        """True once every rank's part of ``write`` has landed (it is then spent).
+        """True once every rank's part of ``write`` (KV and state) has landed (it is then spent).
 
         Raises:
             KVEngineError: a rank's part failed; every part has ended (none can still land).
         """
         reports = [(0, *r) for r in self.rank.poll()]
         if self.tp_size > 1:
-            reports += [(r.rank, r.room, r.nbytes, r.error) for r in self.runner.write_reports()]
-        for rank, room, nbytes, error in reports:
+            reports += [(r.rank, r.room, r.nbytes, r.state_bytes, r.error) for r in self.runner.write_reports()]
+        for rank, room, nbytes, state_bytes, error in reports:
             if (w := self._writes.get(room)) is not None:  # else: cancelled
                 w.waiting.discard(rank)
-                w.nbytes += nbytes
+                w.nbytes, w.state_bytes = w.nbytes + nbytes, w.state_bytes + state_bytes
                 if error:
                     w.errors.append(f"TP rank {rank}: {error}" if self.tp_size > 1 else error)
         if write.waiting:
@@ -112,5 +114,6 @@ def engine_transfer(req: PrefillRecord, write: EngineWrite) -> KVTransfer:
     """The tensor-less transfer that tells decode ``req``'s KV is in its pages (after ``write`` completed)."""
     return KVTransfer(rid=req.msg.rid, bootstrap_room=req.msg.bootstrap_room, cached_tokens=req.cached,
                       mrope_position_delta=req.mrope_delta, input_digest=req.msg.input_digest, engine_written=True,
-                      engine_bytes=write.nbytes, engine_seconds=time.perf_counter() - write.started,
+                      engine_bytes=write.nbytes, engine_state_bytes=write.state_bytes,
+                      engine_seconds=time.perf_counter() - write.started,
                       **req.choice_fields())

@@ -108,7 +108,7 @@ def test_decode_reserved_pages_come_back(runner):  # noqa: F811
     assert len(reg.kv_pages) == dec.pool.pages_for(110) == free - dec.pool.num_free
     dec.abort("a")  # its pages stay held while a write into them may still be in flight ...
     assert dec.pool.num_free == free - len(reg.kv_pages) and dec.load().rooms == 0
-    dec.engine_pages._held_back[1] = (time.monotonic() - 1, dec.engine_pages._held_back[1][1])
+    dec.engine_pages._held_back[1] = (time.monotonic() - 1, *dec.engine_pages._held_back[1][1:])
     dec.step()  # ... until the KV deadline
     assert dec.pool.num_free == free
     reg = ask("a2", 6)
@@ -122,7 +122,7 @@ def test_decode_reserved_pages_come_back(runner):  # noqa: F811
     dec.pending[3].deadline = time.monotonic() - 1
     out = dec.step()
     assert "timed out" in out[-1][1].error
-    dec.engine_pages._held_back[3] = (time.monotonic() - 1, dec.engine_pages._held_back[3][1])
+    dec.engine_pages._held_back[3] = (time.monotonic() - 1, *dec.engine_pages._held_back[3][1:])
     dec.step()
     assert dec.pool.num_free == free
     # A request larger than the free pages registers without a region: its KV comes in the message.

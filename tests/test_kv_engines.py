@@ -5,10 +5,12 @@
 - ``epdserve launch --kv-transfer <engine>``: greedy output equals transformers' generate() (text, a photo, two
   photos, two turns; streaming and not), and every request's KV went the engine's way.
 - Killing decode while it holds a request whose KV is being handed over fails that request cleanly; prefill's and
-  decode's pages, rooms and registrations return to baseline (/health?details=1). NIXL's case runs TP 2 on both
-  servers (every rank's write fails), Mooncake's TP 1.
+  decode's pages, state slots, rooms and registrations return to baseline (/health?details=1). NIXL's cases run TP
+  2 on both servers (every rank's write fails), one of them with Qwen3.5 (the state slot written beside the KV);
+  Mooncake's TP 1.
 
-Different TP sizes on the two sides: tests/test_kv_engines_tp.py. Each engine's tests skip when its package
+Different TP sizes on the two sides: tests/test_kv_engines_tp.py. A hybrid model's (Qwen3.5) state through the
+engines: tests/test_kv_engines_hybrid.py, and its launches in tests/test_qwen3_5_e2e.py. Each engine's tests skip when its package
 (``epdserve[nixl]``, ``epdserve[mooncake]``) does not import.
 """
 
@@ -90,17 +92,6 @@ def test_unknown_or_missing_engine_is_a_clear_error(monkeypatch):
         make_engine("nixl", "127.0.0.1")
 
 
-@pytest.mark.parametrize("name", list(KV_ENGINES))
-def test_hybrid_model_is_refused_before_any_engine_starts(name, tiny_qwen3_5_path):
-    # Checked from the checkpoint before the engine (and any TP rank) starts, so every rank says the same thing.
-    from epdserve.config import DecodeConfig, PrefillConfig
-    from epdserve.engine.server import start_kv_engine
-
-    for cls in (PrefillConfig, DecodeConfig):
-        with pytest.raises(ValueError, match=r"hybrid model's \(Qwen3\.5\) DeltaNet state"):
-            start_kv_engine(cls(model_path=tiny_qwen3_5_path, kv_transfer=name))
-
-
 @pytest.fixture(scope="module", params=ENGINES)
 def engine_server(request, tiny_model_path, tmp_path_factory):
     with launched(tiny_model_path, tmp_path_factory.mktemp(f"launch-{request.param}"),
@@ -139,23 +130,27 @@ def _load(base: str, role: str) -> dict:
     return details(base, fresh=False)["stages"].get(role, {}).get("load") or {}
 
 
-# NIXL's case runs both servers with TP 2: every rank's engine writes, and a dead decode fails every rank's write.
-KILL_CASES = [pytest.param("nixl", "2", id="nixl-tp2", marks=needs("nixl")),
-              pytest.param("mooncake", "1", id="mooncake", marks=needs("mooncake"))]
+# NIXL's cases run both servers with TP 2: every rank's engine writes, and a dead decode fails every rank's write.
+# The Qwen3.5 case's writes carry each rank's DeltaNet heads of the request's state slot too (TP 2 -> 2).
+KILL_CASES = [pytest.param("nixl", "2", "tiny_model_path", id="nixl-tp2", marks=needs("nixl")),
+              pytest.param("mooncake", "1", "tiny_model_path", id="mooncake", marks=needs("mooncake")),
+              pytest.param("nixl", "2", "tiny_qwen3_5_path", id="nixl-tp2-qwen3.5", marks=needs("nixl"))]
 
 
-@pytest.mark.parametrize("name,tp", KILL_CASES)
-def test_decode_killed_during_hand_off_frees_everything(name, tp, tiny_model_path, tmp_path_factory):
-    """Decode reserves the request's pages and registers them while prefill is stopped; then decode is stopped,
-    prefill prefills and starts its write into the stopped process, and decode is killed: the request fails, and
-    every stage is back at baseline (prefill's pages, rooms and registrations, decode's reserved pages); a new
-    decode server serves the same request as before."""
-    procs = StageProcs(tiny_model_path, tmp_path_factory.mktemp(f"stages-{name}"), num_pages=64,
+@pytest.mark.parametrize("name,tp,model", KILL_CASES)
+def test_decode_killed_during_hand_off_frees_everything(name, tp, model, request, tmp_path_factory):
+    """Decode reserves the request's pages (and a hybrid model's state slot) and registers them while prefill is
+    stopped; then decode is stopped, prefill prefills and starts its write into the stopped process, and decode is
+    killed: the request fails, and every stage is back at baseline (prefill's pages, state slots, rooms and
+    registrations, decode's reserved pages and slots); a new decode server serves the same request as before (the
+    hybrid model: a text chat too, equal to transformers' generate())."""
+    model_path = request.getfixturevalue(model)
+    procs = StageProcs(model_path, tmp_path_factory.mktemp(f"stages-{name}"), num_pages=64,
                        request_timeout_s=4.0, lm_args=("--kv-transfer", name, "--tp", tp))
     procs.start()
     try:
         with serve_gateway(procs.gateway_config(stage_timeout_s=10.0)) as (base, _):
-            req = body(tiny_model_path, "What is in this picture?", image=noise_png(7), max_tokens=8)
+            req = body(model_path, "What is in this picture?", image=noise_png(7), max_tokens=8)
             reference = stream(base, req).token_ids
             assert len(reference) == 8
             procs.pause("prefill")
@@ -181,5 +176,10 @@ def test_decode_killed_during_hand_off_frees_everything(name, tp, tiny_model_pat
 
             assert wait_for(ok, 20, 0.3), problems
             assert stream(base, req).token_ids == reference
+            if model == "tiny_qwen3_5_path":
+                _, ref_ids, _ = _hf_reference(hf_reference_model(model_path), CASES["text"])
+                resp = _chat(base, model_path, _openai_messages(CASES["text"]))
+                assert resp["choices"][0]["token_ids"] == ref_ids
+                assert wait_for(ok, 20, 0.3), problems
     finally:
         procs.stop_all()

@@ -54,7 +54,7 @@ def _write_all(writes: list[RankWrites], regions, src_pages, dst_pages, n_tokens
         return len(ended) == len(writes)
 
     assert wait_for(turn, 10, 0.001)
-    assert all(err == "" for _, _, err in ended) and not any(w.busy for w in writes), ended
+    assert all(err == "" for *_, err in ended) and not any(w.busy for w in writes), ended
 
 
 @pytest.mark.parametrize("name", ENGINES)
@@ -113,7 +113,8 @@ class _Rank0Of2:
 
     def __init__(self, runner):  # noqa: F811
         self._runner, self.sent, self.reports = runner, [], []
-        self.local = SimpleNamespace(tp=SimpleNamespace(size=2), kv_pool=runner.kv_pool, heads=runner.heads)
+        self.local = SimpleNamespace(tp=SimpleNamespace(size=2, rank=0), kv_pool=runner.kv_pool, heads=runner.heads,
+                                     config=runner.config, state_pool=None)
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
@@ -212,13 +213,20 @@ def test_greedy_parity_across_tp_sizes(name, prefill_tp, decode_tp, refs, tiny_m
         # Every rank pair's write landed: the prompts' whole KV (all heads, once each) crossed by the engines.
         assert _counter(decode_metrics, "epdserve:kv_engine_bytes_total") == prompt_tokens * \
             _per_token_bytes(tiny_model_path)
-        problems = []
+        check_engine_launch(url, log_path, 4)
+        assert f"KV hand-off {name}" in log_path.read_text()
 
-        def rested():
-            problems[:] = at_baseline(details(url))
-            return not problems
 
-        assert wait_for(rested, 20, 0.3), problems
-        log = log_path.read_text()
-    assert log.count("KV received (written by the engine") == 4 and f"KV hand-off {name}" in log
+def check_engine_launch(url: str, log_path, handoffs: int) -> None:
+    """A launch through a transfer engine, its requests done: every stage back at baseline, and each of the
+    ``handoffs`` hand-offs written by the engine, none sent through host memory, none failed."""
+    problems = []
+
+    def rested():
+        problems[:] = at_baseline(details(url))
+        return not problems
+
+    assert wait_for(rested, 20, 0.3), problems
+    log = log_path.read_text()
+    assert log.count("KV received (written by the engine") == handoffs
     assert "through host memory" not in log and "KV write to the decode server failed" not in log

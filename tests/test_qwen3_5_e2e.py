@@ -3,9 +3,10 @@ generate() on the same tiny checkpoint (issue 33).
 
 Greedy output through `epdserve launch` must equal ``generate(do_sample=False)`` token for token: text, one photo,
 two photos, a multi-turn chat, a prompt several times longer than ``--chunked-prefill-size``, a generated video
-alone and after a photo; streaming and not. Three launches, each with small prefill chunks: the host KV path
+alone and after a photo; streaming and not. Five launches, each with small prefill chunks: the host KV path
 (``--kv-transfer zmq``), the shared path (``--kv-transfer shared``: decode maps prefill's KV pool and state pool),
-and prefill and decode at TP=2 (gloo; DeltaNet heads split over the ranks). A request's DeltaNet
+prefill and decode at TP=2 (gloo; DeltaNet heads split over the ranks), and the transfer engines (``--kv-transfer
+nixl`` and ``mooncake``: prefill writes the KV pages and the state slot into decode's). A request's DeltaNet
 state (conv + recurrent, every linear-attention layer) must cross the prefill -> decode boundary on each: a lost or
 misplaced state would not match. A radix hit on a hybrid model restores the DeltaNet state snapshot taken at a
 chunk end (a second request sharing the long prefix, the next turn of a chat) and still matches. An aborted stream
@@ -27,6 +28,7 @@ import pytest
 from cluster import at_baseline, body, details, serve_gateway, stream, wait_for
 from conftest import hf_reference_model, launch_metrics_urls, launched
 from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve, stream_text
+from test_kv_engines import needs
 from test_video_e2e import check_video_case
 
 CHUNK = 32  # --prefill-chunked-prefill-size of every launch
@@ -61,10 +63,15 @@ LAUNCHES = {
     "shared": ("--kv-transfer", "shared", "--prefill-chunked-prefill-size", str(CHUNK)),
     "tp2": ("--device", "cpu", "--prefill-tp", "2", "--decode-tp", "2", "--prefill-chunked-prefill-size",
             str(CHUNK)),
+    # The transfer engines write each request's KV pages and its state slot into decode's (docs/architecture.md).
+    "nixl": ("--kv-transfer", "nixl", "--prefill-chunked-prefill-size", str(CHUNK)),
+    "mooncake": ("--kv-transfer", "mooncake", "--prefill-chunked-prefill-size", str(CHUNK)),
 }
+ENGINE_LAUNCHES = ("nixl", "mooncake")
 
 
-@pytest.fixture(scope="module", params=list(LAUNCHES))
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=needs(n)) if n in ENGINE_LAUNCHES else n
+                                        for n in LAUNCHES])
 def server35(request, tiny_qwen3_5_path, tmp_path_factory):
     with launched(tiny_qwen3_5_path, tmp_path_factory.mktemp(f"q35-{request.param}"),
                   *LAUNCHES[request.param]) as (url, log_path):
@@ -182,8 +189,9 @@ def test_shared_path_took_kv_and_state(server35):
 
 def test_state_bytes_counted_per_hand_off(server35, tiny_qwen3_5_path):
     """``state_transfer_bytes`` on both LM stages: every hand-off so far carried one whole request state (every
-    DeltaNet layer's conv state in the model dtype and recurrent state in float32), sent and received alike."""
-    _, _, log_path = server35
+    DeltaNet layer's conv state in the model dtype and recurrent state in float32), sent and received alike. Through
+    a transfer engine every one was written by it (``kv_engine_state_bytes``), none through host memory."""
+    name, _, log_path = server35
     cfg = json.loads((Path(tiny_qwen3_5_path) / "config.json").read_text())["text_config"]
     layers = cfg["layer_types"].count("linear_attention")
     conv_dim = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"] + \
@@ -200,6 +208,12 @@ def test_state_bytes_counted_per_hand_off(server35, tiny_qwen3_5_path):
     assert handoffs > 0
     assert value("decode", "state_transfer_bytes_total") == handoffs * per_request
     assert value("prefill", "state_transfer_bytes_total") == handoffs * per_request
+    if name in ENGINE_LAUNCHES:
+        assert value("decode", "kv_engine_state_bytes_total") == handoffs * per_request
+        assert value("prefill", "kv_engine_state_bytes_total") == handoffs * per_request
+        log = log_path.read_text()
+        assert log.count("KV received (written by the engine") == handoffs and f"KV hand-off {name}" in log
+        assert "through host memory" not in log and "KV write to the decode server failed" not in log
 
 
 # ---------------------------------------------------------------------------------------------- killed decode

@@ -19,9 +19,8 @@ import zmq
 from epdserve.frontend.process import spawn_front
 from epdserve.kvcache.engine import KV_ENGINES, KVEngine, make_engine
 from epdserve.kvcache.kv_share import shares_kv
-from epdserve.models.config import ModelConfig
-from epdserve.models.paths import resolve_model_path
 from epdserve.metrics import start_metrics_server
+from epdserve.models.qwen3_5_lm import deltanet_heads
 from epdserve.wire import transport
 from epdserve.wire.messages import LoadRequest, ServerInfo, ServerInfoRequest
 
@@ -41,21 +40,16 @@ def start_kv_engine(config: Any) -> KVEngine | None:
     rank's KV pool shard: :mod:`epdserve.kvcache.engine`).
 
     Raises:
-        ValueError: a hybrid model (Qwen3.5): its DeltaNet state does not travel through the engines yet (checked
-            here, before any TP rank starts, so the message is this one on every rank).
         KVEngineError: the engine's package is not installed or the engine cannot start.
     """
     if config.kv_transfer not in KV_ENGINES:
         return None
-    if ModelConfig.load(resolve_model_path(config.model_path)).is_hybrid:
-        raise ValueError(f"--kv-transfer {config.kv_transfer} does not carry a hybrid model's (Qwen3.5) DeltaNet "
-                         f"state yet; use --kv-transfer zmq or shared")
     return make_engine(config.kv_transfer, config.host)
 
 
 def register_kv_engine(engine: KVEngine | None, runner) -> None:
     """Register ``runner``'s KV pool (this TP rank's shard, holding the KV heads from ``runner.heads.kv_start``
-    on) with ``engine`` (if any).
+    on) with ``engine`` (if any), and a hybrid model's state pool (this rank's DeltaNet heads) beside it.
 
     Raises:
         KVEngineError: the engine refused the memory.
@@ -63,6 +57,9 @@ def register_kv_engine(engine: KVEngine | None, runner) -> None:
     if engine is None:
         return
     engine.register(runner.kv_pool.buffer, head_start=runner.heads.kv_start)
+    if (pool := getattr(runner, "state_pool", None)) is not None:
+        key_start, _, value_start, _ = deltanet_heads(runner.config, runner.tp)
+        engine.register_state(pool.conv_buffer, pool.recurrent_buffer, key_start, value_start)
 
 
 class StageServer:

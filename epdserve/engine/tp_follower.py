@@ -15,9 +15,10 @@ rank 0, then serves two sockets:
   arrival to rank 0, which schedules a request only once every rank holds its embeddings.
 
 With ``--kv-transfer nixl|mooncake`` the rank runs its own transfer engine with its KV pool shard registered (its
-region goes to rank 0 in ``TPHello``): a decode rank's pages are written into by the prefill ranks; a prefill rank
-writes its KV heads on ``TPEngineWrite`` (:class:`~epdserve.kvcache.rank_writes.RankWrites`), gives them up on
-``TPEngineCancel`` and reports each request's end with ``TPEngineWriteDone``.
+region goes to rank 0 in ``TPHello``; a hybrid model's state pool shard too): a decode rank's pages and state
+slots are written into by the prefill ranks; a prefill rank writes its KV and DeltaNet heads on ``TPEngineWrite``
+(:class:`~epdserve.kvcache.rank_writes.RankWrites`), gives them up on ``TPEngineCancel`` and reports each
+request's end with ``TPEngineWriteDone``.
 
 It exits 0 on ``TPShutdown``, 1 when a call fails or its parent (rank 0) is gone.
 """
@@ -38,7 +39,6 @@ from epdserve.config import DecodeConfig, PrefillConfig, add_config_args, config
 from epdserve.engine.distributed import TPGroup, rank_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.engine.server import register_kv_engine, start_kv_engine
-from epdserve.kvcache.engine_copies import writer_heads
 from epdserve.kvcache.rank_writes import RankWrites
 from epdserve.wire.device_share import take_embeddings
 from epdserve.wire.messages import ImageEmbeddings
@@ -132,7 +132,8 @@ class Follower:
         elif isinstance(msg, TPEngineWrite):
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)  # the forwards that computed the KV have run before the engine reads it
-            if err := self.writes.start(msg.room, msg.src_pages, msg.n_tokens, msg.regions, msg.dst_pages):
+            if err := self.writes.start(msg.room, msg.src_pages, msg.n_tokens, msg.regions, msg.dst_pages,
+                                        msg.src_slot, msg.dst_slot):
                 self._report(TPEngineWriteDone(rank=self.rank, room=msg.room, nbytes=0, error=err))
         elif isinstance(msg, TPEngineCancel):
             self.writes.cancel(msg.room)
@@ -145,8 +146,9 @@ class Follower:
 
     def poll_writes(self) -> None:
         """Report every request whose engine writes have all ended since the last call."""
-        for room, nbytes, error in self.writes.poll() if self.writes is not None else ():
-            self._report(TPEngineWriteDone(rank=self.rank, room=room, nbytes=nbytes, error=error))
+        for room, nbytes, state_bytes, error in self.writes.poll() if self.writes is not None else ():
+            self._report(TPEngineWriteDone(rank=self.rank, room=room, nbytes=nbytes, error=error,
+                                           state_bytes=state_bytes))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -176,11 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     tp = TPGroup.init(rank, cfg.tp, port=args.dist_port, device=rank_device(cfg.device, cfg.base_gpu_id, rank))
     runner = build_runner(cfg, cfg.model_path, tp, args.graph_bs)
     register_kv_engine(engine, runner)
-    writes = None
-    if engine is not None and args.role == "prefill":
-        mc = runner.config
-        writes = RankWrites(engine, runner.kv_pool.buffer, runner.heads.kv_start,
-                            writer_heads(mc.num_heads, mc.num_kv_heads, cfg.tp, rank), mc.num_kv_heads)
+    writes = RankWrites.for_runner(engine, runner) if engine is not None and args.role == "prefill" else None
     ctx = zmq.Context()
     try:
         ctrl = ctx.socket(zmq.DEALER)

@@ -11,7 +11,10 @@ moves: :mod:`epdserve.kvcache.engine_copies`), waits for the engine to finish, t
 shard registered: every decode rank's region travels at bootstrap, every prefill rank writes its KV heads into
 the decode ranks holding them, and prefill rank 0 sends the transfer once all ranks' writes have landed
 (:mod:`epdserve.kvcache.rank_writes`). Decode acknowledges; prefill frees its pages on the ack (or its
-deadline). The engines are optional dependencies, imported only when asked for (:func:`make_engine`).
+deadline). A hybrid model (Qwen3.5) registers its state pool's two buffers too (:meth:`KVEngine.register_state`):
+decode names its request's state slot at bootstrap, and each prefill rank writes its DeltaNet heads of the request's
+slot into it in the same writes as the KV pages (:mod:`epdserve.kvcache.state_copies`). The engines are optional
+dependencies, imported only when asked for (:func:`make_engine`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from epdserve.wire.messages import KVEngineRegion
+from epdserve.kvcache.state_copies import describe_state
+from epdserve.wire.messages import KVEngineRegion, StateEngineRegion
 
 # name -> (module, class, how to install its package)
 KV_ENGINES = {"nixl": ("epdserve.kvcache.engine_nixl", "NixlEngine", "pip install 'epdserve[nixl]'"),
@@ -46,6 +50,7 @@ class KVEngine(ABC):
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
         self.head_start = 0
+        self.state: StateEngineRegion | None = None  # the state pool registered beside the KV pool (hybrid models)
 
     def register(self, buffer: torch.Tensor, head_start: int = 0) -> None:
         """Register the KV pool ``buffer`` ``[L, 2, num_pages, page_size, H, D]`` (contiguous, CPU or CUDA) so
@@ -60,15 +65,41 @@ class KVEngine(ABC):
         self._register(buffer)
         self.buffer, self.head_start = buffer, head_start
 
+    def register_state(self, conv: torch.Tensor, recurrent: torch.Tensor, key_start: int, value_start: int) -> None:
+        """Register a hybrid model's state pool beside the KV pool (call :meth:`register` first): ``conv``
+        ``[layers, slots + 1, conv_dim, kernel]`` and ``recurrent`` ``[layers, slots + 1, value_heads, key_dim,
+        value_dim]`` (a :class:`~epdserve.kvcache.state_pool.StatePool`'s buffers, on the KV pool's device),
+        holding the model's DeltaNet key heads from ``key_start`` and value heads from ``value_start`` on.
+
+        Raises:
+            KVEngineError: no KV pool registered yet, buffers not contiguous or not on its device, or the engine
+                refused the memory.
+        """
+        if self.buffer is None:
+            raise KVEngineError("register the KV pool before the state pool")
+        if conv.device != self.buffer.device or recurrent.device != self.buffer.device:
+            raise KVEngineError(f"state pool on {conv.device}/{recurrent.device}, KV pool on {self.buffer.device}: "
+                                f"one engine write moves both")
+        try:
+            region = describe_state(conv, recurrent, key_start, value_start)
+        except ValueError as e:
+            raise KVEngineError(str(e)) from e
+        self._register(conv)
+        self._register(recurrent)
+        self.state = region
+
     def describe(self) -> KVEngineRegion:
-        """The descriptor a peer needs to write into the registered pool (sent in ``KVRegister``)."""
+        """The descriptor a peer needs to write into the registered pool (sent in ``KVRegister``), with the
+        state pool's when one is registered."""
         b = self.buffer
         return KVEngineRegion(engine=self.name, agent=self.agent_name(), base=b.data_ptr(), shape=list(b.shape),
                               dtype=str(b.dtype).removeprefix("torch."), gpu=b.device.index if b.is_cuda else -1,
-                              metadata=self.agent_metadata(), head_start=self.head_start)
+                              metadata=self.agent_metadata(), head_start=self.head_start, state=self.state)
 
     @abstractmethod
-    def _register(self, buffer: torch.Tensor) -> None: ...
+    def _register(self, buffer: torch.Tensor) -> None:
+        """Register ``buffer`` (contiguous; the KV pool first, then any state buffers, all on one device) for
+        writes out of it and into it; a later call adds a buffer."""
 
     @abstractmethod
     def agent_name(self) -> str:
@@ -80,8 +111,8 @@ class KVEngine(ABC):
 
     @abstractmethod
     def submit(self, peer: KVEngineRegion, copies: list[tuple[int, int, int]]):
-        """Start writing ``copies`` ``(local address, peer address, bytes)`` from the registered pool into
-        ``peer``'s; returns a handle for :meth:`poll`.
+        """Start writing ``copies`` ``(local address, peer address, bytes)`` from the registered buffers (KV pool,
+        state pool) into ``peer``'s; returns a handle for :meth:`poll`.
 
         Raises:
             KVEngineError: the peer cannot be reached or the write cannot start.

@@ -53,10 +53,12 @@ class MooncakeEngine(KVEngine):
         self._session = f"{host}:{self.te.get_rpc_port()}"
         # A few workers: a write blocked on a stalled peer must not hold back writes to the others.
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="mooncake-write")
+        self._registered: list[int] = []  # addresses: the KV pool's, then a hybrid model's state buffers'
 
     def _register(self, buffer: torch.Tensor) -> None:
         if self.te.register_memory(buffer.data_ptr(), buffer.numel() * buffer.element_size()) != 0:
-            raise KVEngineError("Mooncake cannot register the KV pool")
+            raise KVEngineError(f"Mooncake cannot register the {'state' if self._registered else 'KV'} pool")
+        self._registered.append(buffer.data_ptr())
 
     def agent_name(self) -> str:
         return self._session
@@ -89,5 +91,6 @@ class MooncakeEngine(KVEngine):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self.buffer is not None:
-            self.te.unregister_memory(self.buffer.data_ptr())
+        for address in self._registered:
+            self.te.unregister_memory(address)
+        self._registered = []

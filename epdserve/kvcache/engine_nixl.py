@@ -38,9 +38,17 @@ class NixlEngine(KVEngine):
         self._name = f"epdserve-{host}-{uuid.uuid4().hex[:12]}"
         self.agent, self._progress_thread = None, False
         self._peers: set[str] = set()
-        self._reg = None
+        self._regs: list = []  # NIXL's registrations: the KV pool's, then a hybrid model's state buffers'
 
     def _register(self, buffer: torch.Tensor) -> None:
+        if self.agent is None:
+            self._start_agent(buffer)
+        try:
+            self._regs.append(self.agent.register_memory(buffer))  # DRAM or VRAM, as the tensor's device says
+        except Exception as e:
+            raise KVEngineError(f"NIXL cannot register the {'state' if self._regs else 'KV'} pool: {e}") from e
+
+    def _start_agent(self, buffer: torch.Tensor) -> None:
         # nixl's Python API runs UCX's progress thread with no pause between polls: a core spun per process. With
         # the KV on the GPU that core is spare, and the thread answers peers at once (on an H100, without it the
         # servers' time to the first output was ~10 ms longer). With the KV in host memory the forward needs every
@@ -53,10 +61,6 @@ class NixlEngine(KVEngine):
                                                                   backends=["UCX"]))
         except Exception as e:  # nixl raises its own binding errors
             raise KVEngineError(f"NIXL agent with the UCX backend cannot start: {e}") from e
-        try:
-            self._reg = self.agent.register_memory(buffer)  # DRAM or VRAM, as the tensor's device says
-        except Exception as e:
-            raise KVEngineError(f"NIXL cannot register the KV pool: {e}") from e
 
     def agent_name(self) -> str:
         return self._name
@@ -119,6 +123,6 @@ class NixlEngine(KVEngine):
                 log.debug("NIXL could not remove agent %s: %s", agent, e)
 
     def close(self) -> None:
-        if self._reg is not None:
-            self.agent.deregister_memory(self._reg)
-            self._reg = None
+        for reg in self._regs:
+            self.agent.deregister_memory(reg)
+        self._regs = []

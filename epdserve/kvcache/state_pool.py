@@ -91,8 +91,9 @@ class StatePool:
         rec = torch.Size(self.recurrent_shape).numel() * torch.empty((), dtype=self.recurrent_dtype).element_size()
         return self.layers * (conv + rec)
 
-    def alloc(self) -> int:
-        """A free slot, its states zeroed (a fresh request starts from zeros).
+    def alloc(self, zero: bool = True) -> int:
+        """A free slot, its states zeroed (a fresh request starts from zeros) unless ``zero`` is False (a slot that
+        is written whole before it is read: a transfer engine's target).
 
         Raises:
             RuntimeError: every slot is in use.
@@ -101,7 +102,7 @@ class StatePool:
             raise RuntimeError(f"StatePool: all {self.num_slots} state slots are in use")
         slot = self._free.pop()
         self._used.add(slot)
-        for conv, rec in zip(self.conv, self.recurrent):
+        for conv, rec in zip(self.conv, self.recurrent) if zero else ():
             conv[slot].zero_()
             rec[slot].zero_()
         return slot

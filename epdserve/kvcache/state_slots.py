@@ -82,12 +82,27 @@ class StateSlots:
             self.runner.copy_state(snap, self._held[key])
         return True
 
+    def reserve(self, key) -> int | None:
+        """Decode, transfer engine path: a slot held by ``key`` for the engines to write the request's state into
+        (-1 without a state pool; None when every slot is held). It is not zeroed: the write fills all of it (every
+        head of every layer; :meth:`check_engine_written`), and a zeroing queued on a CUDA stream could run after
+        the write has landed. A failed write's slot is freed unread; a host or shared hand-off overwrites it."""
+        if self.pool is None:
+            return -1
+        if key not in self._held:
+            if self.pool.num_free == 0:
+                return None
+            self._held[key] = self.pool.alloc(zero=False)
+        return self._held[key]
+
     def acquire_all(self, keys: list) -> bool:
         """:meth:`acquire` (without a prefix) for every key of ``keys``, all or none (decode's forks of one
-        request); True without a state pool."""
-        for i, key in enumerate(keys):
+        request); True without a state pool. Keys that already held a slot (fork 0's, reserved for a transfer
+        engine's write) keep it either way."""
+        new = [key for key in keys if key not in self._held]
+        for i, key in enumerate(new):
             if not self.acquire(key):
-                for held in keys[:i]:
+                for held in new[:i]:
                     self.release(held)
                 return False
         return True
@@ -174,6 +189,20 @@ class StateSlots:
         got = (None if state.conv is None else tuple(state.conv.shape),
                None if state.recurrent is None else tuple(state.recurrent.shape))
         return None if got == want else f"linear-attention state has shapes {got}, expected {want}"
+
+    def check_engine_written(self, nbytes: int) -> str | None:
+        """Decode: why a transfer engine's write of ``nbytes`` bytes of state into a reserved slot is not one
+        whole request state (every DeltaNet head of every layer, once), or None; a model without a state pool
+        takes none."""
+        if self.pool is None:
+            return None if nbytes == 0 else "the KV transfer carries a linear-attention state this model lacks"
+        from epdserve.engine.state_io import state_shapes
+
+        conv, rec = state_shapes(self.runner.config)
+        want = torch.Size(conv).numel() * self.pool.conv_buffer.element_size() + \
+            torch.Size(rec).numel() * self.pool.recurrent_buffer.element_size()
+        return None if nbytes == want else f"the transfer engines wrote {nbytes} bytes of linear-attention state, " \
+                                           f"expected {want} (every DeltaNet head of every layer)"
 
     def load(self, key, state: StateHandoff | None, peer_pools=None) -> None:
         """Decode: load a checked ``state`` into ``key``'s slot: written from the message (host path) or copied

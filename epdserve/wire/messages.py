@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from epdserve.wire.codec import Codec, WireError, tensor_bytes, tensor_from_bytes  # noqa: F401  (the wire's names)
-from epdserve.wire.engine_region import KVEngineRegion
+from epdserve.wire.engine_region import KVEngineRegion, StateEngineRegion
 from epdserve.wire.tp_messages import (
     TPCopyState, TPEmbedReceipt, TPEngineCancel, TPEngineWrite, TPEngineWriteDone, TPForward, TPHello, TPReadKV,
     TPReadState, TPReleaseEmbeddings, TPShutdown, TPWriteKV, TPWriteState,
@@ -228,7 +228,9 @@ class KVRegister:
     ``kv_pages`` (transfer engine path) the prefill server writes the prompt's KV straight into those pages of
     the decode pools (one region per decode TP rank, in rank order; token ``i`` into page
     ``kv_pages[i // page_size]`` of every rank's pool, each rank getting its own KV heads), then sends a
-    tensor-less ``KVTransfer`` with ``engine_written`` set once every write landed.
+    tensor-less ``KVTransfer`` with ``engine_written`` set once every write landed. A hybrid model's (Qwen3.5)
+    registration also names ``state_slot``, the decode state slot reserved for the request (the same on every
+    rank), into which the prefill server writes the request's final prompt state through each region's ``state``.
     """
 
     rid: str
@@ -239,6 +241,7 @@ class KVRegister:
     # Transfer engine path: the decode pools (one per decode TP rank) the prefill server writes into ...
     regions: list[KVEngineRegion] = field(default_factory=list)
     kv_pages: list[int] = field(default_factory=list)  # ... and this request's pages there (prompt + output)
+    state_slot: int = -1  # ... and, for a hybrid model, its state slot there (-1: none)
 
 
 @dataclass
@@ -320,7 +323,8 @@ class KVTransfer:
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     state: StateHandoff | None = None  # hybrid models (Qwen3.5): the DeltaNet state, on either path
     engine_written: bool = False  # transfer engine path: the KV is already in the decode pages it registered
-    engine_bytes: int = 0  # ... this many bytes, written in engine_seconds (prefill's submit to completion)
+    engine_bytes: int = 0  # ... this many bytes of KV, written in engine_seconds (prefill's submit to completion)
+    engine_state_bytes: int = 0  # ... and, for a hybrid model, this many bytes of its state, in the same writes
     engine_seconds: float = 0.0
     # n > 1: every choice's first token (choice 0's is also ``first_token_id``) and, when asked, their logprobs
     first_token_ids: list[int] = field(default_factory=list)
@@ -376,8 +380,8 @@ def input_ids_digest(input_ids: list[int]) -> str:
 _CODEC = Codec((
     GrammarSpec, SamplingParams, TokenLogprob, ImageSpan, PrefillRequest, DecodeRequest, AbortRequest,
     ServerInfoRequest, ServerInfo, LoadRequest, Load,
-    SharedTensor, ImageEmbeddings, KVEngineRegion, KVRegister, KVPoolHandle, KVAck, KVTransfer, TokenOutput,
-    TokenOutputBatch,
+    SharedTensor, ImageEmbeddings, KVEngineRegion, StateEngineRegion, KVRegister, KVPoolHandle, KVAck, KVTransfer,
+    TokenOutput, TokenOutputBatch,
     StateHandoff, TPHello, TPForward, TPReadKV, TPWriteKV, TPReleaseEmbeddings, TPShutdown, TPEmbedReceipt,
     TPReadState, TPWriteState, TPCopyState, TPEngineWrite, TPEngineCancel, TPEngineWriteDone,
 ))

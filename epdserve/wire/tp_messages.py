@@ -109,14 +109,18 @@ class TPEmbedReceipt:
 class TPEngineWrite:
     """Prefill TP rank 0 -> other ranks (``--kv-transfer nixl|mooncake``): write the KV heads this rank is the
     writer of, of the first ``n_tokens`` tokens in its pool's ``src_pages``, into ``dst_pages`` of each decode
-    rank's pool in ``regions`` that holds any of them (:func:`epdserve.kvcache.engine_copies.rank_copies`);
-    report with ``TPEngineWriteDone`` under ``room``. Sent after the forward that computed the KV."""
+    rank's pool in ``regions`` that holds any of them (:func:`epdserve.kvcache.engine_copies.page_copies`) and,
+    for a hybrid model, its DeltaNet heads of state slot ``src_slot`` into slot ``dst_slot`` of each region's
+    state pool that holds any of them (:func:`epdserve.kvcache.state_copies.state_copies`); report with
+    ``TPEngineWriteDone`` under ``room``. Sent after the forward that computed the KV."""
 
     room: int
     src_pages: list[int]
     n_tokens: int
     regions: list[KVEngineRegion]
     dst_pages: list[int]
+    src_slot: int = -1
+    dst_slot: int = -1
 
 
 @dataclass
@@ -128,10 +132,12 @@ class TPEngineCancel:
 
 @dataclass
 class TPEngineWriteDone:
-    """TP rank ``rank`` -> rank 0: every write of ``room`` this rank started has ended, ``nbytes`` written, or
-    failed (``error`` set; the writes that did not fail ended too, so none still lands in the decode pages)."""
+    """TP rank ``rank`` -> rank 0: every write of ``room`` this rank started has ended, ``nbytes`` of KV and
+    ``state_bytes`` of state written, or failed (``error`` set; the writes that did not fail ended too, so none
+    still lands in the decode pages)."""
 
     rank: int
     room: int
     nbytes: int
     error: str = ""
+    state_bytes: int = 0

@@ -178,6 +178,8 @@ def _check_transfer(msg: messages.KVTransfer) -> str | None:
 def _check_register(msg: messages.KVRegister) -> str | None:
     if not 0 <= msg.bootstrap_room <= INT64_MAX:
         return "bootstrap room out of range"
+    if not -1 <= msg.state_slot <= INT64_MAX:
+        return "state slot out of range"
     return _check_endpoint(msg.kv_endpoint)
 
 
