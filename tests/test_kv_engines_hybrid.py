@@ -46,7 +46,7 @@ from epdserve.kvcache.engine import make_engine
 from epdserve.kvcache.engine_copies import writer_heads
 from epdserve.kvcache.rank_writes import RankWrites
 from epdserve.kvcache.state_copies import check_state_region, describe_state, state_copies
-from epdserve.models.qwen3_5_lm import deltanet_heads, deltanet_parts
+from epdserve.models.qwen3_5_deltanet import deltanet_heads, deltanet_parts
 from epdserve.prefill.scheduler import PrefillScheduler
 from epdserve.wire.messages import KVTransfer, SamplingParams, decode, encode
 

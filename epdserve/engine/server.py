@@ -20,7 +20,7 @@ from epdserve.frontend.process import spawn_front
 from epdserve.kvcache.engine import KV_ENGINES, KVEngine, make_engine
 from epdserve.kvcache.kv_share import shares_kv
 from epdserve.metrics import start_metrics_server
-from epdserve.models.qwen3_5_lm import deltanet_heads
+from epdserve.models.qwen3_5_deltanet import deltanet_heads
 from epdserve.wire import transport
 from epdserve.wire.messages import LoadRequest, ServerInfo, ServerInfoRequest
 

@@ -3,7 +3,7 @@
 slot of a prefill TP rank's :class:`~epdserve.kvcache.state_pool.StatePool` into a slot of a decode rank's, beside
 the KV pages of :mod:`epdserve.kvcache.engine_copies`, whatever the TP sizes of the two servers.
 
-A rank's pool holds its own DeltaNet heads (:func:`epdserve.models.qwen3_5_lm.deltanet_heads`; they split evenly,
+A rank's pool holds its own DeltaNet heads (:func:`epdserve.models.qwen3_5_deltanet.deltanet_heads`; they split evenly,
 never replicated): ``conv_buffer`` ``[layers, slots + 1, conv_dim, kernel]`` whose channels are its q | k | v
 parts (q and k by key head, ``key_dim`` channels each; v by value head, ``value_dim`` each), and
 ``recurrent_buffer`` ``[layers, slots + 1, value_heads, key_dim, value_dim]``. A head's channels, and a value
