@@ -27,6 +27,7 @@ from epdserve.engine.grammar import GrammarCompiler
 from epdserve.engine.server import StageServer, kv_shared, register_kv_engine, serve_with_front, start_kv_engine
 from epdserve.wire.messages import AbortRequest, DecodeRequest, KVTransfer, ServerInfo, TokenOutputBatch
 from epdserve.metrics import DecodeMetrics
+from epdserve.engine.model_runner import startup_summary
 from epdserve.engine.runner_setup import runner_from_config
 
 log = logging.getLogger("epdserve.decode")
@@ -78,9 +79,10 @@ class _DecodeServer(StageServer):
     def log_ready(self) -> None:
         c = self.config
         log.info("decode ready on tcp://%s:%d (KV in %s, model=%s, device=%s, %d KV pages, KV hand-off %s, "
-                 "metrics=%s)", c.host, c.zmq_port, self.kv_endpoint, self.info.model_path, self.runner.device,
+                 "metrics=%s); %s", c.host, c.zmq_port, self.kv_endpoint, self.info.model_path, self.runner.device,
                  self.runner.num_pages, "shared or zmq" if self.share else
-                 (r := self.sched.engine_pages.regions) and r[0].engine or "zmq", self.metrics_server.url)
+                 (r := self.sched.engine_pages.regions) and r[0].engine or "zmq", self.metrics_server.url,
+                 startup_summary(self.runner.startup_s))
 
     def idle_poll_ms(self) -> int:
         # A transfer engine writing into reserved pages progresses on this loop's turns (KVEngine.progress):

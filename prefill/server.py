@@ -29,6 +29,7 @@ from epdserve.wire.device_share import take_embeddings
 from epdserve.prefill.embed_gate import EmbeddingGate
 from epdserve.wire.messages import AbortRequest, ImageEmbeddings, KVAck, KVRegister, PrefillRequest, ServerInfo
 from epdserve.metrics import PrefillMetrics
+from epdserve.engine.model_runner import startup_summary
 from epdserve.engine.runner_setup import runner_from_config
 from epdserve.prefill.replies import PrefillReplies
 from epdserve.prefill.scheduler import PrefillScheduler
@@ -93,10 +94,10 @@ class _PrefillServer(StageServer):
     def log_ready(self) -> None:
         c = self.config
         log.info("prefill ready on tcp://%s:%d (embeddings %s, bootstrap %s:%d, model=%s, device=%s, %d KV pages, "
-                 "KV hand-off %s, metrics=%s)", c.host, c.zmq_port, self.info.embed_endpoints[0], c.host,
+                 "KV hand-off %s, metrics=%s); %s", c.host, c.zmq_port, self.info.embed_endpoints[0], c.host,
                  c.bootstrap_port, self.info.model_path, self.runner.device, self.runner.num_pages,
                  "shared or zmq" if self.share else self.sched.engine.name if self.sched.engine else "zmq",
-                 self.metrics_server.url)
+                 self.metrics_server.url, startup_summary(self.runner.startup_s))
 
     def on_request(self, peer: bytes, msg) -> None:
         if isinstance(msg, PrefillRequest):

@@ -188,6 +188,20 @@ def test_dashboard_queries_use_only_exported_names():
     assert {"Gateway", "Encoder", "Prefill", "Decode"} <= rows
 
 
+def test_ready_lines_say_how_long_each_part_of_the_start_took(server):
+    """Prefill's and decode's ready lines end with the start-up's parts (issue 43): weights and warm-up always
+    (CPU: no graphs), each in seconds, and a total equal to their sum."""
+    _, log_path = server
+    messages = [json.loads(x)["message"] for x in log_path.read_text().splitlines() if x.startswith("{")]
+    for stage in ("prefill", "decode"):
+        line = next(m for m in messages if m.startswith(f"{stage} ready on"))
+        m = re.search(r"started in ([\d.]+) s \((.*)\)$", line)
+        assert m, line
+        parts = dict((name, float(sec)) for name, sec in re.findall(r"([\w-]+) ([\d.]+) s", m.group(2)))
+        assert {"weights", "warm-up"} <= parts.keys(), line
+        assert abs(sum(parts.values()) - float(m.group(1))) <= 0.05 * len(parts), line
+
+
 def test_request_id_reaches_every_process_log(server, model):
     url, log_path = server
     rid = f"obs-{uuid.uuid4().hex[:12]}"

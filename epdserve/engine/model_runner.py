@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -77,6 +78,9 @@ class ModelRunner:
             FileNotFoundError: missing config or weights.
             ValueError: unsupported model, bad weights, bad backend name, or no room for one page.
         """
+        t0 = time.monotonic()
+        # Seconds each part of the start-up took (the servers' ready lines print them; issue 43).
+        self.startup_s: dict[str, float] = {}
         self.device, self.dtype, self.page_size = torch.device(device), dtype, page_size
         self.tp = tp or TPGroup.single(self.device)
         self.config = cfg = ModelConfig.load(model_path)
@@ -88,6 +92,7 @@ class ModelRunner:
         weights = iter_lm_weights(model_path, tie_word_embeddings=cfg.tie_word_embeddings, device=self.device)
         model.load_weights((name, t.to(dtype)) for name, t in weights)
         self.model = model.eval().requires_grad_(False)
+        self.startup_s["weights"] = time.monotonic() - t0
         if num_pages <= 0:
             num_pages = self.tp.min_int(self._auto_pages(mem_fraction))
         self.num_pages = num_pages
@@ -105,6 +110,7 @@ class ModelRunner:
             self.model.states = self.state_pool
             prefill_graph_max_tokens = 0
         self.graphs = None
+        t0 = time.monotonic()
         if cuda_graph_max_bs > 0 and self.backend.uses_flashinfer:
             self.graphs = self._decode_graphs(cuda_graph_max_bs)
         self.prefill_graphs = None
@@ -114,6 +120,8 @@ class ModelRunner:
             self.prefill_graphs = PrefillGraphRunner(
                 self.model, self.backend, hidden_size=cfg.embed_width, vocab_size=cfg.vocab_size,
                 max_tokens=prefill_graph_max_tokens, scratch_page=num_pages, page_size=page_size, dtype=dtype)
+        if self.graphs is not None or self.prefill_graphs is not None:
+            self.startup_s["graphs"] = time.monotonic() - t0
 
     def _decode_graphs(self, max_bs: int):
         """The decode CUDA graphs. A hybrid model's take each row's state slot from a static buffer (padding rows:
@@ -285,7 +293,9 @@ class ModelRunner:
     def warmup(self) -> None:
         """Run one small prefill and one decode step on scratch pages, so kernel JIT builds (flashinfer) and CUDA
         initialisation happen before the server says it is ready, not inside the first request's TTFT. The
-        scratch KV is never read by a request: each request writes its slots before attending to them."""
+        scratch KV is never read by a request: each request writes its slots before attending to them. Its
+        seconds (kernel builds included) go to :attr:`startup_s` as ``warm-up``."""
+        t0 = time.monotonic()
         n = min(8, self.page_size * self.num_pages - 1)
         pages = list(range(-(-(n + 1) // self.page_size)))
         positions = torch.arange(n + 1).expand(3, -1)
@@ -297,6 +307,9 @@ class ModelRunner:
                                   state_slots=state))
         if self.state_pool is not None and self.device.type == "cuda":
             self._warmup_varlen_extends()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.startup_s["warm-up"] = time.monotonic() - t0
 
     def _warmup_varlen_extends(self) -> None:
         """A hybrid model's varlen DeltaNet kernels (Triton) compile one variant per specialisation of their
@@ -316,6 +329,13 @@ class ModelRunner:
             self.forward(ForwardBatch(False, torch.zeros(T, dtype=torch.int64), pos.expand(3, -1), pos.clone(),
                                       q_lens, kv_lens, [pages] * len(q_lens),
                                       state_slots=[self.state_pool.scratch_slot] * len(q_lens)))
+
+
+def startup_summary(startup_s: dict[str, float]) -> str:
+    """``"started in 41.2 s (weights 12.0 s, graphs 21.1 s, warm-up 8.1 s)"`` from a runner's
+    :attr:`ModelRunner.startup_s` (seconds per part, in the order they ran)."""
+    parts = ", ".join(f"{name} {sec:.1f} s" for name, sec in startup_s.items())
+    return f"started in {sum(startup_s.values()):.1f} s ({parts})"
 
 
 def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,

@@ -80,6 +80,7 @@ class TPRunner:
         self.config, self.num_pages, self.page_size = local.config, local.num_pages, local.page_size
         self.device, self.dtype, self.tp, self.heads = local.device, local.dtype, local.tp, local.heads
         self.state_pool, self.kv_pool = local.state_pool, local.kv_pool  # rank 0's own shards
+        self.startup_s = local.startup_s  # rank 0's; every rank loads, captures and warms up alike
         self._ctx, self.ctrl, self._procs = ctx, ctrl, procs
         self._receipts: list[TPEmbedReceipt] = []
         self._write_reports: list[TPEngineWriteDone] = []
