@@ -19,6 +19,20 @@ import pytest
 IMAGES_DIR = Path(__file__).resolve().parents[2] / "shared" / "images"
 
 
+# A GPU test that hangs (a kernel, a collective, a graph capture) fails after this long with every thread's stack
+# (pytest-timeout, where installed) instead of running on: the GPU suite runs on lent machines of limited time.
+GPU_TEST_TIMEOUT_S = 300
+
+
+def pytest_collection_modifyitems(config, items):
+    """Give each ``gpu``-marked test without a ``timeout`` mark of its own a :data:`GPU_TEST_TIMEOUT_S` one."""
+    if not config.pluginmanager.hasplugin("timeout"):
+        return
+    for item in items:
+        if item.get_closest_marker("gpu") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(GPU_TEST_TIMEOUT_S))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     """A tiny Qwen2.5-VL checkpoint (random weights, seed 0) in a session temp dir."""
