@@ -90,9 +90,10 @@ class LMServerConfig:
                                   "device to device: CUDA IPC, or /dev/shm on CPU; zmq otherwise), or 'auto' "
                                   "(shared on CUDA, zmq on CPU). On a CUDA prefill server, anything but 'zmq' also "
                                   "takes embeddings from an encoder on this machine through GPU memory (CUDA IPC). "
-                                  "'nixl' or 'mooncake': prefill writes the KV straight into decode's pages through "
-                                  "that transfer engine (pip install 'epdserve[nixl]' / '[mooncake]'; TP 1, "
-                                  "non-hybrid models; zmq otherwise)")
+                                  "'nixl' or 'mooncake': prefill writes the KV (and a hybrid model's DeltaNet "
+                                  "state) straight into decode's pages (and state slot) through that transfer "
+                                  "engine, any TP sizes on either side (pip install 'epdserve[nixl]' / "
+                                  "'[mooncake]')")
     tp: int = _f(1, "tensor-parallel ranks: this process is rank 0 and starts ranks 1..tp-1 (one GPU each)")
     base_gpu_id: int = _f(0, "TP rank r runs on cuda:(base_gpu_id + r) (when the device is cuda or auto)")
 
