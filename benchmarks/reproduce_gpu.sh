@@ -4,8 +4,11 @@
 #   bash benchmarks/reproduce_gpu.sh RESULTS_DIR [launch flags...]
 #   e.g. bash benchmarks/reproduce_gpu.sh /tmp/res --encoder-cuda-graphs 32
 #        bash benchmarks/reproduce_gpu.sh /tmp/res --kv-transfer zmq     # the host KV path (default: auto)
+#        PRESET=qwen3.5-9b MODEL=/tmp/q9 bash benchmarks/reproduce_gpu.sh /tmp/res --num-pages 8192
+#        (the 9B twice does not fit an 80 GB card with the default KV sizing)
 #
-# Steps: the qwen2.5-vl-3b preset (random bf16 weights, ~30 s), the GPU tests, the encoder alone (eager and
+# Steps: the $PRESET preset (default qwen2.5-vl-3b; random bf16 weights, ~30 s), the decode step beside its
+# roofline with its top kernels, the GPU tests, the encoder alone (eager and
 # torch.compile, each without and with CUDA graphs, side by side), then `epdserve launch` with the given flags
 # and the issue workloads: 1 request at a time (448x448 and 1280x720), 32 and 128 concurrent; then the same
 # launch with DEBUG logs for the one-request stage timeline. JSON records go to RESULTS_DIR. A workload that runs
@@ -17,7 +20,10 @@ MODEL=${MODEL:-/tmp/p3b}
 mkdir -p "$RES"
 run() { echo "+ $*"; "$@"; }
 
-[ -f "$MODEL/config.json" ] || run epdserve make-tiny-model "$MODEL" --preset qwen2.5-vl-3b --device cuda
+[ -f "$MODEL/config.json" ] || run epdserve make-tiny-model "$MODEL" --preset "${PRESET:-qwen2.5-vl-3b}" --device cuda
+run python -m epdserve.bench.step --model-path "$MODEL" --batch-sizes 1 32 128 --profile --output-json "$RES/step.json" \
+    > "$RES/step.txt" 2>&1
+head -6 "$RES/step.txt"
 # The whole pytest output stays in RESULTS_DIR: a failure's message is in its middle, not its last lines.
 EPDSERVE_GPU_TEST_MODELS=$MODEL run python -m pytest -q -p no:cacheprovider -m gpu tests/ > "$RES/gpu_tests.log" 2>&1
 tail -3 "$RES/gpu_tests.log"
