@@ -218,20 +218,38 @@ def test_default_model_answers_a_photo_in_readable_text(tmp_path, monkeypatch, p
     assert all(c.isprintable() or c.isspace() for c in text), repr(text)
 
 
+def _prefill_equals_transformers(path):
+    """transformers loads the Qwen3.5 checkpoint at ``path`` whole, and epdserve's float32 prefill of 37 tokens
+    gives its last logits within 1e-4. Returns epdserve's :class:`ModelRunner`."""
+    import dataclasses
+
+    from test_model_runtime import Seq, make_batch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from epdserve.engine.model_runner import ModelRunner
+
+    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    runner = ModelRunner(str(path), device=torch.device("cpu"), dtype=torch.float32, num_pages=64, page_size=16,
+                         attention_backend="sdpa", num_state_slots=2)
+    ids = torch.arange(3, 40)
+    seq, slot = Seq(ids, [], [0, 1, 2], 16), runner.state_pool.alloc()
+    logits = runner.forward(dataclasses.replace(make_batch([seq.extend_part(len(ids))]), state_slots=[slot]))
+    with torch.no_grad():
+        want = model(input_ids=ids[None]).logits[0, -1]
+    torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=0)
+    return runner
+
 def test_preset_qwen3_5_9b_shapes_init_and_loaders(tmp_path):
     """The Qwen3.5-9B preset's sizes (24 DeltaNet + 8 attention layers; see epdserve.models.presets for the
     sources), its init rules (zero-centred norms 0, dt_bias 1, A_log = log U(0.01, 16)), and a scaled-down copy
     (4 layers, hidden 256, 1 vision block; the real DeltaNet head sizes and vocabulary) that transformers loads
     without missing tensors, epdserve's runner and encoder load, and whose epdserve prefill logits equal
     transformers'."""
-    import dataclasses
-
     from PIL import Image
-    from test_model_runtime import Seq, make_batch
-    from transformers import Qwen3_5ForConditionalGeneration
 
     from epdserve.encoder.vision import VisionEncoder
-    from epdserve.engine.model_runner import ModelRunner
     from epdserve.engine.state_io import state_shapes
     from epdserve.models.config import ModelConfig
 
@@ -255,17 +273,7 @@ def test_preset_qwen3_5_9b_shapes_init_and_loaders(tmp_path):
     assert (tensors["model.language_model.layers.0.input_layernorm.weight"] == 0).all()
     assert (tensors[deltanet + "norm.weight"] == 1).all()
 
-    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
-                                                                   output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    runner = ModelRunner(str(path), device=torch.device("cpu"), dtype=torch.float32, num_pages=64, page_size=16,
-                         attention_backend="sdpa", num_state_slots=2)
-    ids = torch.arange(3, 40)
-    seq, slot = Seq(ids, [], [0, 1, 2], 16), runner.state_pool.alloc()
-    logits = runner.forward(dataclasses.replace(make_batch([seq.extend_part(len(ids))]), state_slots=[slot]))
-    with torch.no_grad():
-        want = model(input_ids=ids[None]).logits[0, -1]
-    torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=0)
+    _prefill_equals_transformers(path)
     enc = VisionEncoder(path, torch.device("cpu"), torch.bfloat16)
     [(emb, grid)] = enc.encode([Image.new("RGB", (256, 256), (200, 40, 40))])
     assert emb.shape == (grid[0] * grid[1] * grid[2] // 4, 256)
@@ -324,13 +332,6 @@ def test_preset_qwen3_5_tied_small_loads_and_matches_transformers(tmp_path):
     """The tied Qwen3.5 presets (0.8B, 4B) scaled down (4 layers of 256, the 0.8B's ungrouped 16 K / 16 V DeltaNet
     heads and vocabulary, 1 vision block): no lm_head tensor on disk, transformers loads it without missing
     tensors, and epdserve's prefill logits equal transformers'."""
-    import dataclasses
-
-    from test_model_runtime import Seq, make_batch
-    from transformers import Qwen3_5ForConditionalGeneration
-
-    from epdserve.engine.model_runner import ModelRunner
-
     small = {"text": {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
                       "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
                       "num_key_value_heads": 1},
@@ -339,15 +340,4 @@ def test_preset_qwen3_5_tied_small_loads_and_matches_transformers(tmp_path):
     tensors = _tensors(path)
     assert "lm_head.weight" not in tensors
     assert tensors["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"].shape == (3 * 16 * 128, 256)
-    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
-                                                                   output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    runner = ModelRunner(str(path), device=torch.device("cpu"), dtype=torch.float32, num_pages=64, page_size=16,
-                         attention_backend="sdpa", num_state_slots=2)
-    assert runner.config.tie_word_embeddings
-    ids = torch.arange(3, 40)
-    seq, slot = Seq(ids, [], [0, 1, 2], 16), runner.state_pool.alloc()
-    logits = runner.forward(dataclasses.replace(make_batch([seq.extend_part(len(ids))]), state_slots=[slot]))
-    with torch.no_grad():
-        want = model(input_ids=ids[None]).logits[0, -1]
-    torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=0)
+    assert _prefill_equals_transformers(path).config.tie_word_embeddings
