@@ -125,8 +125,8 @@ class ModelRunner:
 
     def _decode_graphs(self, max_bs: int):
         """The decode CUDA graphs. A hybrid model's take each row's state slot from a static buffer (padding rows:
-        the scratch slot). That path has not run on a GPU in CI: should its capture fail, decode runs eagerly
-        (logged) rather than the server failing to start."""
+        the scratch slot). CI has no GPU (tests/test_qwen3_5_gpu.py checks them against eager steps on one): should
+        their capture fail, decode runs eagerly (logged) rather than the server failing to start."""
         from epdserve.engine.cuda_graph import CudaGraphRunner
 
         scratch = None if self.state_pool is None else self.state_pool.scratch_slot
