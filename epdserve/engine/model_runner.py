@@ -312,11 +312,11 @@ class ModelRunner:
         self.startup_s["warm-up"] = time.monotonic() - t0
 
     def _warmup_varlen_extends(self) -> None:
-        """A hybrid model's varlen DeltaNet kernels (Triton) compile one variant per specialisation of their
-        integer arguments (a value of 1, a multiple of 16) and autotune on first use; served batches hit several
-        (one request or many, fresh or continued, short or past a 64-token chunk). Each compile of a new variant
-        stalls the prefill loop for seconds, so they are all built here: batches of requests on scratch state and
-        the first pages, whose KV no request reads before writing it."""
+        """Extends of the shapes served prefill batches take (one request or many, fresh or continued, short or
+        past a 64-token chunk), so that the kernels they need (fla's Triton kernels compile and autotune on first
+        use, flashinfer's FA3 prefill JIT-builds) are built before the ready line. Whether this covers everything
+        a served batch builds is not established (issue 42: a 32-concurrent load still stalled the prefill). On
+        scratch state and the first pages, whose KV no request reads before writing it."""
         ps = self.page_size
         for q_lens, prefix in (([70, 5], 0), ([4] * 16, 0), ([1], 8), ([33, 1], 8), ([16], 0)):
             kv_lens = [q + prefix for q in q_lens]

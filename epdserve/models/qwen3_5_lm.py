@@ -168,6 +168,7 @@ class Qwen3_5LanguageModel(nn.Module):
             raise ValueError("Qwen3_5LanguageModel needs a config with layer_types (model_type qwen3_5)")
         tp = tp or TPGroup.single()
         self.config, self.attn, self.states, self.fused_ops = cfg, attn, None, False
+        self.deltanet_kernels = False  # see use_fused_ops
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -200,18 +201,14 @@ class Qwen3_5LanguageModel(nn.Module):
         if enabled:
             _flashinfer()
         self.fused_ops = enabled
-        kernels = self.embed_tokens.weight.is_cuda and _deltanet_kernels_available()
+        # Whether the DeltaNet layers run the CUDA kernels; set here, read by every forward.
+        self.deltanet_kernels = kernels = self.embed_tokens.weight.is_cuda and _deltanet_kernels_available()
         for m in self.modules():
             if isinstance(m, (ZeroCenteredRMSNorm, MLP)):
                 m.fused = enabled
             elif isinstance(m, GatedDeltaNet):
                 m.use_kernels(kernels)
         return self
-
-    @property
-    def deltanet_kernels(self) -> bool:
-        """Whether the DeltaNet layers run the CUDA kernels (see :meth:`use_fused_ops`)."""
-        return any(isinstance(m, GatedDeltaNet) and m.fused for m in self.layers.modules())
 
     def _deltanet_batch(self, batch: ForwardBatch, device: torch.device) -> DeltaNetBatch:
         """The slots (a decode CUDA graph passes its static device buffer) and, for an extend on the kernels, the
