@@ -9,6 +9,12 @@ read (every LM weight once, the embedding table aside, plus every request's KV; 
 written) over the device-to-device copy
 bandwidth measured in the same run (bytes read + written). "GPU ms" is the replayed graph alone (no host work):
 the floor an overlapped server step can reach. The server's TPOT over these is the server's own overhead.
+
+``--prefill-lens 274 1308`` also times one fresh request's prefill forward of each length (and, with
+``--prefill-batch N``, N requests of the first length in one forward), the way a prefill server runs an extend,
+beside its compute roofline: 2 FLOPs per LM weight per token over the bf16 matmul rate measured in the same run
+(attention's own FLOPs are left out, so the roofline is a floor). With ``--profile`` the first length's forward
+is profiled on the host and the device: where a prefill's time goes when it is not in the GEMMs.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import time
 import torch
 
 from epdserve.engine.forward_batch import ForwardBatch
-from epdserve.engine.model_runner import ModelRunner
+from epdserve.engine.model_runner import ModelRunner, startup_summary
 from epdserve.models.mrope import decode_positions
 
 
@@ -38,6 +44,94 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) 
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return 2 * src.numel() * src.element_size() / statistics.median(times[3:])
+
+
+def matmul_flops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+    """The device's bf16 matmul rate in FLOP/s: an ``n`` x ``n`` x ``n`` GEMM, median of ``reps``."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n ** 3 / statistics.median(times[3:])
+
+
+def lm_params(runner: ModelRunner) -> int:
+    """LM weights a token multiplies (the input embedding table aside, as it is a lookup)."""
+    model = runner.model
+    n = sum(p.numel() for p in model.parameters())
+    if not runner.config.tie_word_embeddings:
+        n -= model.embed_tokens.weight.numel()
+    return n
+
+
+def prefill_batch(runner: ModelRunner, q_lens: list[int], slots: list[int] | None) -> ForwardBatch:
+    """Fresh requests of ``q_lens`` random text tokens each on their own pages (from page 0 on), a prefill
+    server's first extend of each; ``slots``: their state slots (hybrid models)."""
+    ps, first, pages, out = runner.page_size, 0, [], []
+    for q in q_lens:
+        n = -(-q // ps)
+        pages.append(list(range(first, first + n)))
+        out.append(torch.arange(q) + first * ps)
+        first += n
+    if first > runner.num_pages:
+        raise ValueError(f"{sum(q_lens)} prompt tokens need {first} pages, the pool has {runner.num_pages}")
+    ids = torch.randint(0, min(1000, runner.config.vocab_size), (sum(q_lens),))
+    pos = torch.cat([torch.arange(q) for q in q_lens]).expand(3, -1)
+    return ForwardBatch(False, ids, pos, torch.cat(out), list(q_lens), list(q_lens), pages, state_slots=slots)
+
+
+def time_prefill(runner: ModelRunner, q_lens: list[int], reps: int = 5) -> tuple[float, float]:
+    """(wall s, GPU s) of one prefill forward of fresh requests of ``q_lens`` tokens (medians of ``reps`` after
+    two untimed ones): wall from the host batch to the logits on the host, GPU between CUDA events around the
+    forward, so their difference is host time the GPU waited through."""
+    slots = None if runner.state_pool is None else [runner.state_pool.alloc() for _ in q_lens]
+    batch = prefill_batch(runner, q_lens, slots)
+    walls, gpus = [], []
+    for _ in range(reps + 2):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        logits = runner.forward(batch)
+        end.record()
+        logits.argmax(-1).tolist()
+        walls.append(time.perf_counter() - t0)
+        gpus.append(start.elapsed_time(end) / 1e3)
+    for slot in slots or ():
+        runner.state_pool.free(slot)
+    return statistics.median(walls[2:]), statistics.median(gpus[2:])
+
+
+def profile_prefill(runner: ModelRunner, q_len: int, top: int = 25) -> dict:
+    """One fresh ``q_len``-token prefill forward under torch.profiler (host and device): ``{"host": [...],
+    "device": [...]}``, each the ``top`` ops by self time (``name``, ``calls``, ``us``), plus the number of
+    kernel launches and of host-device synchronisations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    slots = None if runner.state_pool is None else [runner.state_pool.alloc()]
+    batch = prefill_batch(runner, [q_len], slots)
+    runner.forward(batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.forward(batch).argmax(-1).tolist()
+    for slot in slots or ():
+        runner.state_pool.free(slot)
+    events = prof.key_averages()
+    host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    dev = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)[:top]
+    count = {e.key: e.count for e in events}
+    return dict(
+        host=[dict(name=e.key[:90], calls=e.count, us=e.self_cpu_time_total) for e in host],
+        device=[dict(name=e.key[:90], calls=e.count, us=e.self_device_time_total) for e in dev],
+        kernel_launches=sum(c for k, c in count.items() if k in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                   "cuLaunchKernelEx", "cudaLaunchKernelExC")),
+        synchronizations=sum(c for k, c in count.items() if "Synchronize" in k or k == "cudaMemcpy"))
 
 
 def step_bytes(runner: ModelRunner, kv_tokens: int, batch_size: int = 0) -> int:
@@ -121,6 +215,44 @@ def profile_replays(runner: ModelRunner, batch_size: int, reps: int = 10, top: i
     return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
 
 
+def run_prefills(runner: ModelRunner, args) -> dict:
+    """The ``--prefill-lens`` / ``--prefill-batch`` rows (and ``--profile``'s breakdown of the first length)."""
+    flops = matmul_flops(runner.device)
+    print(f"bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
+    shapes = [[n] for n in args.prefill_lens]
+    if args.prefill_batch > 1:
+        shapes.append([args.prefill_lens[0]] * args.prefill_batch)
+    rows = []
+    for q_lens in shapes:
+        wall, gpu = time_prefill(runner, q_lens)
+        roof = 2 * lm_params(runner) * sum(q_lens) / flops
+        graphs = runner.prefill_graphs
+        graphed = graphs is not None and len(q_lens) == 1 and q_lens[0] <= graphs.max_tokens
+        rows.append(dict(q_lens=q_lens, tokens=sum(q_lens), wall_ms=wall * 1e3, gpu_ms=gpu * 1e3,
+                         roofline_ms=roof * 1e3, roofline_fraction=roof / wall, cuda_graph=graphed))
+        print(f"prefill of {len(q_lens)} x {q_lens[0]} tokens: {wall * 1e3:.2f} ms", flush=True)
+    profile = profile_prefill(runner, args.prefill_lens[0]) if args.profile else None
+    return dict(matmul_flops=flops, prefill_rows=rows, prefill_profile=profile)
+
+
+def print_prefills(prefills: dict) -> None:
+    """Print :func:`run_prefills`' table (nothing when it did not run)."""
+    if not prefills:
+        return
+    print(f"prefill forwards (bf16 matmul {prefills['matmul_flops'] / 1e12:.0f} TFLOP/s):")
+    print(f"{'requests':>9} {'tokens':>7} {'graph':>6} {'wall ms':>9} {'GPU ms':>8} {'roofline ms':>12} "
+          f"{'of roofline':>12}")
+    for r in prefills["prefill_rows"]:
+        print(f"{len(r['q_lens']):>9} {r['tokens']:>7} {'yes' if r['cuda_graph'] else 'no':>6} {r['wall_ms']:>9.2f} "
+              f"{r['gpu_ms']:>8.2f} {r['roofline_ms']:>12.2f} {100 * r['roofline_fraction']:>11.1f}%")
+    if (p := prefills["prefill_profile"]) is not None:
+        print(f"prefill profile: {p['kernel_launches']} kernel launches, {p['synchronizations']} synchronisations")
+        for side in ("host", "device"):
+            print(f"  top {side} ops by self time (us, calls)")
+            for e in p[side]:
+                print(f"  {e['us']:9.1f} {e['calls']:6d}  {e['name']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; prints a table and optionally writes ``--output-json``. Returns 0."""
     ap = argparse.ArgumentParser(prog="python -m epdserve.bench.step", description=__doc__,
@@ -133,13 +265,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="also list each batch size's top GPU kernels over graph replays (torch.profiler)")
+    ap.add_argument("--prefill-lens", type=int, nargs="*", default=[],
+                    help="also time one fresh request's prefill forward of each of these prompt lengths")
+    ap.add_argument("--prefill-batch", type=int, default=0,
+                    help="and N requests of the first --prefill-lens length in one forward")
+    ap.add_argument("--prefill-graph-max-tokens", type=int, default=2048,
+                    help="one-request prefills up to this many tokens replay CUDA graphs, as a prefill server's "
+                         "--cuda-graph-max-tokens (0 or --disable-cuda-graph: none)")
     ap.add_argument("--output-json", default="")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
+    t0 = time.monotonic()
     runner = ModelRunner(args.model_path, device=dev, dtype=torch.bfloat16, num_pages=args.num_pages, page_size=16,
                          cuda_graph_max_bs=0 if args.disable_cuda_graph else max(args.batch_sizes),
-                         num_state_slots=max(args.batch_sizes))
+                         prefill_graph_max_tokens=0 if args.disable_cuda_graph else args.prefill_graph_max_tokens,
+                         num_state_slots=max(args.batch_sizes + [args.prefill_batch]))
+    print(f"model loaded in {time.monotonic() - t0:.1f} s ({startup_summary(runner.startup_s)})", flush=True)
     bw = copy_bandwidth(dev)
+    prefills = run_prefills(runner, args) if args.prefill_lens else {}
     rows = []
     for bs in args.batch_sizes:
         times = time_steps(runner, bs, args.context, args.steps)[4:]  # the first steps warm caches up
@@ -164,10 +307,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch {r['batch_size']}: top GPU kernels per step (us, calls)")
             for k in r["kernels"]:
                 print(f"  {k['us_per_step']:9.1f} {k['calls_per_step']:6.1f}  {k['name']}")
+    print_prefills(prefills)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(dev), copy_bandwidth=bw, model_path=args.model_path,
-                           rows=rows), f, indent=2)
+                           rows=rows, **prefills), f, indent=2)
     return 0
 
 

@@ -190,6 +190,7 @@ class LaunchConfig:
     kserve_grpc_port: int = _like(GatewayConfig, "kserve_grpc_port")
     max_video_bytes: int = _like(GatewayConfig, "max_video_bytes")
     max_n: int = _like(GatewayConfig, "max_n")
+    stage_timeout_s: float = _like(GatewayConfig, "stage_timeout_s")
     # One pair of video limits for the gateway (400 before encoding) and every encoder (its own check).
     max_video_frames: int = _like(GatewayConfig, "max_video_frames")
     max_video_duration_s: float = _like(GatewayConfig, "max_video_duration_s")

@@ -8,6 +8,9 @@ transformers' torch references that the model tests hold equal to transformers' 
 - extend: fla's varlen conv over several requests from their slots' windows (fresh, continued, one token), and the
   final windows written back; fla's chunked delta rule does not run under the interpreter (tests/test_qwen3_5_gpu.py
   checks it on a GPU);
+- a prefill CUDA graph's padded extend: the conv's real rows and the window gathered at the real length, whatever
+  the padding rows hold; and (without the interpreter) that the padding's gates leave the delta rule's state as
+  the last real row left it, on transformers' chunked reference;
 - the gated RMSNorm.
 
 fla-core is not in the test environment: where it imports, transformers' own Qwen3.5 (the parity reference) calls
@@ -53,7 +56,41 @@ def test_kernels_equal_the_torch_references_under_the_triton_interpreter():
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     print(run.stdout)
-    assert "decode ok" in run.stdout and "extend conv ok" in run.stdout and "gated norm ok" in run.stdout
+    for part in ("decode", "extend conv", "padded conv", "gated norm"):
+        assert f"{part} ok" in run.stdout, run.stdout
+
+
+def test_padding_gates_leave_the_delta_rule_state_unchanged():
+    """The padded graph extend's premise, on transformers' chunked gated-delta-rule reference: rows after the
+    real ones with ``g = beta = 0`` (whatever their q, k, v) change neither the real rows' outputs nor the final
+    state, across a 64-token chunk boundary and within one."""
+    pytest.importorskip("triton")
+    import inspect
+
+    import torch
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    from epdserve.models.deltanet_cuda import padding_gates
+
+    rule = inspect.unwrap(m.torch_chunk_gated_delta_rule)
+    torch.manual_seed(0)
+    h, dk, dv = 2, 16, 8
+    for L, T in ((50, 64), (70, 128), (64, 80)):
+        q, k, v = torch.randn(1, T, h, dk), torch.randn(1, T, h, dk), torch.randn(1, T, h, dv)
+        g, beta = -torch.rand(T, h), torch.rand(T, h)
+        state = torch.randn(1, h, dk, dv)
+        want, want_state = rule(q[:, :L], k[:, :L], v[:, :L], g=g[None, :L], beta=beta[None, :L],
+                                initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        gp, bp = padding_gates(g, beta, torch.tensor([L - 1]))
+        assert (gp[L:] == 0).all() and (bp[L:] == 0).all() and torch.equal(gp[:L], g[:L])
+        got, got_state = rule(q, k, v, g=gp[None], beta=bp[None], initial_state=state, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(got[:, :L], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+        # Without the gates zeroed the padding does change the state: the check can fail.
+        _, moved = rule(q, k, v, g=g[None], beta=beta[None], initial_state=state, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True)
+        assert (moved - want_state).abs().max() > 1e-2
 
 
 def _check() -> None:
@@ -125,6 +162,18 @@ def _check() -> None:
     close("extend conv output", got, torch.cat(wants))
     close("extend conv states", conv_buf[0], conv_ref)
     print("extend conv ok")
+
+    # A prefill CUDA graph's extend: 37 real rows continuing slot 2's window, padded to 48 rows (garbage).
+    L, T, slot = 37, 48, torch.tensor([2])
+    conv_buf = torch.randn(S + 1, D, W)
+    conv_ref = conv_buf.clone()
+    mixed = torch.cat([torch.randn(L, D), torch.randn(T - L, D) * 100])
+    got = dc.conv_padded(mixed, slot, torch.tensor([L - 1]), conv_buf, weight)
+    full = torch.cat([conv_ref[2:3], mixed[:L].T[None]], -1)
+    conv_ref[2] = full[0, :, -W:]
+    close("padded conv output", got[:L], conv_fn(full, weight, None, activation="silu")[0, :, -L:].T)
+    close("padded conv states", conv_buf, conv_ref)
+    print("padded conv ok")
 
     core, z, w = torch.randn(7, hv, dv), torch.randn(7, hv * dv + 3)[:, :hv * dv], torch.randn(dv)
     x = core.reshape(-1, dv)

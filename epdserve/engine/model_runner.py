@@ -68,7 +68,8 @@ class ModelRunner:
         Hybrid models (Qwen3.5, ``config.is_hybrid``): the KV pool holds the attention layers only
         (``config.num_kv_layers``) and ``state_pool`` (:class:`StatePool`, ``num_state_slots`` slots plus a scratch
         one) holds the linear-attention layers' conv and recurrent states; every batch names its requests' slots
-        (``ForwardBatch.state_slots``). Decode graphs pad with rows on the scratch slot; no prefill graphs.
+        (``ForwardBatch.state_slots``). Decode graphs pad with rows on the scratch slot; prefill graphs need the CUDA
+        DeltaNet kernels (``fla-core``), without them there are none.
         Otherwise ``state_pool`` is None.
 
         ``share_kv`` makes the KV pool mappable by other processes of this machine (:meth:`kv_handle`): on CUDA
@@ -106,9 +107,9 @@ class ModelRunner:
         self.model.use_fused_ops(self.backend.uses_flashinfer)
         self.state_pool = self._state_pool(num_state_slots) if cfg.is_hybrid else None
         if self.state_pool is not None:
-            # Prefill graphs: a hybrid extend loops over its requests (data-dependent shapes), so none.
             self.model.states = self.state_pool
-            prefill_graph_max_tokens = 0
+            if not self.model.deltanet_kernels:  # the torch references loop over requests: not capturable
+                prefill_graph_max_tokens = 0
         self.graphs = None
         t0 = time.monotonic()
         if cuda_graph_max_bs > 0 and self.backend.uses_flashinfer:
@@ -119,7 +120,8 @@ class ModelRunner:
 
             self.prefill_graphs = PrefillGraphRunner(
                 self.model, self.backend, hidden_size=cfg.embed_width, vocab_size=cfg.vocab_size,
-                max_tokens=prefill_graph_max_tokens, scratch_page=num_pages, page_size=page_size, dtype=dtype)
+                max_tokens=prefill_graph_max_tokens, scratch_page=num_pages, page_size=page_size, dtype=dtype,
+                states=self.state_pool)
         if self.graphs is not None or self.prefill_graphs is not None:
             self.startup_s["graphs"] = time.monotonic() - t0
 
@@ -290,11 +292,15 @@ class ModelRunner:
             kv = peer[:, :, src_slots.to(peer.device, non_blocking=True)]
             pool.write_all(dst_slots.to(self.device, non_blocking=True), kv)
 
-    def warmup(self) -> None:
+    def warmup(self, max_extend_tokens: int = 0) -> None:
         """Run one small prefill and one decode step on scratch pages, so kernel JIT builds (flashinfer) and CUDA
         initialisation happen before the server says it is ready, not inside the first request's TTFT. The
         scratch KV is never read by a request: each request writes its slots before attending to them. Its
-        seconds (kernel builds included) go to :attr:`startup_s` as ``warm-up``."""
+        seconds (kernel builds included) go to :attr:`startup_s` as ``warm-up``.
+
+        ``max_extend_tokens``: the most new tokens of one extend forward the server runs (a prefill server's
+        ``--max-prefill-tokens``; 0 for a decode server, which runs none): hybrid models on CUDA also run extends
+        of several requests up to that size, see :meth:`_warmup_varlen_extends`."""
         t0 = time.monotonic()
         n = min(8, self.page_size * self.num_pages - 1)
         pages = list(range(-(-(n + 1) // self.page_size)))
@@ -305,25 +311,32 @@ class ModelRunner:
         self.forward(ForwardBatch(False, ids[:n], positions[:, :n], slots[:n], [n], [n], [pages], state_slots=state))
         self.forward(ForwardBatch(True, ids[n:], positions[:, n:], slots[n:], [1], [n + 1], [pages],
                                   state_slots=state))
-        if self.state_pool is not None and self.device.type == "cuda":
-            self._warmup_varlen_extends()
+        if self.state_pool is not None and self.device.type == "cuda" and max_extend_tokens > 0:
+            self._warmup_varlen_extends(max_extend_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.startup_s["warm-up"] = time.monotonic() - t0
 
-    def _warmup_varlen_extends(self) -> None:
-        """Extends of the shapes served prefill batches take (one request or many, fresh or continued, short or
-        past a 64-token chunk), so that the kernels they need (fla's Triton kernels compile and autotune on first
-        use, flashinfer's FA3 prefill JIT-builds) are built before the ready line. Whether this covers everything
-        a served batch builds is not established (issue 42: a 32-concurrent load still stalled the prefill). On
-        scratch state and the first pages, whose KV no request reads before writing it."""
+    def _warmup_varlen_extends(self, max_tokens: int) -> None:
+        """Extends of the shapes served prefill batches take (many requests, fresh or continued, short or past a
+        64-token chunk, and up to ``max_tokens`` tokens in all), so that fla's Triton kernels compile and autotune
+        before the ready line, not while requests wait: fla's q/k L2 norm autotunes once per 65536 rows (tokens
+        times key heads), which a 32-concurrent load first reached at ~4k tokens and stalled the prefill server
+        for 11 s, long enough for the gateway to take it for down (H100, 9B, issue 42). On scratch state and the
+        first pages, whose KV no request reads before writing it."""
         ps = self.page_size
-        for q_lens, prefix in (([70, 5], 0), ([4] * 16, 0), ([1], 8), ([33, 1], 8), ([16], 0)):
+        shapes = [([70, 5], 0), ([4] * 16, 0), ([33, 1], 8)]
+        # Every 4096 tokens up to max_tokens: each autotune step of the L2 norm with up to 16 key heads per rank,
+        # as batches of requests of at most 2048 tokens (the default --chunked-prefill-size).
+        for total in sorted({*range(4096, max_tokens, 4096), max_tokens}):
+            n = max(2, -(-total // 2048))
+            shapes.append(([total // n] * n, 0))
+        for q_lens, prefix in shapes:
             kv_lens = [q + prefix for q in q_lens]
             longest = max(kv_lens)
             pages = list(range(-(-longest // ps)))
             if len(pages) > self.num_pages:
-                return
+                continue
             pos = torch.cat([torch.arange(prefix, kv) for kv in kv_lens])
             T = len(pos)
             self.forward(ForwardBatch(False, torch.zeros(T, dtype=torch.int64), pos.expand(3, -1), pos.clone(),
@@ -359,5 +372,5 @@ def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
                          # snapshots
                          num_state_slots=getattr(cfg, "max_running_requests", DEFAULT_STATE_SLOTS)
                          + getattr(cfg, "state_snapshot_slots", 0))
-    runner.warmup()
+    runner.warmup(getattr(cfg, "max_prefill_tokens", 0))
     return runner

@@ -11,6 +11,12 @@ inputs live in static device buffers. Per forward: copy the ids, M-RoPE position
 (the model splices them with ``torch.where``, which has no data-dependent shape), plan attention with the real
 row count (the padding rows are not computed by flashinfer), replay, and read the last real row's logits.
 Batches of several requests run eagerly: their launches are shared by more tokens.
+
+Hybrid models (Qwen3.5) on the CUDA DeltaNet kernels: the request's state slot lives in a static buffer too, a
+fresh request's slot is zeroed before the replay, and the DeltaNet layers run fla's fixed-length kernels over the
+padded rows with the padding's gates set to leave the state as the last real row left it
+(:func:`epdserve.models.deltanet_cuda.extend_padded`). Their fla kernels cost ~1 ms of host time per layer
+launched eagerly, which set a Qwen3.5-9B prefill forward to ~50 ms whatever its length (H100, issue 42).
 """
 
 from __future__ import annotations
@@ -56,15 +62,19 @@ class PrefillGraphRunner:
         scratch_page: a KV page no request owns; padding rows write their KV there.
         page_size: tokens per page.
         dtype: the model's dtype (of the embedding buffer).
+        states: hybrid models: the :class:`~epdserve.kvcache.state_pool.StatePool` the model's DeltaNet layers
+            use (on their CUDA kernels); the captures run on its scratch slot. None for other models.
 
     Raises:
         torch.OutOfMemoryError: the graphs or their buffers do not fit.
     """
 
     def __init__(self, model, backend, *, hidden_size: int, vocab_size: int, max_tokens: int, scratch_page: int,
-                 page_size: int, dtype: torch.dtype):
+                 page_size: int, dtype: torch.dtype, states=None):
         dev = backend.kv_pool.device
-        self.model, self.backend = model, backend
+        self.model, self.backend, self.states = model, backend, states
+        self.state_slot = None if states is None else torch.full((1,), states.scratch_slot, dtype=torch.int64,
+                                                                 device=dev)
         self.sizes = prefill_graph_sizes(max_tokens)
         top = self.sizes[-1]
         self.scratch_slots = scratch_page * page_size + torch.arange(top) % page_size
@@ -93,11 +103,18 @@ class PrefillGraphRunner:
     def _static_batch(self, rows: int, q_len: int, kv_len: int, pages: list[int]) -> ForwardBatch:
         return ForwardBatch(False, self.inputs[0, :rows], self.inputs[1:4, :rows], self.inputs[4, :rows], [q_len],
                             [kv_len], [pages], mm_embeds=self.mm_rows[:rows], mm_mask=self.mm_mask[:rows],
-                            last_rows=self.last_row)
+                            last_rows=self.last_row, state_slots=self.state_slot)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """True for a prefill batch of one request with at most :attr:`max_tokens` new tokens."""
         return not batch.is_decode and batch.batch_size == 1 and batch.q_lens[0] <= self.max_tokens
+
+    def _set_state_slot(self, batch: ForwardBatch) -> None:
+        from epdserve.models.deltanet_cuda import zero_fresh_slots
+
+        self.state_slot.fill_(int(batch.state_slots[0]))
+        if batch.kv_lens[0] == batch.q_lens[0]:  # a fresh request starts from the zero state
+            zero_fresh_slots(self.states.conv_buffer, self.states.recurrent_buffer, self.state_slot)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Run prefill ``batch`` through the graph of the next captured token count: ``input_ids``,
@@ -127,6 +144,8 @@ class PrefillGraphRunner:
         upload_inputs(self.inputs, host, batch, ids_on_device)
         self.mm_mask[:n] = self.inputs[5, :n] != 0
         self.last_row.fill_(T - 1)
+        if self.states is not None:
+            self._set_state_slot(batch)
         self.backend.prepare(self._static_batch(n, T, batch.kv_lens[0], batch.page_table[0]), cuda_graph=True)
         self.graphs[n].replay()
         return self.logits

@@ -9,7 +9,9 @@ line and what it does when a TP rank is lost.
 
 from __future__ import annotations
 
+import logging
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +27,12 @@ from epdserve.wire import transport
 from epdserve.wire.messages import LoadRequest, ServerInfo, ServerInfoRequest
 
 _IDLE_POLL_MS = 20  # how long an idle loop waits for a message before looking at its deadlines again
+
+# A loop turn this long is logged: gateways answer heartbeats only between turns and take a server silent for
+# their --stage-timeout-s (10 s by default) as down.
+_SLOW_TURN_S = 2.5
+
+log = logging.getLogger(__name__)
 
 
 def kv_shared(config: Any, device: torch.device) -> bool:
@@ -130,6 +138,12 @@ class StageServer:
         """A TP rank is gone: fail what this server holds and send those errors before it stops."""
         raise NotImplementedError
 
+    def _check_turn(self, seconds: float) -> None:
+        # A turn near the gateways' stage timeout gets this server taken as down and its requests failed: say
+        # so where it happens, with the load the turn ran under.
+        if seconds > _SLOW_TURN_S:
+            log.warning("one loop turn took %.1f s (heartbeats wait for it; %s)", seconds, self.sched.load())
+
     # ---- the loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
         """Serve until SIGINT/SIGTERM (returns 0) or until a TP rank is lost (returns 1, after
@@ -150,7 +164,9 @@ class StageServer:
                         self.reply(peer, self.sched.load())
                     else:
                         self.on_request(peer, msg)
+                t0 = time.monotonic()
                 self.tick()
+                self._check_turn(time.monotonic() - t0)
             if self.runner.failed:
                 self.on_rank_lost()
                 return 1

@@ -68,7 +68,7 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
                     "--prefill-addr", f"tcp://{_LOCAL}:{pre}", "--decode-addr", f"tcp://{_LOCAL}:{dec}",
                     "--api-key", cfg.api_key, "--kserve-grpc-port", str(cfg.kserve_grpc_port),
                     "--max-video-bytes", str(cfg.max_video_bytes), "--max-n", str(cfg.max_n),
-                    "--max-video-frames", str(cfg.max_video_frames),
+                    "--stage-timeout-s", repr(cfg.stage_timeout_s), "--max-video-frames", str(cfg.max_video_frames),
                     "--max-video-duration-s", str(cfg.max_video_duration_s)],
     }
     gateway_host = _LOCAL if cfg.host in ("0.0.0.0", "::") else cfg.host

@@ -17,10 +17,17 @@ Decode (one token per request, inside the decode CUDA graph; no gathered copy of
    elementwise ops cost no launches. fla's own gated-delta-rule decode kernel takes no slot indices.
 3. The gated RMSNorm (``w * norm(o) * silu(z)``) as one fla ``layer_norm_fwd`` launch per layer.
 
-Extend (prefill, chunked prefill; not graphed): every request of the batch at once through fla's varlen kernels
+Extend (prefill, chunked prefill): every request of the batch at once through fla's varlen kernels
 (``cu_seqlens``): ``causal_conv1d`` from the slots' conv states, ``chunk_gated_delta_rule`` from their recurrent
 states; the final states are written back to the slots. A request's first extend starts from zeros, as a fresh
 transformers cache does (:func:`zero_fresh_slots`).
+
+One request's extend inside a prefill CUDA graph (:func:`extend_padded`): the graph has a fixed row count, the
+prompt fills the first rows and the rest are padding, and nothing may depend on the real length on the host. fla's
+fixed-length kernels run over all rows; the padding rows get ``beta = 0`` and ``g = 0``, which makes the delta
+rule's update ``S <- exp(g) S (I - beta k k^T) + beta v k^T`` the identity, so the final state is the state after
+the last real row; the conv's outputs on real rows never see the padding after them (it is causal), and its final
+window is gathered at the real length on the device.
 
 The kernels compute in float32 from bf16 inputs, so outputs are close to, not bit-equal with, the torch reference
 that the CPU tests hold equal to transformers (``tests/test_qwen3_5_gpu.py`` bounds the difference).
@@ -166,6 +173,65 @@ def extend(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torc
         initial_state=recurrent_state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     recurrent_state[slots] = rec_final.to(recurrent_state.dtype)
+    return core[0]
+
+
+def padding_gates(g: torch.Tensor, beta: torch.Tensor, last_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g`` and ``beta`` (``[T, hv]``) with every row after ``last_row`` (int64 ``[1]``, device) set to 0: those
+    rows then leave the delta rule's state unchanged (see the module docstring)."""
+    real = (torch.arange(g.shape[0], device=g.device) <= last_row)[:, None]
+    return torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
+
+
+def conv_padded(mixed: torch.Tensor, slot: torch.Tensor, last_row: torch.Tensor, conv_state: torch.Tensor,
+                conv_weight: torch.Tensor) -> torch.Tensor:
+    """One request's tokens padded to ``T`` rows through the causal conv1d + SiLU from its slot's window (fla's
+    fixed-length ``causal_conv1d``); the slot's window becomes the last ``W`` inputs up to row ``last_row``.
+
+    Args:
+        mixed: ``[T, conv_dim]``; rows after ``last_row`` are padding (any values).
+        slot: int64 ``[1]`` the request's state slot (device). last_row: int64 ``[1]`` its last real row (device).
+        conv_state, conv_weight: as for :func:`decode`.
+
+    Returns:
+        ``[T, conv_dim]`` in ``mixed.dtype``; rows after ``last_row`` are not meaningful.
+    """
+    causal_conv1d, *_ = _fla()
+    init = conv_state[slot]  # [1, D, W]
+    out, _ = causal_conv1d(mixed[None], weight=conv_weight, initial_state=init, output_final_state=False,
+                           activation="silu")
+    W = conv_weight.shape[-1]
+    # [old window | tokens]: the W inputs ending at real row r are rows r + 1 .. r + W of it.
+    full = torch.cat([init[0].T.to(mixed.dtype), mixed], dim=0)
+    window = full.index_select(0, last_row + 1 + torch.arange(W, device=mixed.device))  # [W, D]
+    conv_state.index_copy_(0, slot, window.T[None].to(conv_state.dtype))
+    return out[0]
+
+
+def extend_padded(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: torch.Tensor,
+                  last_row: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+                  conv_weight: torch.Tensor, heads: tuple[int, int, int, int]) -> torch.Tensor:
+    """One request's new tokens of a DeltaNet layer, padded to a CUDA graph's row count (no host sync, no shape
+    that depends on the real length), continuing its slot's states and writing the final ones back.
+
+    Args:
+        mixed, g, beta: as for :func:`extend`, ``T`` rows of which rows after ``last_row`` are padding.
+        slot: int64 ``[1]`` the request's slot; last_row: int64 ``[1]`` its last real row; both on the device.
+        conv_state, recurrent_state, conv_weight, heads: as for :func:`decode`.
+
+    Returns:
+        ``[T, hv, dv]`` in ``mixed.dtype``; rows after ``last_row`` are not meaningful.
+    """
+    _, _, chunk_gated_delta_rule, _ = _fla()
+    hk, hv, dk, dv = heads
+    T = mixed.shape[0]
+    out = conv_padded(mixed, slot, last_row, conv_state, conv_weight)
+    q, k, v = out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    g, beta = padding_gates(g, beta, last_row)
+    core, rec_final = chunk_gated_delta_rule(
+        q.reshape(1, T, hk, dk), k.reshape(1, T, hk, dk), v.reshape(1, T, hv, dv), g=g[None], beta=beta[None],
+        initial_state=recurrent_state[slot], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    recurrent_state.index_copy_(0, slot, rec_final.to(recurrent_state.dtype))
     return core[0]
 
 

@@ -166,11 +166,14 @@ class GatedRMSNorm(nn.Module):
 @dataclass
 class DeltaNetBatch:
     """What every DeltaNet layer of one forward shares: the requests' state slots (int64 ``[B]``, device) and,
-    for an extend on the CUDA kernels, the packed tokens' offsets (int64 ``[B + 1]``, on the device and the host)."""
+    for an extend on the CUDA kernels, the packed tokens' offsets (int64 ``[B + 1]``, on the device and the host),
+    or, for one request's extend in a prefill CUDA graph, its last real row (int64 ``[1]``, device; the rows
+    after it are padding)."""
 
     slots: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     cu_seqlens_cpu: torch.Tensor | None = None
+    last_row: torch.Tensor | None = None
 
 
 class GatedDeltaNet(nn.Module):
@@ -239,6 +242,10 @@ class GatedDeltaNet(nn.Module):
         if batch.is_decode:
             core = deltanet_cuda.decode(mixed, a, b, dn.slots, pool.conv[layer], pool.recurrent[layer],
                                         kp["conv_weight"], self.A_log, kp["dt_bias_k"], heads)
+        elif dn.last_row is not None:
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            core = deltanet_cuda.extend_padded(mixed, g, b.sigmoid(), dn.slots, dn.last_row, pool.conv[layer],
+                                               pool.recurrent[layer], kp["conv_weight"], heads)
         else:
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
             core = deltanet_cuda.extend(mixed, g, b.sigmoid(), dn.slots, dn.cu_seqlens, dn.cu_seqlens_cpu,

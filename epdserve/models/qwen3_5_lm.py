@@ -211,9 +211,13 @@ class Qwen3_5LanguageModel(nn.Module):
         return self
 
     def _deltanet_batch(self, batch: ForwardBatch, device: torch.device) -> DeltaNetBatch:
-        """The slots (a decode CUDA graph passes its static device buffer) and, for an extend on the kernels, the
-        token offsets; zeroes the slots of requests starting fresh (``kv_len == q_len``: no prefix before them)."""
+        """The slots (a CUDA graph passes its static device buffer) and, for an extend on the kernels, the token
+        offsets; zeroes the slots of requests starting fresh (``kv_len == q_len``: no prefix before them). A prefill
+        CUDA graph's extend (slots and ``last_rows`` in device buffers, padding rows after the real ones) gets its
+        last real row instead, its slot zeroed by the graph runner before the replay when fresh."""
         slots = batch.state_slots
+        if isinstance(slots, torch.Tensor) and not batch.is_decode:
+            return DeltaNetBatch(slots, last_row=batch.last_rows)
         if not isinstance(slots, torch.Tensor):
             slots = torch.tensor(slots, dtype=torch.int64, device=device)
         if batch.is_decode or not self.deltanet_kernels:
