@@ -318,14 +318,14 @@ class ModelRunner:
         self.startup_s["warm-up"] = time.monotonic() - t0
 
     def _warmup_varlen_extends(self, max_tokens: int) -> None:
-        """Extends of the shapes served prefill batches take (many requests, fresh or continued, short or past a
-        64-token chunk, and up to ``max_tokens`` tokens in all), so that fla's Triton kernels compile and autotune
-        before the ready line, not while requests wait: fla's q/k L2 norm autotunes once per 65536 rows (tokens
-        times key heads), which a 32-concurrent load first reached at ~4k tokens and stalled the prefill server
-        for 11 s, long enough for the gateway to take it for down (H100, 9B, issue 42). On scratch state and the
-        first pages, whose KV no request reads before writing it."""
+        """Extends of the shapes served prefill batches take (one request or many, fresh or continued, short or
+        past a 64-token chunk, and up to ``max_tokens`` tokens in all), so that fla's Triton kernels compile and
+        autotune before the ready line, not while requests wait: fla's q/k L2 norm autotunes once per 65536 rows
+        (tokens times key heads), which a 32-concurrent load first reached at ~4k tokens and stalled the prefill
+        server for 11 s, long enough for the gateway to take it for down (H100, 9B, issue 42). On scratch state
+        and the first pages, whose KV no request reads before writing it."""
         ps = self.page_size
-        shapes = [([70, 5], 0), ([4] * 16, 0), ([33, 1], 8)]
+        shapes = [([70, 5], 0), ([4] * 16, 0), ([1], 8), ([33, 1], 8), ([16], 0)]
         # Every 4096 tokens up to max_tokens: each autotune step of the L2 norm with up to 16 key heads per rank,
         # as batches of requests of at most 2048 tokens (the default --chunked-prefill-size).
         for total in sorted({*range(4096, max_tokens, 4096), max_tokens}):
