@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Install epdserve into .venv, serve the default (tiny, generated) model, and ask it about a real photo.
-# The servers keep running after the answer; Ctrl-C stops them.
+# Install epdserve (the base package, and the openai client the example uses) into .venv, serve the default (tiny,
+# generated) model, and ask it about a real photo. The servers keep running after the answer; Ctrl-C stops them
+# (exit code 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/pip install -q -e '.[test]'
+.venv/bin/pip install -q -e . openai
 PORT="${PORT:-8000}"
 .venv/bin/epdserve launch --port "$PORT" &
 SERVER=$!
-trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT INT TERM
+# Stop the servers on the way out, whichever way that is; Ctrl-C (or TERM) is a normal end.
+stop() { kill -TERM "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; }
+trap stop EXIT
+trap 'exit 0' INT TERM
 .venv/bin/python examples/openai_chat.py --base-url "http://127.0.0.1:$PORT/v1" --wait 600
 echo "epdserve is serving on http://127.0.0.1:$PORT/v1 (Ctrl-C to stop)"
-wait $SERVER
+wait "$SERVER"

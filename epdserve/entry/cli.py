@@ -29,6 +29,13 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
 
 
 def _run_server(name: str, config) -> int:
+    from epdserve.entry.extras import MissingExtra, check_extras
+
+    try:
+        check_extras(config)
+    except MissingExtra as e:  # before anything loads: one line, no traceback
+        print(f"epdserve {name}: {e}", file=sys.stderr)
+        return 2
     # `kill -USR1 <pid>` prints every thread's Python stack to stderr: how to see where a stuck server waits.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if name == "encoder":

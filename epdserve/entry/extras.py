@@ -1,0 +1,92 @@
+"""Optional features and the extras that bring them, checked before a server loads anything.
+
+A flag that asks for a feature whose package is not installed stops the server at once with one line naming the
+flag and the ``pip install`` that brings it (exit code 2, no traceback: :func:`epdserve.entry.cli.main`), instead
+of a ``ModuleNotFoundError`` after the model has loaded. What is checked, per server config:
+
+- ``--grpc-port`` (prefill, decode) and the encoder's ``--bootstrap-port``: smg's generated gRPC modules
+  (``smg-grpc``);
+- ``--kv-transfer nixl|mooncake`` (prefill, decode, launch): the engine's package (``nixl``, ``mooncake``);
+- a CUDA device with ``--attention-backend auto|flashinfer`` (prefill, decode; launch's stages take ``auto``):
+  flashinfer (``gpu``); ``--attention-backend sdpa`` opts out;
+- a hybrid checkpoint (Qwen3.5) on CUDA: flash-linear-attention's kernels (``hybrid-gpu``); ``--attention-backend
+  sdpa`` opts out too, to the PyTorch path throughout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from epdserve.config import EncoderConfig, LaunchConfig, LMServerConfig
+from epdserve.kvcache.engine import KV_ENGINES
+
+
+class MissingExtra(Exception):
+    """A flag asks for a feature whose package does not import. ``str()`` is the one line to print: the flag, the
+    import error, and the install command."""
+
+
+def require(module: str, feature: str, install: str) -> None:
+    """Import ``module`` (discarded) or raise :class:`MissingExtra` saying that ``feature`` needs it.
+
+    Args:
+        module: the module to import, e.g. ``"smg_grpc_proto"``.
+        feature: what asks for it, flag first, e.g. ``"--grpc-port (SGLang's scheduler gRPC)"``.
+        install: how to get it, e.g. ``"pip install 'epdserve[smg-grpc]'"``.
+
+    Raises:
+        MissingExtra: the import failed (not installed, or a build whose shared libraries this machine lacks).
+    """
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise MissingExtra(f"{feature} needs {module.split('.')[0]}, which does not import ({e}): {install}") from e
+
+
+def _on_cuda(device: str) -> bool:
+    if device.startswith("cuda"):
+        return True
+    if device != "auto":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _is_hybrid(model_path: str) -> bool:
+    """Whether the local checkpoint at ``model_path`` has linear-attention layers (False when there is no local
+    ``config.json`` to read: the server then finds out itself)."""
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return False
+    cfg = json.loads(path.read_text())
+    text = cfg.get("text_config", cfg)
+    return "linear_attention" in (text.get("layer_types") or ())
+
+
+def check_extras(config: Any) -> None:
+    """Check that what ``config`` (any server's config dataclass) asks for imports.
+
+    Raises:
+        MissingExtra: the first feature asked for whose package is missing.
+    """
+    if getattr(config, "grpc_port", 0):
+        require("smg_grpc_proto", f"--grpc-port with --grpc-protocol {getattr(config, 'grpc_protocol', 'sglang')}",
+                "pip install 'epdserve[smg-grpc]'")
+    if isinstance(config, EncoderConfig) and config.bootstrap_port:
+        require("smg_grpc_proto", "--bootstrap-port (smg's EPD encode protocol)", "pip install 'epdserve[smg-grpc]'")
+    engine = getattr(config, "kv_transfer", "")
+    if engine in KV_ENGINES:
+        module, _, install = KV_ENGINES[engine]
+        require(module, f"--kv-transfer {engine}", install)
+    backend = getattr(config, "attention_backend", "auto")  # launch's stages take auto
+    if not isinstance(config, (LMServerConfig, LaunchConfig)) or backend == "sdpa" or not _on_cuda(config.device):
+        return  # only the LM servers attend, and only on CUDA are the kernels needed
+    require("flashinfer", "attention on CUDA (--attention-backend auto or flashinfer)",
+            "pip install 'epdserve[gpu]', or --attention-backend sdpa for PyTorch's attention")
+    if _is_hybrid(config.model_path):
+        require("fla", "a hybrid model (Qwen3.5) on CUDA", "pip install 'epdserve[hybrid-gpu]', or "
+                "--attention-backend sdpa for the PyTorch path throughout")
