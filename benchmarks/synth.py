@@ -38,8 +38,12 @@ class TextMaker:
     """Random text of a target token length, exact with a tokenizer and approximate (words) without.
 
     Args:
-        tokenizer_path: a local ``tokenizer.json`` or a checkpoint directory holding one; ``None`` counts
-            one token per whitespace-separated word.
+        tokenizer_path: a local ``tokenizer.json``, a checkpoint directory holding one, or a hub id (its
+            ``tokenizer.json`` fetched into the Hugging Face cache, or found there); ``None`` counts one token per
+            whitespace-separated word.
+
+    Raises:
+        ModelSourceError: a hub id whose tokenizer cannot be had.
     """
 
     def __init__(self, tokenizer_path: str | Path | None = None):
@@ -47,7 +51,9 @@ class TextMaker:
         if tokenizer_path is not None:
             from tokenizers import Tokenizer
 
-            path = Path(tokenizer_path)
+            from epdserve.models.hub import is_hub_id, tokenizer_file
+
+            path = tokenizer_file(str(tokenizer_path)) if is_hub_id(str(tokenizer_path)) else Path(tokenizer_path)
             self._tok = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
 
     @property

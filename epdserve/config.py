@@ -27,7 +27,9 @@ def _like(cls: type, name: str, help: str = ""):
 class EncoderConfig:
     """The encoder server (gRPC): vision tower + image and video processors + embedding cache."""
 
-    model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
+    model_path: str = _f("", "local Hugging Face checkpoint directory, or a hub id (org/name: downloaded into the "
+                             "Hugging Face cache, or found there) (default: the tiny model)")
+    revision: str = _f("", "branch, tag or commit of a hub id --model-path (default: the repo's default branch)")
     host: str = _f("127.0.0.1", "address to bind the gRPC server to")
     port: int = _f(50051, "gRPC port")
     device: str = _f("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
@@ -67,7 +69,9 @@ class EncoderConfig:
 class LMServerConfig:
     """What the prefill and decode servers share: the language model, its KV pool, and the bind address."""
 
-    model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
+    model_path: str = _f("", "local Hugging Face checkpoint directory, or a hub id (org/name: downloaded into the "
+                             "Hugging Face cache, or found there) (default: the tiny model)")
+    revision: str = _f("", "branch, tag or commit of a hub id --model-path (default: the repo's default branch)")
     host: str = _f("127.0.0.1", "address to bind all sockets to, and to advertise")
     device: str = _f("auto", "cpu, cuda, cuda:N, or auto")
     dtype: str = _f("auto", "float32, bfloat16, float16, or auto")
@@ -141,7 +145,9 @@ class DecodeConfig(LMServerConfig):
 class GatewayConfig:
     """The OpenAI-compatible HTTP gateway that coordinates encoder, prefill and decode."""
 
-    model_path: str = _f("", "local Hugging Face checkpoint directory (default: the tiny model)")
+    model_path: str = _f("", "local Hugging Face checkpoint directory, or a hub id (org/name: downloaded into the "
+                             "Hugging Face cache, or found there) (default: the tiny model)")
+    revision: str = _f("", "branch, tag or commit of a hub id --model-path (default: the repo's default branch)")
     served_model_name: str = _f("", "model name clients send; default: the model path")
     host: str = _f("127.0.0.1", "address to bind the HTTP server to")
     port: int = _f(8000, "HTTP port")
@@ -179,6 +185,7 @@ class LaunchConfig:
     """``epdserve launch``: all four servers (``--num-encoders`` encoders) on this machine, internal ports free."""
 
     model_path: str = _like(LMServerConfig, "model_path")
+    revision: str = _like(LMServerConfig, "revision")
     served_model_name: str = _like(GatewayConfig, "served_model_name")
     host: str = _f("127.0.0.1", "address the gateway binds to (internal servers always bind 127.0.0.1)")
     port: int = _f(8000, "gateway HTTP port; internal ports are taken from free ports")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import signal
 import sys
@@ -30,10 +31,12 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
 
 def _run_server(name: str, config) -> int:
     from epdserve.entry.extras import MissingExtra, check_extras
+    from epdserve.models.hub import ModelSourceError
 
-    try:
+    try:  # before anything loads: a bad --model-path or a missing extra is one line, no traceback
+        config = _local_model(config)
         check_extras(config)
-    except MissingExtra as e:  # before anything loads: one line, no traceback
+    except (ModelSourceError, MissingExtra) as e:
         print(f"epdserve {name}: {e}", file=sys.stderr)
         return 2
     # `kill -USR1 <pid>` prints every thread's Python stack to stderr: how to see where a stuck server waits.
@@ -49,6 +52,25 @@ def _run_server(name: str, config) -> int:
     else:
         from epdserve.entry.launch import launch as main
     return main(config) or 0
+
+
+def _local_model(config):
+    """``config`` with a hub id ``--model-path`` replaced by its local directory (downloaded first where it is not
+    in the Hugging Face cache), the id kept as the served model name unless one is given (as vLLM does); a local
+    path is only checked ("", the default model, is left to the stage).
+
+    Raises:
+        ModelSourceError: no usable checkpoint at ``config.model_path``.
+    """
+    from epdserve.models.hub import is_hub_id
+    from epdserve.models.paths import resolve_model_path
+
+    if not config.model_path:
+        return config
+    changes = {"model_path": resolve_model_path(config.model_path, config.revision)}
+    if is_hub_id(config.model_path) and not getattr(config, "served_model_name", "x"):
+        changes["served_model_name"] = config.model_path
+    return dataclasses.replace(config, **changes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,8 +103,23 @@ def main(argv: list[str] | None = None) -> int:
                        help="a released model's shapes, bf16 random weights, sharded (GBs: see make_preset_model)")
     tiny.add_argument("--device", help="where --preset weights are drawn (cpu, cuda; default cpu)")
     sub.add_parser("bench", help="the serving benchmark (see `epdserve bench --help`)")
+    fetch = sub.add_parser("download", help="fetch a hub checkpoint into the Hugging Face cache (to prepare a "
+                                            "machine or an image) and print its local directory")
+    fetch.add_argument("model", help="hub id, org/name")
+    fetch.add_argument("--revision", default="", help="branch, tag or commit (default: the repo's default branch)")
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
+    if args.command == "download":
+        from epdserve.models.hub import ModelSourceError, download, is_hub_id
+
+        if not is_hub_id(args.model):
+            fetch.error(f"{args.model!r} is not a hub id (org/name)")
+        try:
+            print(download(args.model, args.revision))
+        except ModelSourceError as e:
+            print(f"epdserve download: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "make-tiny-model":
         from epdserve.models import presets
         from epdserve.models import tiny as tiny_models

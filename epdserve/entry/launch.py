@@ -119,13 +119,17 @@ class _LogTail:
 def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
     """Run the four servers until a signal or a child exits. Returns the exit code (0 after Ctrl-C).
 
+    A hub id ``--model-path`` is downloaded here, once (``epdserve launch`` has already done it: see
+    :func:`epdserve.entry.cli._local_model`), and the stages get the local directory.
+
     Raises:
-        FileNotFoundError: ``cfg.model_path`` is not a local checkpoint.
+        ModelSourceError (a FileNotFoundError): ``cfg.model_path`` names no usable checkpoint.
         ValueError: ``cfg.num_encoders`` < 1.
     """
     if cfg.num_encoders < 1:
         raise ValueError(f"--num-encoders must be at least 1, got {cfg.num_encoders}")
-    model_path = resolve_model_path(cfg.model_path)  # build the default model once, before the children race
+    # The default model built, a hub id downloaded, once, before the children race for it.
+    model_path = resolve_model_path(cfg.model_path, cfg.revision)
     commands, encoder_addrs, metrics_urls = _commands(cfg, model_path)
     procs: dict[str, subprocess.Popen] = {}
     tails: dict[str, _LogTail] = {}

@@ -30,15 +30,22 @@ def default_model_path() -> Path:
     return target
 
 
-def resolve_model_path(model_path: str) -> str:
-    """``""`` -> the default tiny model; otherwise the given local directory.
+def resolve_model_path(model_path: str, revision: str = "") -> str:
+    """``""`` -> the default tiny model; a local checkpoint directory -> itself; a Hugging Face hub id
+    (``org/name``, at ``revision``) -> its local directory in the Hugging Face cache, downloaded there first where
+    it is missing (:func:`epdserve.models.hub.download`).
 
     Raises:
-        FileNotFoundError: ``model_path`` is not a directory with a ``config.json``.
+        ModelSourceError (a FileNotFoundError): ``model_path`` is neither a local checkpoint (a directory with a
+            ``config.json``) nor a hub id whose checkpoint can be had; one line says why.
     """
+    from epdserve.models.hub import ModelSourceError, download, is_hub_id
+
     if not model_path:
         return str(default_model_path())
-    if not (Path(model_path) / "config.json").is_file():
-        raise FileNotFoundError(f"{model_path!r} is not a local Hugging Face checkpoint (no config.json); "
-                                "epdserve never downloads models")
-    return model_path
+    if (Path(model_path) / "config.json").is_file():
+        return model_path
+    if is_hub_id(model_path):
+        return str(download(model_path, revision))
+    raise ModelSourceError(f"{model_path!r} is neither a local Hugging Face checkpoint (a directory with a "
+                           f"config.json) nor a hub id (org/name)")
