@@ -5,7 +5,8 @@
   token for token as the launch of the local directory does; a second launch with ``HF_HUB_OFFLINE=1`` and the
   stand-in stopped starts from the cache;
 - every bad input (no such repo, a gated one without a token, an unknown revision, no network and nothing cached,
-  an architecture epdserve does not serve, no safetensors) is one line and a non-zero exit, before any stage.
+  an architecture epdserve does not serve, no safetensors, no tokenizer) is one line and a non-zero exit, before
+  any stage.
 
 huggingface_hub reads ``HF_ENDPOINT`` / ``HF_HOME`` / ``HF_HUB_OFFLINE`` when it is imported, so everything runs
 in subprocesses with those set.
@@ -40,8 +41,11 @@ def repos(tiny_model_path, tmp_path_factory) -> dict[str, Path]:
     no_weights = root / "no-weights"
     no_weights.mkdir()
     shutil.copy(Path(tiny_model_path) / "config.json", no_weights / "config.json")
+    no_tokenizer = root / "no-tokenizer"
+    shutil.copytree(tiny_model_path, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
     return {ID: Path(tiny_model_path), "org/gated-vl": Path(tiny_model_path), "org/llama": llama,
-            "org/no-weights": no_weights}
+            "org/no-weights": no_weights, "org/no-tokenizer": no_tokenizer}
 
 
 def _env(endpoint: str, hf_home: Path, **extra: str) -> dict[str, str]:
@@ -95,6 +99,7 @@ def test_download_prints_the_cached_directory(repos, tmp_path):
     ([ID, "--revision", "v9"], {}, "no revision 'v9'"),
     (["org/llama"], {}, "is a 'llama' model; epdserve serves"),
     (["org/no-weights"], {}, "no safetensors weights"),
+    (["org/no-tokenizer"], {}, "has no tokenizer (tokenizer.json)"),
     ([ID], {"HF_HUB_OFFLINE": "1"}, "is not in the Hugging Face cache"),
 ])
 def test_bad_hub_inputs_are_one_line_and_a_nonzero_exit(repos, tmp_path, args, extra_env, says):

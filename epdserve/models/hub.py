@@ -93,8 +93,9 @@ def tokenizer_file(repo_id: str, revision: str = "") -> Path:
 
 
 def check_checkpoint(path: Path, name: str) -> None:
-    """Raise :class:`ModelSourceError` unless ``path`` holds a ``config.json`` of a served architecture and
-    safetensors weights (``name``: what the user gave, for the message)."""
+    """Raise :class:`ModelSourceError` unless ``path`` holds a ``config.json`` of a served architecture,
+    safetensors weights, a ``tokenizer.json`` and an image processor config (``name``: what the user gave, for the
+    message)."""
     from epdserve.models.config import SUPPORTED_MODEL_TYPES
 
     cfg_file = path / "config.json"
@@ -105,6 +106,10 @@ def check_checkpoint(path: Path, name: str) -> None:
         raise ModelSourceError(f"{name} is a {model_type!r} model; epdserve serves {', '.join(SUPPORTED_MODEL_TYPES)}")
     if not any(path.glob("*.safetensors")):
         raise ModelSourceError(f"{name} has no safetensors weights (epdserve loads no other format)")
+    for needed, files in (("tokenizer", ("tokenizer.json",)),
+                          ("image processor config", ("preprocessor_config.json", "processor_config.json"))):
+        if not any((path / f).is_file() for f in files):
+            raise ModelSourceError(f"{name} has no {needed} ({' or '.join(files)}), which the stages need")
 
 
 def _first_line(e: BaseException) -> str:
