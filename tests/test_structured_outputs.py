@@ -273,6 +273,19 @@ def test_mask_logits_masks_constrained_rows_only_and_rejected_grammars_fail_thei
     assert allowed and len(allowed) < vocab // 4
     tok = int(masked[1].argmax())
     assert tok in allowed and c.accept(tok) and not c.terminated
+    # No per-row indices reach xgrammar: on CUDA it copies a list of them with a blocking copy (a stall of the
+    # overlap scheduler); the unconstrained rows' bitmask rows allow every token instead.
+    import xgrammar as xgr
+
+    calls = []
+    real = xgr.apply_token_bitmask_inplace
+    xgr.apply_token_bitmask_inplace = lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1]
+    try:
+        again = mask_logits(logits, [None, c, None])
+    finally:
+        xgr.apply_token_bitmask_inplace = real
+    assert calls and all(kw.get("indices") is None for kw in calls)
+    assert torch.equal(again[0], logits[0]) and torch.equal(again[2], logits[2])
     # A grammar xgrammar rejects (one the gateway would have refused) fails its request, not the compiler.
     bad = constraint_for(grammars, GrammarSpec("regex", "(unclosed"))
     while not bad.ready():

@@ -186,7 +186,8 @@ def mask_logits(logits: torch.Tensor, constraints: list[Constraint | None]) -> t
 
     Rows whose entry is None (unconstrained requests) or whose matcher is absent or has ended are left as they
     are. Returns ``logits`` itself when no row is constrained (no work), else a new tensor: the raw logits stay
-    intact for log-probabilities, and a CUDA graph's output buffer is never written.
+    intact for log-probabilities, and a CUDA graph's output buffer is never written. Makes no blocking
+    host-device copy: the decode step's forward may still be running.
     """
     rows = [i for i, c in enumerate(constraints) if c is not None and c.matcher is not None and not c.terminated]
     if not rows:
@@ -194,11 +195,13 @@ def mask_logits(logits: torch.Tensor, constraints: list[Constraint | None]) -> t
     import xgrammar as xgr
 
     B, V = logits.shape
-    bitmask = xgr.allocate_token_bitmask(B, V)
+    bitmask = xgr.allocate_token_bitmask(B, V)  # every token allowed: the rows left unfilled mask nothing
     for i in rows:
         constraints[i].matcher.fill_next_token_bitmask(bitmask, i)
     out = logits.clone()
-    xgr.apply_token_bitmask_inplace(out, to_device(bitmask, out.device), indices=rows)
+    # Every row, no ``indices``: xgrammar copies a list of indices to the GPU with a blocking copy, which waits
+    # for the whole stream (the step's forward included) and so took the overlap scheduler's lead away.
+    xgr.apply_token_bitmask_inplace(out, to_device(bitmask, out.device))
     return out
 
 
