@@ -277,26 +277,33 @@ def test_kill_prefill_ends_waiting_requests_others_carry_on(stage_procs, gateway
     """Streams already decoding finish normally; those still needing prefill end with 503 within the deadline."""
     base, _ = gateway
     decoding, started, pool = _streams(base, model, 8, max_tokens=200)
-    with pool:
-        assert all(e.wait(60) for e in started)
-        later, _, pool2 = _streams(base, model, 8, max_tokens=200, image_from=20_000)
-        with pool2:
-            time.sleep(0.1)
-            killed_at = time.monotonic()
+    try:
+        with pool:
+            assert all(e.wait(60) for e in started)
+            # Paused first, so the later requests still need it when it dies: on an idle machine the tiny model
+            # prefilled all eight within the 0.1 s below, and none was left to fail.
+            stage_procs.pause("prefill")
+            later, _, pool2 = _streams(base, model, 8, max_tokens=200, image_from=20_000)
+            with pool2:
+                time.sleep(0.1)
+                killed_at = time.monotonic()
+                stage_procs.kill("prefill")
+                assert wait_for(lambda: health(base) == 503, STAGE_TIMEOUT_S)
+                _assert_503_now(base, body(model, "Anyone there?"))
+                late = [f.result(timeout=STAGE_TIMEOUT_S + 30) for f in later]
+            done = [f.result(timeout=60) for f in decoding]
+        for res in done:  # decode had their KV: the prefill server's death is none of their business
+            assert res.error is None and res.finish_reason == "length" and len(res.token_ids) == 200
+        for res in late:
+            if res.error is not None:
+                assert res.error["code"] == 503 and res.ended_at - killed_at <= STAGE_TIMEOUT_S + SLACK_S, res.error
+            else:
+                assert res.finish_reason == "length"
+        assert any(res.error is not None for res in late)
+    finally:  # the stages are shared by later tests: a failure here must not leave them without a prefill
+        if "prefill" in stage_procs.procs:  # failed before the kill: perhaps paused
             stage_procs.kill("prefill")
-            assert wait_for(lambda: health(base) == 503, STAGE_TIMEOUT_S)
-            _assert_503_now(base, body(model, "Anyone there?"))
-            late = [f.result(timeout=STAGE_TIMEOUT_S + 30) for f in later]
-        done = [f.result(timeout=60) for f in decoding]
-    for res in done:  # decode had their KV: the prefill server's death is none of their business
-        assert res.error is None and res.finish_reason == "length" and len(res.token_ids) == 200
-    for res in late:
-        if res.error is not None:
-            assert res.error["code"] == 503 and res.ended_at - killed_at <= STAGE_TIMEOUT_S + SLACK_S, res.error
-        else:
-            assert res.finish_reason == "length"
-    assert any(res.error is not None for res in late)
-    stage_procs.start("prefill")
+        stage_procs.start("prefill")
     assert wait_for(lambda: health(base) == 200, 30), details(base)
     _assert_reference(base, reference)
     # Decode's registrations for the failed requests were queued for the dead prefill and reach the new one,
