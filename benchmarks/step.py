@@ -31,43 +31,43 @@ from epdserve.engine.model_runner import ModelRunner, startup_summary
 from epdserve.models.mrope import decode_positions
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written (median of ``reps``)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
+def _gpu_seconds(fn, reps: int) -> float:
+    """Median GPU seconds of ``fn()`` over ``reps`` calls (CUDA events), after 3 untimed ones."""
     times = []
     for _ in range(reps + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src)
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * src.element_size() / statistics.median(times[3:])
+    return statistics.median(times[3:])
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written (median of ``reps``)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / _gpu_seconds(lambda: dst.copy_(src), reps)
 
 
 def matmul_flops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
     """The device's bf16 matmul rate in FLOP/s: an ``n`` x ``n`` x ``n`` GEMM, median of ``reps``."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * n ** 3 / statistics.median(times[3:])
+    return 2 * n ** 3 / _gpu_seconds(lambda: a @ b, reps)
+
+
+def lm_weights(runner: ModelRunner) -> list[torch.nn.Parameter]:
+    """The LM weights a step reads (the input embedding table aside, a lookup, unless tied to the LM head)."""
+    model = runner.model
+    table = None if runner.config.tie_word_embeddings else model.embed_tokens.weight
+    return [p for p in model.parameters() if p is not table]
 
 
 def lm_params(runner: ModelRunner) -> int:
-    """LM weights a token multiplies (the input embedding table aside, as it is a lookup)."""
-    model = runner.model
-    n = sum(p.numel() for p in model.parameters())
-    if not runner.config.tie_word_embeddings:
-        n -= model.embed_tokens.weight.numel()
-    return n
+    """LM weights a token multiplies: :func:`lm_weights`' element count."""
+    return sum(p.numel() for p in lm_weights(runner))
 
 
 def prefill_batch(runner: ModelRunner, q_lens: list[int], slots: list[int] | None) -> ForwardBatch:
@@ -138,10 +138,8 @@ def step_bytes(runner: ModelRunner, kv_tokens: int, batch_size: int = 0) -> int:
     """Bytes a decode step must move: LM weights (the input embedding table aside) + ``kv_tokens`` tokens of KV
     (the attention layers' only: ``config.num_kv_layers``) read, + for hybrid models each of the ``batch_size``
     requests' linear-attention state (conv and recurrent, every DeltaNet layer) read and written back."""
-    model, cfg = runner.model, runner.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not cfg.tie_word_embeddings:
-        weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    cfg = runner.config
+    weights = sum(p.numel() * p.element_size() for p in lm_weights(runner))
     kv = kv_tokens * cfg.num_kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * runner.kv_pool.buffer.element_size()
     state = 0 if runner.state_pool is None else 2 * batch_size * runner.state_pool.bytes_per_slot
     return weights + kv + state

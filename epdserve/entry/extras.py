@@ -16,8 +16,6 @@ of a ``ModuleNotFoundError`` after the model has loaded. What is checked, per se
 from __future__ import annotations
 
 import importlib
-import json
-from pathlib import Path
 from typing import Any
 
 from epdserve.config import EncoderConfig, LaunchConfig, LMServerConfig
@@ -57,14 +55,14 @@ def _on_cuda(device: str) -> bool:
 
 
 def _is_hybrid(model_path: str) -> bool:
-    """Whether the local checkpoint at ``model_path`` has linear-attention layers (False when there is no local
-    ``config.json`` to read: the server then finds out itself)."""
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
+    """Whether the local checkpoint at ``model_path`` has linear-attention layers (False when it has no readable
+    config: the server then reports that itself)."""
+    from epdserve.models.config import ModelConfig
+
+    try:
+        return ModelConfig.load(model_path).is_hybrid
+    except (OSError, ValueError):
         return False
-    cfg = json.loads(path.read_text())
-    text = cfg.get("text_config", cfg)
-    return "linear_attention" in (text.get("layer_types") or ())
 
 
 def check_extras(config: Any) -> None:

@@ -163,16 +163,24 @@ def extend(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torc
     Returns:
         ``[T, hv, dv]`` in ``mixed.dtype``.
     """
+    out = conv_extend(mixed, slots, cu_seqlens, cu_seqlens_cpu, conv_state, conv_weight)
+    return _chunk_rule(out, g, beta, slots, recurrent_state, heads, cu_seqlens=cu_seqlens,
+                       cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+def _chunk_rule(conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
+                recurrent_state: torch.Tensor, heads: tuple[int, int, int, int], **varlen) -> torch.Tensor:
+    """fla's chunked gated delta rule over the conv output ``[T, conv_dim]`` (q|k|v) from the ``slots``' recurrent
+    states, the final states written back there; ``varlen``: fla's ``cu_seqlens`` arguments (none: one sequence).
+    Returns ``[T, hv, dv]``."""
     _, _, chunk_gated_delta_rule, _ = _fla()
     hk, hv, dk, dv = heads
-    T = mixed.shape[0]
-    out = conv_extend(mixed, slots, cu_seqlens, cu_seqlens_cpu, conv_state, conv_weight)
-    q, k, v = out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    T = conv_out.shape[0]
+    q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
     core, rec_final = chunk_gated_delta_rule(
         q.reshape(1, T, hk, dk), k.reshape(1, T, hk, dk), v.reshape(1, T, hv, dv), g=g[None], beta=beta[None],
-        initial_state=recurrent_state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    recurrent_state[slots] = rec_final.to(recurrent_state.dtype)
+        initial_state=recurrent_state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True, **varlen)
+    recurrent_state.index_copy_(0, slots, rec_final.to(recurrent_state.dtype))
     return core[0]
 
 
@@ -222,17 +230,9 @@ def extend_padded(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot
     Returns:
         ``[T, hv, dv]`` in ``mixed.dtype``; rows after ``last_row`` are not meaningful.
     """
-    _, _, chunk_gated_delta_rule, _ = _fla()
-    hk, hv, dk, dv = heads
-    T = mixed.shape[0]
     out = conv_padded(mixed, slot, last_row, conv_state, conv_weight)
-    q, k, v = out.split([hk * dk, hk * dk, hv * dv], dim=-1)
     g, beta = padding_gates(g, beta, last_row)
-    core, rec_final = chunk_gated_delta_rule(
-        q.reshape(1, T, hk, dk), k.reshape(1, T, hk, dk), v.reshape(1, T, hv, dv), g=g[None], beta=beta[None],
-        initial_state=recurrent_state[slot], output_final_state=True, use_qk_l2norm_in_kernel=True)
-    recurrent_state.index_copy_(0, slot, rec_final.to(recurrent_state.dtype))
-    return core[0]
+    return _chunk_rule(out, g, beta, slot, recurrent_state, heads)
 
 
 def conv_extend(mixed: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,

@@ -242,14 +242,14 @@ class GatedDeltaNet(nn.Module):
         if batch.is_decode:
             core = deltanet_cuda.decode(mixed, a, b, dn.slots, pool.conv[layer], pool.recurrent[layer],
                                         kp["conv_weight"], self.A_log, kp["dt_bias_k"], heads)
-        elif dn.last_row is not None:
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-            core = deltanet_cuda.extend_padded(mixed, g, b.sigmoid(), dn.slots, dn.last_row, pool.conv[layer],
-                                               pool.recurrent[layer], kp["conv_weight"], heads)
         else:
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-            core = deltanet_cuda.extend(mixed, g, b.sigmoid(), dn.slots, dn.cu_seqlens, dn.cu_seqlens_cpu,
-                                        pool.conv[layer], pool.recurrent[layer], kp["conv_weight"], heads)
+            if dn.last_row is not None:  # one request padded in a prefill CUDA graph
+                core = deltanet_cuda.extend_padded(mixed, g, b.sigmoid(), dn.slots, dn.last_row, pool.conv[layer],
+                                                   pool.recurrent[layer], kp["conv_weight"], heads)
+            else:
+                core = deltanet_cuda.extend(mixed, g, b.sigmoid(), dn.slots, dn.cu_seqlens, dn.cu_seqlens_cpu,
+                                            pool.conv[layer], pool.recurrent[layer], kp["conv_weight"], heads)
         return deltanet_cuda.gated_norm(core, z, kp["norm_weight"], self.norm.eps)
 
     def _qkv(self, conv_out: torch.Tensor, n: int, t: int):
