@@ -203,18 +203,22 @@ def _assert_503_now(base: str, req: dict) -> None:
 def test_kill_decode_ends_every_stream_then_restart(stage_procs, gateway, model, reference):
     base, _ = gateway
     futs, started, pool = _streams(base, model, 16, max_tokens=200)
-    with pool:
-        assert all(e.wait(60) for e in started), "the 16 streams did not all start"
-        killed_at = time.monotonic()
-        stage_procs.kill("decode")
-        assert wait_for(lambda: health(base) == 503, STAGE_TIMEOUT_S)
-        _assert_503_now(base, body(model, "Anyone there?"))
-        results = [f.result(timeout=STAGE_TIMEOUT_S + 30) for f in futs]
-    for res in results:
-        assert res.status == 200 and res.done and res.error is not None, res.events[-3:]
-        assert res.error["code"] == 503 and "decode" in res.error["message"]
-        assert res.ended_at - killed_at <= STAGE_TIMEOUT_S + SLACK_S
-    stage_procs.start("decode")
+    try:
+        with pool:
+            assert all(e.wait(60) for e in started), "the 16 streams did not all start"
+            killed_at = time.monotonic()
+            stage_procs.kill("decode")
+            assert wait_for(lambda: health(base) == 503, STAGE_TIMEOUT_S)
+            _assert_503_now(base, body(model, "Anyone there?"))
+            results = [f.result(timeout=STAGE_TIMEOUT_S + 30) for f in futs]
+        for res in results:
+            assert res.status == 200 and res.done and res.error is not None, res.events[-3:]
+            assert res.error["code"] == 503 and "decode" in res.error["message"]
+            assert res.ended_at - killed_at <= STAGE_TIMEOUT_S + SLACK_S
+    finally:  # the stages are shared by later tests: a failure here must not leave them without a decode
+        if "decode" in stage_procs.procs:
+            stage_procs.kill("decode")
+        stage_procs.start("decode")
     assert wait_for(lambda: health(base) == 200, 30), details(base)
     _assert_reference(base, reference)
 
