@@ -362,20 +362,33 @@ class PrefillScheduler:
         for req in self.running:  # admission order
             if budget <= 0:
                 break
-            take = self.states.cut_chunk(req.computed, min(req.n - req.computed, budget, self.chunk), req.n)
+            take = min(req.n - req.computed, budget, self.chunk)
             batch_reqs.append(req)
             chunks.append((req.computed, req.computed + take))
             budget -= take
+        graphs = self.runner.prefill_graphs
+        if len(batch_reqs) == 1 and graphs is not None and chunks[0][1] - chunks[0][0] <= graphs.max_tokens:
+            req, (start, end) = batch_reqs[0], chunks[0]  # a graph takes no snapshot: two forwards, cut between
+            chunks[0] = (start, start + self.states.cut_chunk(start, end - start, req.n))
+            cuts = []
+        else:
+            cuts = self.states.reserve_cuts([(r.key, s, e, r.n) for r, (s, e) in zip(batch_reqs, chunks)])
         dev = self.runner.device
         batch = prefill_batch(batch_reqs, chunks, self.pool)
         batch.state_slots = self.states.slots([r.room for r in batch_reqs])
+        batch.state_snapshots = [(i, cut, slot) for i, cut, slot, _ in cuts] or None
         # With DEBUG logs, CUDA events time the forward on the GPU: the stage timeline then tells host from GPU.
         timed = log.isEnabledFor(logging.DEBUG) and dev.type == "cuda"
         if timed:
             t1 = time.perf_counter()
             gpu = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             gpu[0].record()
-        logits = self.runner.forward(batch)
+        try:
+            logits = self.runner.forward(batch)
+        except BaseException:
+            self.states.drop_cuts(cuts)
+            raise
+        self.states.commit_cuts(cuts)
         if timed:
             gpu[1].record()
             t2 = time.perf_counter()

@@ -8,6 +8,9 @@ transformers' torch references that the model tests hold equal to transformers' 
 - extend: fla's varlen conv over several requests from their slots' windows (fresh, continued, one token), and the
   final windows written back; fla's chunked delta rule does not run under the interpreter (tests/test_qwen3_5_gpu.py
   checks it on a GPU);
+- an extend that takes prefix-cache state snapshots on the way (:class:`~epdserve.models.deltanet_cuda.SnapshotCuts`)
+  against two extends with the snapshots copied between them, fla's chunked rule replaced by transformers' torch
+  reference in a varlen loop (the index plumbing is what is checked);
 - a prefill CUDA graph's padded extend: the conv's real rows and the window gathered at the real length, whatever
   the padding rows hold; and (without the interpreter) that the padding's gates leave the delta rule's state as
   the last real row left it, on transformers' chunked reference;
@@ -56,7 +59,7 @@ def test_kernels_equal_the_torch_references_under_the_triton_interpreter():
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     print(run.stdout)
-    for part in ("decode", "extend conv", "padded conv", "gated norm"):
+    for part in ("decode", "extend conv", "padded conv", "snapshot extend", "gated norm"):
         assert f"{part} ok" in run.stdout, run.stdout
 
 
@@ -174,6 +177,58 @@ def _check() -> None:
     close("padded conv output", got[:L], conv_fn(full, weight, None, activation="silu")[0, :, -L:].T)
     close("padded conv states", conv_buf, conv_ref)
     print("padded conv ok")
+
+    # An extend taking prefix-cache snapshots on the way (SnapshotCuts). fla's chunked rule does not run under the
+    # interpreter: a varlen loop over transformers' torch reference stands in for it, which is what this part
+    # checks the index plumbing with (split sequences, tails rerun from the cut states, windows at the cuts).
+    chunk_rule = inspect.unwrap(m.torch_chunk_gated_delta_rule)
+
+    def varlen_rule(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                    cu_seqlens_cpu):
+        outs, finals, cu = [], [], cu_seqlens_cpu.tolist()
+        for i, (a, b) in enumerate(zip(cu, cu[1:])):
+            qq, kk = (x[:, a:b].repeat_interleave(hv // hk, 2) for x in (q, k))
+            o, f = chunk_rule(qq, kk, v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=initial_state[i:i + 1],
+                              output_final_state=True, use_qk_l2norm_in_kernel=True)
+            outs.append(o)
+            finals.append(f)
+        return torch.cat(outs, 1), torch.cat(finals)
+
+    fla = dc._fla
+    dc._fla = lambda: (*fla()[:2], varlen_rule, fla()[3])
+    heads = (hk, hv, dk, dv)
+    lens, slot_list = [20, 9, 70, 6], [1, 3, 0, 5]
+    snaps = [(0, 16, 2), (2, 2, 4)]  # request 2's cut is 2 tokens in: its window reaches into its start window
+    mixed = torch.randn(sum(lens), D + 5)[:, :D]
+    g, beta = -torch.rand(sum(lens), hv), torch.rand(sum(lens), hv)
+    conv_buf, rec_buf = torch.randn(S + 1, D, W), torch.randn(S + 1, hv, dk, dv)
+    conv_ref, rec_ref = conv_buf.clone(), rec_buf.clone()
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    slots = torch.tensor(slot_list)
+    cuts = dc.SnapshotCuts.build(lens, slot_list, snaps, W, torch.device("cpu"))
+    got = dc.extend(mixed, g, beta, slots, cu, cu, conv_buf, rec_buf, weight, heads, cuts=cuts)
+    # The reference: the heads (and the requests without a cut) in one extend, the snapshots copied, the tails in a
+    # second extend: what two forwards did.
+    cut_at = {i: c for i, c, _ in snaps}
+    head_lens = [cut_at.get(i, n) for i, n in enumerate(lens)]
+    head_rows = torch.cat([torch.arange(a, a + h) for a, h in zip(cu[:-1].tolist(), head_lens)])
+    hcu = torch.tensor([0, *head_lens]).cumsum(0)
+    want = torch.empty_like(got)
+    want[head_rows] = dc.extend(mixed[head_rows], g[head_rows], beta[head_rows], slots, hcu, hcu, conv_ref, rec_ref,
+                                weight, heads)
+    for i, _, dst in snaps:
+        conv_ref[dst], rec_ref[dst] = conv_ref[slot_list[i]], rec_ref[slot_list[i]]
+    tails = [i for i, _, _ in snaps]
+    tail_rows = torch.cat([torch.arange(cu[i] + cut_at[i], cu[i + 1]) for i in tails])
+    tcu = torch.tensor([0, *(lens[i] - cut_at[i] for i in tails)]).cumsum(0)
+    want[tail_rows] = dc.extend(mixed[tail_rows], g[tail_rows], beta[tail_rows], slots[tails], tcu, tcu, conv_ref,
+                                rec_ref, weight, heads)
+    dc._fla = fla
+    close("snapshot extend output", got, want)
+    close("snapshot extend conv states", conv_buf, conv_ref)
+    close("snapshot extend recurrent states", rec_buf, rec_ref)
+    assert not torch.equal(rec_buf[2], rec_buf[1]) and not torch.equal(conv_buf[4], conv_buf[0])  # cut mid-way
+    print("snapshot extend ok")
 
     core, z, w = torch.randn(7, hv, dv), torch.randn(7, hv * dv + 3)[:, :hv * dv], torch.randn(dv)
     x = core.reshape(-1, dv)

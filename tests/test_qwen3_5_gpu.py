@@ -175,3 +175,63 @@ def test_bf16_prefill_graphs_equal_eager_extends(small35):
         print(f"{len(ids)} tokens: max |graph - eager logit| {err:.4g} (logit scale {scale:.3g})")
         assert err <= 0.02 * scale, f"{len(ids)}-token prompt: logits differ by {err:.4g} (scale {scale:.3g})"
         assert [int(x.argmax()) for x in runs[1]] == [int(x.argmax()) for x in runs[0]]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_snapshots_taken_inside_one_extend_equal_two_extends(small35):
+    """The prefill server's state snapshots at each prompt's last page boundary, taken inside one eager varlen
+    extend (``ForwardBatch.state_snapshots``: fla's chunked rule over the prompts split at their cuts, then over
+    the tails again from the cut states) against what two extends did (every prompt up to its cut, the states
+    copied to the snapshot slots, then the tails): the last tokens' logits, every request's and snapshot's states,
+    and greedy decode steps from both. A wrong split, tail or window would move the states or the logits."""
+    steps = 8
+    runner = ModelRunner(small35, device=torch.device("cuda"), dtype=torch.bfloat16, num_pages=512, page_size=PAGE,
+                         num_state_slots=8)
+    prompts = _prompts(runner.config.vocab_size)
+    cuts = [(len(ids) - 1) // PAGE * PAGE for ids in prompts]  # 0 for the 3-token prompt: it has no snapshot
+    runs = []
+    for one_forward in (False, True):
+        reqs = [_Req(runner, ids, Pages(runner.num_pages), steps) for ids in prompts]
+        snaps = [runner.state_pool.alloc() if c else -1 for c in cuts]
+        try:
+            if one_forward:
+                b = make_batch([r.seq.extend_part(len(ids)) for r, ids in zip(reqs, prompts)], False)
+                batch = ForwardBatch(b.is_decode, b.input_ids, b.positions, b.out_slots, b.q_lens, b.kv_lens,
+                                     b.page_table, state_slots=[r.slot for r in reqs],
+                                     state_snapshots=[(i, c, s) for i, (c, s) in enumerate(zip(cuts, snaps)) if c])
+                last = runner.forward(batch).float().cpu()
+            else:
+                first = _forward(runner, reqs, [r.seq.extend_part(c or len(ids))
+                                                for r, c, ids in zip(reqs, cuts, prompts)], False)
+                cut = [i for i, c in enumerate(cuts) if c]
+                for i in cut:
+                    runner.copy_state(reqs[i].slot, snaps[i])
+                tails = _forward(runner, [reqs[i] for i in cut], [reqs[i].seq.extend_part(len(prompts[i]))
+                                                                  for i in cut], False)
+                last = first.clone()
+                last[cut] = tails
+            logits = [last]
+            for _ in range(steps):
+                logits.append(_forward(runner, reqs, [r.seq.decode_part(int(x)) for r, x in
+                                                      zip(reqs, logits[-1].argmax(-1))], True))
+            slots = [r.slot for r in reqs] + [s for s in snaps if s >= 0]
+            states = [runner.state_pool.conv_buffer[:, slots].float().cpu(),
+                      runner.state_pool.recurrent_buffer[:, slots].float().cpu()]
+        finally:
+            for r in reqs:
+                r.close()
+            for s in snaps:
+                if s >= 0:
+                    runner.state_pool.free(s)
+        runs.append((logits, states))
+    (want, want_states), (got, got_states) = runs
+    scale = max(float(w.abs().max()) for w in want)
+    err = max(float((w - g).abs().max()) for w, g in zip(want, got))
+    state_errs = [float((w - g).abs().max()) / max(1e-6, float(w.abs().max())) for w, g in zip(want_states,
+                                                                                                  got_states)]
+    print(f"one extend vs two: max |logit difference| {err:.4g} (scale {scale:.3g}); relative state differences "
+          f"conv {state_errs[0]:.3g}, recurrent {state_errs[1]:.3g}")
+    assert err <= 0.02 * scale, f"logits differ by {err:.4g} (scale {scale:.3g})"
+    assert max(state_errs) <= 0.02, f"states differ by {state_errs} of their scale"
+    assert [x.argmax(-1).tolist() for x in got] == [x.argmax(-1).tolist() for x in want]

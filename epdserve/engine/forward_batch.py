@@ -38,6 +38,12 @@ class ForwardBatch:
             extend continues the state of the request's earlier extends (chunked prefill) and a fresh request must
             start from the zero state (a first extend does). A decode CUDA graph passes an int64 device tensor
             ``[B]`` instead of a list. None for models without linear-attention layers.
+        state_snapshots: hybrid models, an eager extend: snapshots taken inside this forward, one
+            ``(request index, new tokens before the cut, destination slot)`` per request that has one. Each DeltaNet
+            layer writes the request's conv and recurrent state as it stands after that many of the request's new
+            tokens (0 < cut < q_len) into the destination slot, then carries on to the end: prefill's radix cache
+            gets the state at a prompt's last page boundary without a second forward (SGLang's ``extra_buffer``
+            mamba scheduling takes its prefix states inside the prefill forward the same way).
     """
 
     is_decode: bool
@@ -53,6 +59,7 @@ class ForwardBatch:
     last_rows: torch.Tensor | None = None
     deepstack_embeds: torch.Tensor | None = None
     state_slots: list[int] | torch.Tensor | None = None
+    state_snapshots: list[tuple[int, int, int]] | None = None
 
     @property
     def batch_size(self) -> int:

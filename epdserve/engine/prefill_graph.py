@@ -106,8 +106,10 @@ class PrefillGraphRunner:
                             last_rows=self.last_row, state_slots=self.state_slot)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """True for a prefill batch of one request with at most :attr:`max_tokens` new tokens."""
-        return not batch.is_decode and batch.batch_size == 1 and batch.q_lens[0] <= self.max_tokens
+        """True for a prefill batch of one request with at most :attr:`max_tokens` new tokens and no state snapshot
+        to take on the way (the graphs have none: a scheduler cuts such a prefill in two forwards instead)."""
+        return (not batch.is_decode and batch.batch_size == 1 and batch.q_lens[0] <= self.max_tokens
+                and not batch.state_snapshots)
 
     def _set_state_slot(self, batch: ForwardBatch) -> None:
         from epdserve.models.deltanet_cuda import zero_fresh_slots

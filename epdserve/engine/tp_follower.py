@@ -105,7 +105,8 @@ class Follower:
             runner.forward(ForwardBatch(
                 is_decode=msg.is_decode, input_ids=torch.zeros(msg.num_tokens, dtype=torch.int64, device=dev),
                 positions=msg.positions, out_slots=msg.out_slots, q_lens=msg.q_lens, kv_lens=msg.kv_lens,
-                page_table=msg.page_table, mm_embeds=mm_embeds, mm_mask=mm_mask, state_slots=msg.state_slots))
+                page_table=msg.page_table, mm_embeds=mm_embeds, mm_mask=mm_mask, state_slots=msg.state_slots,
+                state_snapshots=msg.state_snapshots))
             if dev.type == "cuda":
                 # At most one forward queued ahead of the device, as on rank 0 (its overlap scheduler): a host far
                 # ahead would re-plan attention into host buffers that earlier, unexecuted copies still read.

@@ -80,6 +80,7 @@ class TPRunner:
         self.config, self.num_pages, self.page_size = local.config, local.num_pages, local.page_size
         self.device, self.dtype, self.tp, self.heads = local.device, local.dtype, local.tp, local.heads
         self.state_pool, self.kv_pool = local.state_pool, local.kv_pool  # rank 0's own shards
+        self.prefill_graphs = local.prefill_graphs  # every rank captures the same sizes
         self.startup_s = local.startup_s  # rank 0's; every rank loads, captures and warms up alike
         self._ctx, self.ctrl, self._procs = ctx, ctrl, procs
         self._receipts: list[TPEmbedReceipt] = []
@@ -106,7 +107,8 @@ class TPRunner:
             is_decode=batch.is_decode, num_tokens=int(batch.input_ids.shape[0]), positions=batch.positions,
             out_slots=batch.out_slots, q_lens=list(batch.q_lens), kv_lens=list(batch.kv_lens),
             page_table=[list(p) for p in batch.page_table], mm_mask=mm_mask,
-            mm_sources=[list(s) for s in batch.mm_sources or []], state_slots=batch.state_slots))
+            mm_sources=[list(s) for s in batch.mm_sources or []], state_slots=batch.state_slots,
+            state_snapshots=None if batch.state_snapshots is None else [list(c) for c in batch.state_snapshots]))
         return self.local.forward(batch)
 
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:

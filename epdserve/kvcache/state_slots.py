@@ -6,10 +6,10 @@ and gives it back wherever it gives its pages back (finish, abort, failed forwar
 hand-off). For models without linear-attention layers (no state pool) every method is a no-op and
 :attr:`StateSlots.enabled` is False, so the schedulers call them unconditionally.
 
-Prefill's radix cache (:meth:`StateSlots.cut_match`, :meth:`StateSlots.after_chunk`, :meth:`StateSlots.cut_chunk`):
-a hit on a prefix's KV pages also needs the DeltaNet state at the prefix's end, so a match is cut back to the
-longest prefix with a state snapshot (:mod:`epdserve.kvcache.state_snapshots`), which :meth:`StateSlots.acquire`
-then loads into the request's slot.
+Prefill's radix cache (:meth:`StateSlots.cut_match`, :meth:`StateSlots.reserve_cuts`, :meth:`StateSlots.after_chunk`,
+:meth:`StateSlots.cut_chunk`): a hit on a prefix's KV pages also needs the DeltaNet state at the prefix's end, so a
+match is cut back to the longest prefix with a state snapshot (:mod:`epdserve.kvcache.state_snapshots`), which
+:meth:`StateSlots.acquire` then loads into the request's slot.
 """
 
 from __future__ import annotations
@@ -122,13 +122,49 @@ class StateSlots:
         length, _ = self.snapshots.longest(key, match.length)
         return match if length == match.length else radix.match_prefix(key[:length])
 
+    def _last_boundary(self, n: int) -> int:
+        """The last page boundary inside an ``n``-token prompt (where its snapshot goes: at least one token
+        after it must be computed for the first token's logits)."""
+        return (n - 1) // self.runner.page_size * self.runner.page_size
+
     def cut_chunk(self, start: int, take: int, n: int) -> int:
-        """Prefill: ``take`` tokens from ``start`` of an ``n``-token prompt, cut to end at its last page boundary
-        when it would cross it (hybrid models), so a snapshot is taken there."""
-        if self.pool is None:
+        """Prefill, a one-request forward that a CUDA graph runs (graphs take no snapshot inside): ``take`` tokens
+        from ``start`` of an ``n``-token prompt, cut to end at its last page boundary when it would cross it
+        (hybrid models), so :meth:`after_chunk` snapshots the state there and a second forward does the rest."""
+        if self.pool is None or self.snapshots.capacity <= 0:
             return take
-        last = (n - 1) // self.runner.page_size * self.runner.page_size
+        last = self._last_boundary(n)
         return last - start if start < last < start + take else take
+
+    def reserve_cuts(self, chunks: list[tuple[list[int], int, int, int]]) -> list[tuple[int, int, int, list[int]]]:
+        """Prefill, an eager forward: the snapshots its DeltaNet layers take on the way. ``chunks``: per request of
+        the batch, ``(radix key, start, end, n)``, its chunk ``[start, end)`` of an ``n``-token prompt. A prompt's
+        last page boundary strictly inside its chunk gets a snapshot slot (none when the prefix has one already,
+        the cache is off or no slot can be had).
+
+        Returns:
+            ``(request index, new tokens before the cut, slot, key prefix)`` per snapshot (empty without a state
+            pool): the first three are ``ForwardBatch.state_snapshots``; hand the list to :meth:`commit_cuts` once
+            the forward has run, or to :meth:`drop_cuts` when it failed.
+        """
+        cuts = []
+        if self.pool is None:
+            return cuts
+        for i, (key, start, end, n) in enumerate(chunks):
+            cut = self._last_boundary(n)
+            if start < cut < end and (slot := self.snapshots.reserve(key[:cut])) is not None:
+                cuts.append((i, cut - start, slot, key[:cut]))
+        return cuts
+
+    def commit_cuts(self, cuts: list[tuple[int, int, int, list[int]]]) -> None:
+        """Keep the snapshots of :meth:`reserve_cuts` (their forward has written them)."""
+        for _, _, slot, prefix in cuts:
+            self.snapshots.commit(prefix, slot)
+
+    def drop_cuts(self, cuts: list[tuple[int, int, int, list[int]]]) -> None:
+        """Give back the slots of :meth:`reserve_cuts` (their forward failed)."""
+        for _, _, slot, _ in cuts:
+            self.pool.free(slot)
 
     def after_chunk(self, key, prefix_key: list[int], end: int, n: int) -> None:
         """Prefill: ``key``'s chunk ended at token ``end`` of ``n``: snapshot its state there when ``end`` is a

@@ -8,10 +8,13 @@ state. Where SGLang keeps the state on the tree nodes, these snapshots are keyed
 (token ids, image tokens replaced by their image's pad id), so the tree needs no change: the scheduler matches the
 pages, looks up the longest snapshot within the match, and cuts the match there.
 
-Snapshots are taken where a prefill chunk ends on a page boundary (the prefill scheduler also ends a hybrid
-request's last-but-one chunk at the prompt's last page boundary, so that every prompt leaves one), copied device
-to device into slots of the same :class:`~epdserve.kvcache.state_pool.StatePool` as the requests' states.
-Requests come first: when the pool has no free slot for a request, the least recently used snapshot goes.
+Every prompt leaves a snapshot at its last page boundary. Where a prefill forward crosses that boundary, the
+DeltaNet layers write the state there into a slot reserved here (:meth:`StateSnapshots.reserve`, then
+:meth:`StateSnapshots.commit` after the forward; ``ForwardBatch.state_snapshots``); a one-request prefill that a
+CUDA graph runs is cut there into two forwards instead, and a chunk that ends on a page boundary is copied device to
+device after its forward (:meth:`StateSnapshots.save`). The slots are of the same
+:class:`~epdserve.kvcache.state_pool.StatePool` as the requests' states. Requests come first: when the pool has no
+free slot for a request, the least recently used snapshot goes.
 """
 
 from __future__ import annotations
@@ -43,18 +46,33 @@ class StateSnapshots:
         """Snapshot ``src_slot``'s state as the state after ``key_prefix`` (a page-aligned length); evicts the
         least recently used snapshot when at ``capacity`` or when the pool has no free slot (requests hold the
         rest); nothing when ``capacity`` is 0 or no slot can be had."""
+        slot = self.reserve(key_prefix)
+        if slot is not None:
+            self.runner.copy_state(src_slot, slot)
+            self.commit(key_prefix, slot)
+
+    def reserve(self, key_prefix: list[int]) -> int | None:
+        """A slot to write the state after ``key_prefix`` (a page-aligned length) into, held until :meth:`commit`
+        (or ``pool.free`` when the write never happens); None when no snapshot is wanted: ``capacity`` 0, a snapshot
+        of it exists already (touched: most recently used now), or no slot can be had (the least recently used
+        snapshot is evicted first when at ``capacity`` or when the pool has no free slot)."""
         if self.capacity <= 0 or not key_prefix or len(key_prefix) % self.page_size:
-            return
+            return None
         key = tuple(key_prefix)
         if key in self._lru:
             self._lru.move_to_end(key)
-            return
+            return None
         if len(self._lru) >= self.capacity or self.pool.num_free == 0:
             self.evict_one()
-        if self.pool.num_free == 0:
+        return self.pool.alloc() if self.pool.num_free else None
+
+    def commit(self, key_prefix: list[int], slot: int) -> None:
+        """Keep ``slot`` (from :meth:`reserve`, now written) as the snapshot of ``key_prefix``; freed instead when
+        another request's snapshot of the same prefix got there first."""
+        key = tuple(key_prefix)
+        if key in self._lru:
+            self.pool.free(slot)
             return
-        slot = self.pool.alloc()
-        self.runner.copy_state(src_slot, slot)
         self._lru[key] = slot
         self._lengths[len(key)] = self._lengths.get(len(key), 0) + 1
 

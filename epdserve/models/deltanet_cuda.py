@@ -22,6 +22,11 @@ Extend (prefill, chunked prefill): every request of the batch at once through fl
 states; the final states are written back to the slots. A request's first extend starts from zeros, as a fresh
 transformers cache does (:func:`zero_fresh_slots`).
 
+An extend may also take prefix-cache state snapshots on the way (:class:`SnapshotCuts`): the state after the
+first ``cut`` new tokens of some requests goes to snapshot slots, from the same forward. The recurrence then runs
+twice, once over every token with those requests split at their cuts and once more over the short tails from the
+states at the cuts; the conv runs once.
+
 One request's extend inside a prefill CUDA graph (:func:`extend_padded`): the graph has a fixed row count, the
 prompt fills the first rows and the rest are padding, and nothing may depend on the real length on the host. fla's
 fixed-length kernels run over all rows; the padding rows get ``beta = 0`` and ``g = 0``, which makes the delta
@@ -34,6 +39,8 @@ that the CPU tests hold equal to transformers (``tests/test_qwen3_5_gpu.py`` bou
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -147,9 +154,91 @@ def zero_fresh_slots(conv_buffer: torch.Tensor, recurrent_buffer: torch.Tensor, 
         recurrent_buffer.index_fill_(1, fresh, 0)
 
 
+@dataclass
+class SnapshotCuts:
+    """Where an extend's state snapshots are cut (``ForwardBatch.state_snapshots``), as index tensors on the device
+    that every DeltaNet layer of the forward shares (built once per forward by :meth:`build`).
+
+    The recurrence runs in two varlen calls: the first over every token, with each cut request split into a head
+    (its tokens before the cut) and a tail (the rest); the heads' final states are the snapshots. The second runs
+    only the tails, from those states; its outputs and final states replace the first call's for the tails. The
+    conv needs no split (it is causal and one pass over the whole chunk is right); its window at the cut is
+    gathered from the inputs.
+
+    Attributes (int64; ``_cpu``: the same offsets on the host, as fla's varlen kernels want them):
+        split_cu, split_cu_cpu: ``[S + 1]`` offsets of the split sequences (S = requests + cuts).
+        split_slots: ``[S]`` each split sequence's request slot (a tail's start state is read but not used).
+        keep_pos, keep_slots: ``[N - C]`` positions among the split sequences of the requests without a cut, and
+            their slots (their final states go back there).
+        head_pos, snap_slots, cut_slots: ``[C]`` the cut requests' heads among the split sequences, the snapshot
+            slots, and the cut requests' own slots.
+        tail_rows: ``[R]`` the tails' rows of the packed tokens; tail_cu, tail_cu_cpu: ``[C + 1]`` their offsets.
+        window_rows: ``[C * W]`` for each cut, the rows of ``cat(tokens, cut requests' initial windows)`` that form
+            the conv window at the cut (``W`` = the conv kernel).
+    """
+
+    split_cu: torch.Tensor
+    split_cu_cpu: torch.Tensor
+    split_slots: torch.Tensor
+    keep_pos: torch.Tensor
+    keep_slots: torch.Tensor
+    head_pos: torch.Tensor
+    snap_slots: torch.Tensor
+    cut_slots: torch.Tensor
+    tail_rows: torch.Tensor
+    tail_cu: torch.Tensor
+    tail_cu_cpu: torch.Tensor
+    window_rows: torch.Tensor
+
+    @classmethod
+    def build(cls, q_lens: list[int], slots: list[int], snapshots, kernel: int, device: torch.device) -> SnapshotCuts:
+        """From a batch's ``q_lens``, ``state_slots`` and ``state_snapshots`` (``(request, cut, slot)`` with
+        ``0 < cut < q_len``; each request at most once) and the conv kernel size ``W``.
+
+        Raises:
+            ValueError: a cut outside ``(0, q_len)`` or a request cut twice.
+        """
+        cuts = {}
+        for i, cut, dst in snapshots:
+            if i in cuts or not 0 < cut < q_lens[i]:
+                raise ValueError(f"bad state snapshot cut {(i, cut, dst)} for q_lens {q_lens}")
+            cuts[int(i)] = (int(cut), int(dst))
+        T = sum(q_lens)
+        split_cu, split_slots, keep_pos, keep_slots, head_pos, snap_slots, cut_slots = [0], [], [], [], [], [], []
+        tail_rows, tail_cu, window_rows = [], [0], []
+        base = 0
+        for i, (n, slot) in enumerate(zip(q_lens, slots)):
+            if i not in cuts:
+                keep_pos.append(len(split_slots))
+                keep_slots.append(slot)
+                split_slots.append(slot)
+                split_cu.append(base + n)
+            else:
+                cut, dst = cuts[i]
+                c = len(head_pos)
+                head_pos.append(len(split_slots))
+                split_slots += [slot, slot]
+                split_cu += [base + cut, base + n]
+                snap_slots.append(dst)
+                cut_slots.append(slot)
+                tail_rows += range(base + cut, base + n)
+                tail_cu.append(len(tail_rows))
+                # The W inputs before the cut: tokens where there are enough of them, else the end of the window
+                # the request started from (row T + c * W + w of the concatenation holds its w-th input).
+                window_rows += [base + p if p >= 0 else T + c * kernel + kernel + p for p in range(cut - kernel, cut)]
+            base += n
+        parts = [split_cu, split_slots, keep_pos, keep_slots, head_pos, snap_slots, cut_slots, tail_rows, tail_cu,
+                 window_rows]
+        flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
+        on_dev = flat.to(device, non_blocking=True).split([len(part) for part in parts])
+        return cls(on_dev[0], torch.tensor(split_cu, dtype=torch.int64), *on_dev[1:9],
+                   torch.tensor(tail_cu, dtype=torch.int64), on_dev[9])
+
+
 def extend(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
            cu_seqlens_cpu: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
-           conv_weight: torch.Tensor, heads: tuple[int, int, int, int]) -> torch.Tensor:
+           conv_weight: torch.Tensor, heads: tuple[int, int, int, int], cuts: SnapshotCuts | None = None
+           ) -> torch.Tensor:
     """All requests' new tokens of a DeltaNet layer at once (varlen), continuing each slot's states.
 
     Args:
@@ -159,13 +248,58 @@ def extend(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torc
             cu_seqlens_cpu the same on the host.
         conv_state, recurrent_state, conv_weight, heads: as for :func:`decode`; the slots' rows are read as the
             initial states and overwritten with the final ones.
+        cuts: state snapshots to take on the way (:class:`SnapshotCuts`): the snapshot slots get the cut requests'
+            states at their cuts.
 
     Returns:
         ``[T, hv, dv]`` in ``mixed.dtype``.
     """
+    if cuts is not None:  # before conv_extend replaces the windows the cuts may reach back into
+        _snapshot_windows(mixed, cuts, conv_state)
     out = conv_extend(mixed, slots, cu_seqlens, cu_seqlens_cpu, conv_state, conv_weight)
+    if cuts is not None:
+        return _chunk_rule_cut(out, g, beta, recurrent_state, heads, cuts)
     return _chunk_rule(out, g, beta, slots, recurrent_state, heads, cu_seqlens=cu_seqlens,
                        cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+def _snapshot_windows(mixed: torch.Tensor, cuts: SnapshotCuts, conv_state: torch.Tensor) -> None:
+    """Write each cut's conv window (the last ``W`` inputs before it) into its snapshot slot."""
+    D, W = conv_state.shape[1], conv_state.shape[2]
+    start = conv_state[cuts.cut_slots]  # [C, D, W]: the windows the cut requests start from
+    rows = torch.cat([mixed, start.transpose(1, 2).reshape(-1, D).to(mixed.dtype)])
+    windows = rows.index_select(0, cuts.window_rows).view(-1, W, D).transpose(1, 2)
+    conv_state.index_copy_(0, cuts.snap_slots, windows.to(conv_state.dtype))
+
+
+def _chunk_rule_cut(conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, recurrent_state: torch.Tensor,
+                    heads: tuple[int, int, int, int], cuts: SnapshotCuts) -> torch.Tensor:
+    """:func:`_chunk_rule` over the split sequences, then the tails again from the states at the cuts (see
+    :class:`SnapshotCuts`). Returns ``[T, hv, dv]``."""
+    _, _, chunk_gated_delta_rule, _ = _fla()
+    hk, hv, dk, dv = heads
+
+    def rule(x, g, beta, initial_state, cu, cu_cpu):
+        q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        n = x.shape[0]
+        return chunk_gated_delta_rule(
+            q.reshape(1, n, hk, dk), k.reshape(1, n, hk, dk), v.reshape(1, n, hv, dv), g=g[None], beta=beta[None],
+            initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu)
+
+    dtype = recurrent_state.dtype
+    core, final = rule(conv_out, g, beta, recurrent_state[cuts.split_slots], cuts.split_cu, cuts.split_cu_cpu)
+    recurrent_state.index_copy_(0, cuts.keep_slots, final.index_select(0, cuts.keep_pos).to(dtype))
+    # The tails start from the snapshot as stored (the pool's dtype), as a second forward would.
+    at_cut = final.index_select(0, cuts.head_pos).to(dtype)
+    recurrent_state.index_copy_(0, cuts.snap_slots, at_cut)
+    rows = cuts.tail_rows
+    tail, tail_final = rule(conv_out.index_select(0, rows), g.index_select(0, rows), beta.index_select(0, rows),
+                            at_cut, cuts.tail_cu, cuts.tail_cu_cpu)
+    recurrent_state.index_copy_(0, cuts.cut_slots, tail_final.to(dtype))
+    core = core[0]
+    core.index_copy_(0, rows, tail[0])
+    return core
 
 
 def _chunk_rule(conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,

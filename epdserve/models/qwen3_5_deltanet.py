@@ -168,12 +168,14 @@ class DeltaNetBatch:
     """What every DeltaNet layer of one forward shares: the requests' state slots (int64 ``[B]``, device) and,
     for an extend on the CUDA kernels, the packed tokens' offsets (int64 ``[B + 1]``, on the device and the host),
     or, for one request's extend in a prefill CUDA graph, its last real row (int64 ``[1]``, device; the rows
-    after it are padding)."""
+    after it are padding); for an extend on the kernels that takes state snapshots, where they are cut
+    (:class:`~epdserve.models.deltanet_cuda.SnapshotCuts`)."""
 
     slots: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     cu_seqlens_cpu: torch.Tensor | None = None
     last_row: torch.Tensor | None = None
+    cuts: object | None = None  # deltanet_cuda.SnapshotCuts: the kernels' form of ForwardBatch.state_snapshots
 
 
 class GatedDeltaNet(nn.Module):
@@ -224,11 +226,19 @@ class GatedDeltaNet(nn.Module):
         if batch.is_decode:
             core = self._step(mixed, g, beta, dn.slots, pool)
         else:
+            cuts = {i: (cut, dst) for i, cut, dst in batch.state_snapshots or ()}
             core, start = [], 0
             for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
-                end = start + q_len
-                core.append(self._extend(mixed[start:end], g[start:end], beta[start:end], dn.slots[i:i + 1], pool,
-                                         continued=kv_len > q_len))
+                end, slot, continued = start + q_len, dn.slots[i:i + 1], kv_len > q_len
+                if i in cuts:  # the state after the first ``cut`` new tokens goes to a snapshot slot on the way
+                    cut, dst = cuts[i]
+                    core.append(self._extend(mixed[start:start + cut], g[start:start + cut],
+                                             beta[start:start + cut], slot, pool, continued))
+                    layer = self.state_layer
+                    pool.conv[layer][dst] = pool.conv[layer][slot[0]]
+                    pool.recurrent[layer][dst] = pool.recurrent[layer][slot[0]]
+                    start, continued = start + cut, True
+                core.append(self._extend(mixed[start:end], g[start:end], beta[start:end], slot, pool, continued))
                 start = end
             core = torch.cat(core)
         z = z.reshape(-1, self.dv)
@@ -249,7 +259,8 @@ class GatedDeltaNet(nn.Module):
                                                    pool.recurrent[layer], kp["conv_weight"], heads)
             else:
                 core = deltanet_cuda.extend(mixed, g, b.sigmoid(), dn.slots, dn.cu_seqlens, dn.cu_seqlens_cpu,
-                                            pool.conv[layer], pool.recurrent[layer], kp["conv_weight"], heads)
+                                            pool.conv[layer], pool.recurrent[layer], kp["conv_weight"], heads,
+                                            cuts=dn.cuts)
         return deltanet_cuda.gated_norm(core, z, kp["norm_weight"], self.norm.eps)
 
     def _qkv(self, conv_out: torch.Tensor, n: int, t: int):

@@ -229,7 +229,11 @@ class Qwen3_5LanguageModel(nn.Module):
             deltanet_cuda.zero_fresh_slots(self.states.conv_buffer, self.states.recurrent_buffer,
                                            torch.tensor(fresh, dtype=torch.int64, device=device))
         cu = torch.tensor([0, *batch.q_lens], dtype=torch.int64).cumsum(0)
-        return DeltaNetBatch(slots, cu.to(device, non_blocking=True), cu)
+        cuts = None
+        if batch.state_snapshots:
+            cuts = deltanet_cuda.SnapshotCuts.build(batch.q_lens, batch.state_slots, batch.state_snapshots,
+                                                    self.config.linear_conv_kernel_dim, device)
+        return DeltaNetBatch(slots, cu.to(device, non_blocking=True), cu, cuts=cuts)
 
     def forward(self, batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``batch`` and return float32 logits ``[B, vocab]`` at each request's last new token (written into

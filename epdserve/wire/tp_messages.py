@@ -41,6 +41,7 @@ class TPForward:
     mm_mask: torch.Tensor | None = None
     mm_sources: list[list] = field(default_factory=list)
     state_slots: list[int] | None = None  # hybrid models: ForwardBatch.state_slots
+    state_snapshots: list[list[int]] | None = None  # hybrid models: ForwardBatch.state_snapshots
 
 
 @dataclass
