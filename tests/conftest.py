@@ -49,16 +49,56 @@ def tiny_qwen2_vl_path(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-vl"), arch="qwen2_vl"))
 
 
-@pytest.fixture(scope="session")
-def gpu_test_models(tmp_path_factory) -> list[str]:
-    """Checkpoints the GPU tests run on: the ``small`` random Qwen2.5-VL and Qwen3-VL checkpoints, and every
-    directory listed in ``EPDSERVE_GPU_TEST_MODELS`` (comma-separated; e.g. the ``qwen2.5-vl-3b`` preset written by
-    ``epdserve make-tiny-model --preset``). Only GPU tests ask for it."""
-    from epdserve.models.tiny import make_tiny_model
+def pytest_generate_tests(metafunc):
+    """Parametrize every test taking ``gpu_model`` over :func:`gpu_models.gpu_model_ids` (one test per model, so
+    ``--durations`` and a failure name the model)."""
+    if "gpu_model" in metafunc.fixturenames:
+        from gpu_models import gpu_model_ids
 
-    paths = [str(make_tiny_model(tmp_path_factory.mktemp("small"), size="small")),
-             str(make_tiny_model(tmp_path_factory.mktemp("small-qwen3-vl"), arch="qwen3_vl", size="small"))]
-    return paths + [p for p in os.environ.get("EPDSERVE_GPU_TEST_MODELS", "").split(",") if p]
+        metafunc.parametrize("gpu_model", gpu_model_ids(), indirect=True)
+
+
+@pytest.fixture(scope="session")
+def _gpu_model_paths() -> dict[str, str]:
+    """Path of each GPU test model by test id, filled on first use (a CPU run skips the GPU tests before any
+    model is built)."""
+    return {}
+
+
+def _gpu_model_path(model_id: str, cache: dict[str, str], tmp_path_factory) -> str:
+    """The checkpoint of ``model_id`` (an id of :func:`gpu_models.gpu_model_ids`), built or copied once."""
+    from gpu_models import SMALL_MODELS, env_models, gpu_model_ids, kept_layers, shallow_copy
+
+    if model_id not in cache:
+        if model_id in SMALL_MODELS:
+            from epdserve.models.tiny import make_tiny_model
+
+            path = make_tiny_model(tmp_path_factory.mktemp(model_id), arch=SMALL_MODELS[model_id], size="small")
+        else:
+            src = env_models()[gpu_model_ids().index(model_id) - len(SMALL_MODELS)]
+            layers = kept_layers(src)
+            path = shallow_copy(src, tmp_path_factory.mktemp(model_id), layers) if layers else src
+        cache[model_id] = str(path)
+    return cache[model_id]
+
+
+@pytest.fixture(scope="session")
+def gpu_model(request, _gpu_model_paths, tmp_path_factory) -> str:
+    """One checkpoint the GPU tests run on (tests taking it are parametrized over all, see
+    :func:`pytest_generate_tests`): the ``small`` random Qwen2.5-VL and Qwen3-VL checkpoints (~100M parameters,
+    head dim 128), and each directory listed in ``EPDSERVE_GPU_TEST_MODELS`` (comma-separated; e.g. the
+    ``qwen2.5-vl-3b`` preset written by ``epdserve make-tiny-model --preset``) cut to its first
+    ``EPDSERVE_GPU_TEST_LAYERS`` LM layers (default 4, 0 keeps all; :func:`gpu_models.shallow_copy`): the real
+    shapes at a ninth of the 3B's depth, which is what a graph-equals-eager or kernel test needs."""
+    return _gpu_model_path(request.param, _gpu_model_paths, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def gpu_test_models(_gpu_model_paths, tmp_path_factory) -> list[str]:
+    """Every :func:`gpu_model` checkpoint, in order, for a test that loops over them itself."""
+    from gpu_models import gpu_model_ids
+
+    return [_gpu_model_path(i, _gpu_model_paths, tmp_path_factory) for i in gpu_model_ids()]
 
 
 @pytest.fixture(scope="session")

@@ -79,3 +79,5 @@ def test_two_receivers_take_their_copies_and_the_sender_gets_its_memory_back():
     del per_receiver
     torch.cuda.ipc_collect()  # both receivers released their counters: the limbo empties
     assert torch.cuda.memory_allocated(dev) == baseline
+    print(f"CUDA IPC: 2 receivers each read {len(sources)} shared embeddings bit for bit; "
+          "the sender's memory is back to its baseline")

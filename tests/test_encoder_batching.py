@@ -289,6 +289,8 @@ def test_cuda_preprocessing_batches_like_alone(tiny_model_path):
         assert grid == grid_alone == grid_cpu and emb.is_cuda  # left on the GPU for the CUDA IPC hand-off
         torch.testing.assert_close(emb, alone, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(emb.cpu(), ref, atol=5e-2, rtol=5e-2)
+    print(f"CUDA preprocessing, float32: {len(images)} images batched equal each alone (atol 1e-4), within 5e-2 of "
+          "the CPU's, same grids")
 
 
 def test_encoder_benchmark_smoke(tiny_model_path, tmp_path, capsys):
@@ -319,10 +321,13 @@ def test_cuda_bf16_tower_uses_packed_attention_and_matches_cpu(tiny_model_path):
     cpu = VisionEncoder(tiny_model_path, "cpu", "float32")
     assert gpu.model.config._attn_implementation == NAME
     images = [_image(_png(90 + i, w, h)) for i, (w, h) in enumerate([(300, 120), (448, 448)])]
+    worst = 1.0
     for (emb, grid), (ref, grid_cpu) in zip(gpu.encode(images), cpu.encode(images)):
         assert grid == grid_cpu
         cos = torch.nn.functional.cosine_similarity(emb.float().cpu().flatten(), ref.flatten(), dim=0)
         assert cos > 0.99, f"bf16 packed-attention embeddings drifted from the CPU reference (cosine {cos:.4f})"
+        worst = min(worst, float(cos))
+    print(f"bf16 tower on packed varlen attention: lowest cosine to the float32 CPU tower {worst:.5f} (bound 0.99)")
 
 
 def test_next_batch_is_preprocessed_while_the_tower_runs_and_at_most_one_waits():
@@ -473,3 +478,5 @@ def test_gpu_jpeg_decode_is_close_to_pil_and_falls_back_for_the_rest(tiny_model_
         enc.decode(data[: len(data) // 2], 1 << 30)
     with pytest.raises(ImageDecodeError, match="larger than the limit"):
         enc.decode(data, 448 * 447)
+    print("nvJPEG: 4 JPEGs decode within 1 luma level of PIL (smooth ones within 1.5 RGB levels, embeddings at "
+          "cosine > 0.999); PNG, truncated and oversized images take PIL's path or are refused")

@@ -82,3 +82,4 @@ def test_modes_and_bad_handles():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_pool_maps_across_processes():
     _map_from_child("cuda")
+    print("CUDA IPC: a child's bf16 KV pool mapped here reads back its pattern, and slots gathered from it equal it")

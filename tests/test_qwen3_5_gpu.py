@@ -4,13 +4,18 @@ continuous-batching recurrent kernel for decode; flashinfer's norms and attentio
 reference that the CPU tests hold equal to transformers, and decode CUDA graphs against eager steps, on the
 ``small`` random checkpoint (the 9B's head shapes, so the kernels run at their real tile sizes).
 
-The comparisons are teacher-forced on the CPU reference's tokens, so one near-tie cannot derail the rest. In
-float32 (SDPA attention: flashinfer's kernels are 16-bit only) every step's logits must agree within a bound, and a
-differing argmax is allowed only where the reference's own top-two margin is within twice the step's measured
-logit difference (a near-tie). In bf16 the whole CUDA path (flashinfer's fused norms too) may differ from the
-float32 reference by no more than the CPU's plain bf16 torch path does, within a factor of two."""
+The reference is that torch code (transformers' torch DeltaNet functions, SDPA attention, plain norms) run in
+float32 on the GPU, with TF32 off: the same arithmetic as on the CPU, where tests/test_qwen3_5_model.py holds it
+equal to transformers, in seconds instead of the CPU's ~40 s. The comparisons are teacher-forced on the reference's
+tokens, so one near-tie cannot derail the rest. In float32 (SDPA attention: flashinfer's kernels are 16-bit only)
+every step's logits must agree within a bound, and a differing argmax is allowed only where the reference's own
+top-two margin is within twice the step's measured logit difference (a near-tie). In bf16 the whole CUDA path
+(flashinfer's fused norms too) may differ from the float32 reference by no more than the CPU's plain bf16 torch
+path does, within a factor of two."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -77,14 +82,41 @@ STEPS = 24
 KW = dict(num_pages=512, page_size=PAGE, num_state_slots=4)
 
 
+@contextlib.contextmanager
+def _torch_code_in_float32():
+    """While open, a DeltaNet layer off the kernels runs transformers' torch functions on any device (on CUDA
+    transformers would hand them to fla's kernels, the very code under test), and float32 matmuls and convolutions
+    on CUDA run in float32 (cuDNN's default lets a convolution round its inputs to TF32's 10-bit mantissa)."""
+    from epdserve.models import qwen3_5_deltanet
+
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            # _kernels("cpu") is the unwrapped torch code; nothing in it depends on the tensors' device.
+            mp.setattr(qwen3_5_deltanet, "_ref", lambda device: qwen3_5_deltanet._kernels("cpu"))
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
 @pytest.fixture(scope="module")
 def reference32(small35):
-    """The float32 CPU torch path's greedy run (computed once, the slow part): ``(prompts, logits, tokens fed)``."""
+    """The float32 torch path's greedy run on the GPU (computed once): ``(prompts, logits, tokens fed)``."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    ref = ModelRunner(small35, device=torch.device("cpu"), attention_backend="sdpa", dtype=torch.float32, **KW)
+    from epdserve.models.qwen3_5_deltanet import GatedDeltaNet
+
+    ref = ModelRunner(small35, device=torch.device("cuda"), attention_backend="sdpa", dtype=torch.float32, **KW)
+    # The runner turns the DeltaNet kernels on wherever fla imports; the reference is the torch code.
+    ref.model.deltanet_kernels = False
+    for m in ref.model.modules():
+        if isinstance(m, GatedDeltaNet):
+            m.use_kernels(False)
+    assert not ref.model.fused_ops
     prompts = _prompts(ref.config.vocab_size)
-    want, fed = _teacher_forced(ref, prompts, None, STEPS)
+    with _torch_code_in_float32():
+        want, fed = _teacher_forced(ref, prompts, None, STEPS)
     return prompts, want, fed
 
 
@@ -122,6 +154,8 @@ def test_bf16_decode_graphs_equal_eager_steps(small35):
         _, fed = _teacher_forced(eager, batch, None, steps)
         _, fed_graphed = _teacher_forced(graphed, batch, None, steps)
         assert fed_graphed == fed, f"batch {len(batch)}: graph replays diverged from eager steps"
+    print(f"bf16: {steps} greedy tokens of graph replays equal eager steps at batch 1 and {len(prompts)} "
+          f"(prompts of {', '.join(map(str, LENGTHS))} tokens; graphs of 1, 2, 4, 8: batch 3 is padded to 4)")
 
 
 @pytest.mark.gpu
