@@ -213,18 +213,20 @@ def test_bf16_prefill_graphs_equal_eager_extends(small35):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_bf16_snapshots_taken_inside_one_extend_equal_two_extends(small35):
+def test_snapshots_taken_inside_one_extend_equal_two_extends_in_float32(small35):
     """The prefill server's state snapshots at each prompt's last page boundary, taken inside one eager varlen
     extend (``ForwardBatch.state_snapshots``: fla's chunked rule over the prompts split at their cuts, then over
     the tails again from the cut states) against what two extends did (every prompt up to its cut, the states
-    copied to the snapshot slots, then the tails): the last tokens' logits, every request's and snapshot's states,
-    and greedy decode steps from both. A wrong split, tail or window would move the states or the logits."""
-    steps = 8
-    runner = ModelRunner(small35, device=torch.device("cuda"), dtype=torch.bfloat16, num_pages=512, page_size=PAGE,
+    copied to the snapshot slots, then the tails), in float32 so that rounding cannot flip a near-tie: the last
+    tokens' logits and every request's and snapshot's states right after the prefill, then decode steps
+    teacher-forced on the two-extend run's greedy tokens. A wrong split, tail or window moves them by O(scale)."""
+    steps = 6
+    runner = ModelRunner(small35, device=torch.device("cuda"), dtype=torch.float32, num_pages=512, page_size=PAGE,
                          num_state_slots=8)
+    assert runner.model.deltanet_kernels, "fla-core is not installed: pip install -e '.[hybrid-gpu]'"
     prompts = _prompts(runner.config.vocab_size)
     cuts = [(len(ids) - 1) // PAGE * PAGE for ids in prompts]  # 0 for the 3-token prompt: it has no snapshot
-    runs = []
+    runs, fed = [], None
     for one_forward in (False, True):
         reqs = [_Req(runner, ids, Pages(runner.num_pages), steps) for ids in prompts]
         snaps = [runner.state_pool.alloc() if c else -1 for c in cuts]
@@ -245,13 +247,17 @@ def test_bf16_snapshots_taken_inside_one_extend_equal_two_extends(small35):
                                                                   for i in cut], False)
                 last = first.clone()
                 last[cut] = tails
-            logits = [last]
-            for _ in range(steps):
-                logits.append(_forward(runner, reqs, [r.seq.decode_part(int(x)) for r, x in
-                                                      zip(reqs, logits[-1].argmax(-1))], True))
             slots = [r.slot for r in reqs] + [s for s in snaps if s >= 0]
             states = [runner.state_pool.conv_buffer[:, slots].float().cpu(),
                       runner.state_pool.recurrent_buffer[:, slots].float().cpu()]
+            logits = [last]
+            if fed is None:
+                fed = [last.argmax(-1)]
+            for step in range(steps):
+                logits.append(_forward(runner, reqs, [r.seq.decode_part(int(x)) for r, x in zip(reqs, fed[step])],
+                                       True))
+                if len(fed) <= step + 1:
+                    fed.append(logits[-1].argmax(-1))
         finally:
             for r in reqs:
                 r.close()
@@ -261,11 +267,11 @@ def test_bf16_snapshots_taken_inside_one_extend_equal_two_extends(small35):
         runs.append((logits, states))
     (want, want_states), (got, got_states) = runs
     scale = max(float(w.abs().max()) for w in want)
-    err = max(float((w - g).abs().max()) for w, g in zip(want, got))
-    state_errs = [float((w - g).abs().max()) / max(1e-6, float(w.abs().max())) for w, g in zip(want_states,
-                                                                                                  got_states)]
-    print(f"one extend vs two: max |logit difference| {err:.4g} (scale {scale:.3g}); relative state differences "
-          f"conv {state_errs[0]:.3g}, recurrent {state_errs[1]:.3g}")
-    assert err <= 0.02 * scale, f"logits differ by {err:.4g} (scale {scale:.3g})"
-    assert max(state_errs) <= 0.02, f"states differ by {state_errs} of their scale"
-    assert [x.argmax(-1).tolist() for x in got] == [x.argmax(-1).tolist() for x in want]
+    errs = [float((w - g).abs().max()) for w, g in zip(want, got)]
+    state_errs = [float((w - g).abs().max()) / max(1e-6, float(w.abs().max()))
+                  for w, g in zip(want_states, got_states)]
+    print(f"one extend vs two (float32): max |logit difference| per step {[round(e, 5) for e in errs]} (scale "
+          f"{scale:.3g}); relative state differences after the prefill: conv {state_errs[0]:.3g}, recurrent "
+          f"{state_errs[1]:.3g}")
+    assert max(state_errs) <= 0.01, f"states differ by {state_errs} of their scale"
+    assert max(errs) <= 0.02 * scale, f"logits differ by {errs} (scale {scale:.3g})"
