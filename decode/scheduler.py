@@ -30,7 +30,7 @@ from epdserve.decode.forks import ForkGroup, fork_copy_plan, fork_pages
 from epdserve.decode.steps import Step, output_ids
 from epdserve.device import to_device
 from epdserve.engine.forward_batch import ForwardBatch
-from epdserve.engine.grammar import Constraint, GrammarCompiler, constraint_for, mask_logits
+from epdserve.engine.grammar import Constraint, GrammarCompiler, GrammarMasker, accept_tokens, constraint_for
 from epdserve.kvcache.engine import KVEngine
 from epdserve.kvcache.page_pool import PagePool, page_slots
 from epdserve.kvcache.kv_share import PeerPools, host_id
@@ -100,6 +100,7 @@ class DecodeScheduler:
                  metrics: DecodeMetrics | None = None, grammars: GrammarCompiler | None = None,
                  engine: KVEngine | None = None):
         self.runner, self.grammars = runner, grammars
+        self.masker = GrammarMasker(runner.device)  # constrained rows' bitmasks: one host buffer for every step
         self.pool = PagePool(runner.num_pages, runner.page_size)
         self.states = StateSlots(runner)  # hybrid models: a state slot per running request (by bootstrap room)
         self.engine_pages = EnginePages(self.pool, engine, timeout_s, getattr(runner, "kv_regions", []), self.states)
@@ -386,7 +387,7 @@ class DecodeScheduler:
             if self.inflight is not None:
                 self._collect(self.inflight)
                 self.inflight = None
-            adjusted = mask_logits(adjusted, [None if s.done else s.constraint for s in seqs])
+            adjusted = self.masker.mask(adjusted, [None if s.done else s.constraint for s in seqs])
         tokens = sample(adjusted, params, [s.generator for s in seqs])
         lp = sampled_logprobs(logits, tokens, params)  # now: a graph's logits are a view the next replay overwrites
         for row, seq in enumerate(seqs):
@@ -394,10 +395,14 @@ class DecodeScheduler:
         return Step(seqs, tokens, lp)
 
     def _collect(self, step: Step) -> None:
-        """Wait for ``step``'s sampled ids and append them (finished or aborted requests' rows are dropped)."""
-        for seq, tok, tok_lp in zip(step.seqs, step.host_tokens(), step.host_logprobs()):
-            if not seq.done:
-                self._append_token(seq, tok, tok_lp)
+        """Wait for ``step``'s sampled ids and append them (finished or aborted requests' rows are dropped); the
+        constrained rows' matchers take their tokens in one batched call first."""
+        rows = [r for r in zip(step.seqs, step.host_tokens(), step.host_logprobs()) if not r[0].done]
+        grammar_rows = [k for k, (seq, _, _) in enumerate(rows) if seq.constraint is not None]
+        accepted = dict(zip(grammar_rows, accept_tokens([rows[k][0].constraint for k in grammar_rows],
+                                                        [rows[k][1] for k in grammar_rows])))
+        for k, (seq, tok, tok_lp) in enumerate(rows):
+            self._append_token(seq, tok, tok_lp, accepted.get(k))
 
     def _free(self, seq: _Seq) -> None:
         """Give back what an admitted request holds (its KV pages, its state slot): it has ended, one way or
@@ -410,11 +415,16 @@ class DecodeScheduler:
         self.states.release(seq.key)
         seq.done = True
 
-    def _append_token(self, seq: _Seq, tok: int, tok_lp: TokenLogprob | None = None) -> None:
+    def _append_token(self, seq: _Seq, tok: int, tok_lp: TokenLogprob | None = None,
+                      accepted: bool | None = None) -> None:
+        """Record ``seq``'s next token and finish it where that token ends it. A constrained ``seq``'s matcher
+        takes the token here unless ``accepted`` says it already has (:func:`accept_tokens`) and with what result."""
         sp = seq.msg.sampling
         seq.output_ids.append(tok)
         finish, c = None, seq.constraint
-        if c is not None and not c.accept(tok):  # only a first token sampled under another grammar
+        if c is not None and accepted is None:
+            accepted = c.accept(tok)
+        if c is not None and not accepted:  # only a first token sampled under another grammar
             self.running.remove(seq)
             self._free(seq)
             seq.pages = []
