@@ -6,11 +6,13 @@ transformers' torch references that the model tests hold equal to transformers' 
   L2 norms fused, over three steps, states read and written in place through the slots (grouped heads, strided
   input rows, slots out of order, two padding rows sharing the scratch slot);
 - extend: fla's varlen conv over several requests from their slots' windows (fresh, continued, one token), and the
-  final windows written back; fla's chunked delta rule does not run under the interpreter (tests/test_qwen3_5_gpu.py
+  final windows written back; fla's chunked delta rule (made to run under the interpreter by a one-line edit of the
+  test's own copy of fla, :data:`_INTERPRETER_EDITS`) is checked through the extends below (tests/test_qwen3_5_gpu.py
   checks it on a GPU);
 - an extend that takes prefix-cache state snapshots on the way (:class:`~epdserve.models.deltanet_cuda.SnapshotCuts`)
-  against two extends with the snapshots copied between them, fla's chunked rule replaced by transformers' torch
-  reference in a varlen loop (the index plumbing is what is checked);
+  against two extends with the snapshots copied between them; then the same through the tiny Qwen3.5 model with
+  its DeltaNet layers on the kernels (``ForwardBatch.state_snapshots`` in one forward against two forwards and a
+  state copy, as the prefill server did before): logits and every request's and snapshot's states;
 - a prefill CUDA graph's padded extend: the conv's real rows and the window gathered at the real length, whatever
   the padding rows hold; and (without the interpreter) that the padding's gates leave the delta rule's state as
   the last real row left it, on transformers' chunked reference;
@@ -34,16 +36,33 @@ import pytest
 FLA = ("fla-core==0.6.0", "einops==0.8.2")  # the hybrid-gpu extra's range, pinned for a stable cache
 
 
+# Triton's interpreter runs a kernel's ``range`` loops with Python ints, which have no ``.to``: the one place fla's
+# chunked delta rule relies on it (its state-passing kernel, fla 0.6 ``fla/ops/common/chunk_delta_h.py``) is
+# rewritten into the same cast, so the rule runs under the interpreter too.
+_INTERPRETER_EDITS = {"fla/ops/common/chunk_delta_h.py": ("i_t.to(tl.int64)", "tl.full([], i_t, tl.int64)")}
+
+
+def _for_the_interpreter(site: Path) -> None:
+    for rel, (old, new) in _INTERPRETER_EDITS.items():
+        path = site / rel
+        text = path.read_text()
+        if old in text:
+            path.write_text(text.replace(old, new))
+
+
 def _fla_site() -> str:
-    """A folder holding fla-core (and einops), installed once per version into the temp folder."""
+    """A folder holding fla-core (and einops), installed once per version into the temp folder, with the edits
+    Triton's interpreter needs (:data:`_INTERPRETER_EDITS`)."""
     site = Path(tempfile.gettempdir()) / ("epdserve-" + "-".join(FLA).replace("==", "-"))
     if (site / "ready").exists():
+        _for_the_interpreter(site)
         return str(site)
     build = Path(tempfile.mkdtemp(prefix=f"{site.name}-", dir=site.parent))
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(build), *FLA],
                          capture_output=True, text=True, timeout=300)
     if pip.returncode != 0:
         pytest.skip(f"cannot install {' '.join(FLA)} from the package registry: {pip.stderr[-500:]}")
+    _for_the_interpreter(build)
     (build / "ready").touch()
     try:
         os.rename(build, site)  # atomic: a concurrent run sees a whole folder or none
@@ -59,7 +78,7 @@ def test_kernels_equal_the_torch_references_under_the_triton_interpreter():
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     print(run.stdout)
-    for part in ("decode", "extend conv", "padded conv", "snapshot extend", "gated norm"):
+    for part in ("decode", "extend conv", "padded conv", "snapshot extend", "snapshot forward", "gated norm"):
         assert f"{part} ok" in run.stdout, run.stdout
 
 
@@ -178,24 +197,9 @@ def _check() -> None:
     close("padded conv states", conv_buf, conv_ref)
     print("padded conv ok")
 
-    # An extend taking prefix-cache snapshots on the way (SnapshotCuts). fla's chunked rule does not run under the
-    # interpreter: a varlen loop over transformers' torch reference stands in for it, which is what this part
-    # checks the index plumbing with (split sequences, tails rerun from the cut states, windows at the cuts).
-    chunk_rule = inspect.unwrap(m.torch_chunk_gated_delta_rule)
-
-    def varlen_rule(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                    cu_seqlens_cpu):
-        outs, finals, cu = [], [], cu_seqlens_cpu.tolist()
-        for i, (a, b) in enumerate(zip(cu, cu[1:])):
-            qq, kk = (x[:, a:b].repeat_interleave(hv // hk, 2) for x in (q, k))
-            o, f = chunk_rule(qq, kk, v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=initial_state[i:i + 1],
-                              output_final_state=True, use_qk_l2norm_in_kernel=True)
-            outs.append(o)
-            finals.append(f)
-        return torch.cat(outs, 1), torch.cat(finals)
-
-    fla = dc._fla
-    dc._fla = lambda: (*fla()[:2], varlen_rule, fla()[3])
+    # An extend taking prefix-cache snapshots on the way (SnapshotCuts), fla's chunked rule and all, against two
+    # extends with the snapshots copied between them: the split sequences, the tails rerun from the cut states and
+    # the windows at the cuts must give the same outputs and states.
     heads = (hk, hv, dk, dv)
     lens, slot_list = [20, 9, 70, 6], [1, 3, 0, 5]
     snaps = [(0, 16, 2), (2, 2, 4)]  # request 2's cut is 2 tokens in: its window reaches into its start window
@@ -223,18 +227,78 @@ def _check() -> None:
     tcu = torch.tensor([0, *(lens[i] - cut_at[i] for i in tails)]).cumsum(0)
     want[tail_rows] = dc.extend(mixed[tail_rows], g[tail_rows], beta[tail_rows], slots[tails], tcu, tcu, conv_ref,
                                 rec_ref, weight, heads)
-    dc._fla = fla
     close("snapshot extend output", got, want)
     close("snapshot extend conv states", conv_buf, conv_ref)
     close("snapshot extend recurrent states", rec_buf, rec_ref)
     assert not torch.equal(rec_buf[2], rec_buf[1]) and not torch.equal(conv_buf[4], conv_buf[0])  # cut mid-way
     print("snapshot extend ok")
 
+    _check_snapshot_forward()
+    print("snapshot forward ok")
+
     core, z, w = torch.randn(7, hv, dv), torch.randn(7, hv * dv + 3)[:, :hv * dv], torch.randn(dv)
     x = core.reshape(-1, dv)
     want = (w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * F.silu(z.reshape(-1, dv))).reshape(7, -1)
     close("gated norm", dc.gated_norm(core, z, w.repeat(hv), 1e-6), want)
     print("gated norm ok")
+
+
+def _check_snapshot_forward() -> None:
+    """The tiny Qwen3.5 on the CPU with its DeltaNet layers on the kernels: three prompts (one too short for a
+    snapshot) prefilled in one forward that takes the snapshots at their last page boundaries, against two forwards
+    (up to the cuts, the states copied to the snapshot slots, then the rest)."""
+    import tempfile
+
+    import torch
+    from test_model_runtime import Pages, Seq, make_batch
+
+    from epdserve.engine.forward_batch import ForwardBatch
+    from epdserve.engine.model_runner import ModelRunner
+    from epdserve.models.qwen3_5_deltanet import GatedDeltaNet
+    from epdserve.models.tiny import make_tiny_model
+
+    page = 16
+    path = make_tiny_model(tempfile.mkdtemp(prefix="tiny-qwen3.5-"), arch="qwen3.5")
+    runner = ModelRunner(str(path), device=torch.device("cpu"), dtype=torch.float32, num_pages=64, page_size=page,
+                         num_state_slots=8)
+    runner.model.deltanet_kernels = True
+    for m in runner.model.modules():
+        if isinstance(m, GatedDeltaNet):
+            m.use_kernels(True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 200, (n,), generator=gen).tolist() for n in (3, 40, 90)]
+    cuts = [(len(ids) - 1) // page * page for ids in prompts]  # 0, 32, 80
+
+    def forward(seqs, slots, parts, snapshots=None):
+        b = make_batch(parts)
+        return runner.forward(ForwardBatch(b.is_decode, b.input_ids, b.positions, b.out_slots, b.q_lens, b.kv_lens,
+                                           b.page_table, state_slots=slots, state_snapshots=snapshots)).float()
+
+    runs = []
+    for one_forward in (False, True):
+        pages = Pages(runner.num_pages)
+        seqs = [Seq(ids, [], pages.take(8), page) for ids in prompts]
+        slots = [runner.state_pool.alloc() for _ in prompts]
+        snaps = [runner.state_pool.alloc() if c else -1 for c in cuts]
+        if one_forward:
+            last = forward(seqs, slots, [s.extend_part(len(ids)) for s, ids in zip(seqs, prompts)],
+                           [(i, c, dst) for i, (c, dst) in enumerate(zip(cuts, snaps)) if c])
+        else:
+            last = forward(seqs, slots, [s.extend_part(c or len(ids)) for s, c, ids in zip(seqs, cuts, prompts)])
+            cut = [i for i, c in enumerate(cuts) if c]
+            for i in cut:
+                runner.copy_state(slots[i], snaps[i])
+            last[cut] = forward([seqs[i] for i in cut], [slots[i] for i in cut],
+                                [seqs[i].extend_part(len(prompts[i])) for i in cut])
+        held = slots + [s for s in snaps if s >= 0]
+        runs.append((last, runner.state_pool.conv_buffer[:, held].clone(),
+                     runner.state_pool.recurrent_buffer[:, held].clone()))
+        for s in held:
+            runner.state_pool.free(s)
+    for name, want, got in zip(("logits", "conv states", "recurrent states"), *runs):
+        err = float((want - got).abs().max())
+        assert err <= 1e-5 * max(1.0, float(want.abs().max())), f"snapshot forward {name}: max |difference| {err:.3g}"
+    assert float(runs[0][2][:, 3:].abs().max()) > 0  # the snapshots hold states
 
 
 if __name__ == "__main__":

@@ -228,7 +228,8 @@ def test_snapshots_taken_inside_one_extend_equal_two_extends_in_float32(small35)
     cuts = [(len(ids) - 1) // PAGE * PAGE for ids in prompts]  # 0 for the 3-token prompt: it has no snapshot
     runs, fed = [], None
     for one_forward in (False, True):
-        reqs = [_Req(runner, ids, Pages(runner.num_pages), steps) for ids in prompts]
+        pages = Pages(runner.num_pages)  # one allocator: the requests' pages must not overlap
+        reqs = [_Req(runner, ids, pages, steps) for ids in prompts]
         snaps = [runner.state_pool.alloc() if c else -1 for c in cuts]
         try:
             if one_forward:
