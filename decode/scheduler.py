@@ -159,8 +159,15 @@ class DecodeScheduler:
         log.debug("rid=%s KV received%s", msg.rid, f" (written by the engine: {msg.engine_bytes} bytes in "
                   f"{msg.engine_seconds * 1e3:.1f} ms)" if msg.engine_written else "")
 
-    def abort(self, rid: str) -> None:
-        """Drop ``rid`` wherever it is and free its pages."""
+    def abort(self, rid: str, index: int | None = None) -> None:
+        """Drop ``rid`` wherever it is and free its pages; with ``index``, only choice ``index``'s running fork (its
+        text ended at a stop string at the front), whose own pages go back now and the shared prompt pages with
+        the request's last fork."""
+        if index is not None:
+            for seq in [s for s in self.running if s.msg.rid == rid and s.index == index]:
+                self.running.remove(seq)
+                self._free(seq)
+            return
         for room in [room for room, s in self.pending.items() if s.msg.rid == rid]:
             self.engine_pages.hold_back(room, (seq := self.pending.pop(room)).pages, seq.key)  # a write may land
         for seq in [s for s in self.ready if s.msg.rid == rid]:

@@ -97,7 +97,7 @@ class _DecodeServer(StageServer):
             if not self.push(endpoint, register):  # its KV can never arrive
                 self.sched.fail_request(msg.rid, f"bad bootstrap address {endpoint!r}")
         elif isinstance(msg, AbortRequest):
-            self.sched.abort(msg.rid)
+            self.sched.abort(msg.rid, msg.index)
 
     def tick(self) -> None:
         sched = self.sched

@@ -240,6 +240,11 @@ class GatewayStages:
         self._decode.abort(rid)
         self._prefill.abort(rid)
 
+    def abort_choice(self, rid: str, index: int) -> None:
+        """Tell decode to stop choice ``index``'s fork of ``rid`` (n > 1; prefill has nothing of it by then)."""
+        if self._decode is not None and rid in self._routes:
+            self._decode.abort(rid, index)
+
     @property
     def num_inflight(self) -> int:
         """Requests sent to prefill/decode and not finished."""

@@ -103,7 +103,7 @@ class _PrefillServer(StageServer):
         if isinstance(msg, PrefillRequest):
             self.replies.track(peer, msg)
             self.sched.add_request(msg)
-        elif isinstance(msg, AbortRequest):
+        elif isinstance(msg, AbortRequest) and msg.index is None:  # a choice's abort is decode's alone
             self.replies.forget(msg.rid)
             self.sched.abort(msg.rid)
             self.gate.abort(msg.rid)

@@ -737,6 +737,39 @@ def test_stop_string_ends_response_and_aborts_decode(gw, tiny_model_path, stream
         assert _wait_for(lambda: dec.rid in [m.rid for m in stage.messages(AbortRequest)]), stage.role
 
 
+def test_a_choice_ending_at_a_stop_string_stops_its_own_fork(gw, tiny_model_path):
+    """n = 2: choice 1's text hits the stop string, choice 0's never does and runs to its length. Choice 1 ends at
+    once with "stop", decode gets an AbortRequest for its fork alone (index 1) while choice 0 still runs, and prefill
+    gets none; choice 0 then finishes with the whole text."""
+    base, prefill, decode_, _ = gw
+    stop_ids, plain_ids = _ids(STOP_TEXT), _ids("The cup is red. The table")
+
+    def script(req):
+        outs = []
+        for i in range(0, max(len(stop_ids), len(plain_ids)), 3):
+            for index, ids in ((1, stop_ids), (0, plain_ids)):
+                if i < len(ids):
+                    end = min(i + 3, len(ids))
+                    outs.append(TokenOutputBatch([TokenOutput(
+                        req.rid, ids[i:end], "length" if index == 0 and end == len(ids) else None,
+                        prompt_tokens=req.prompt_len, completion_tokens=end, index=index,
+                        last=index == 0 and end == len(ids))]))
+        return outs
+
+    decode_.script = script
+    body = {"model": tiny_model_path, "messages": [{"role": "user", "content": "x"}], "stop": ["blue"], "n": 2,
+            "max_completion_tokens": len(plain_ids)}
+    out = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30).json()
+    by = {c["index"]: c for c in out["choices"]}
+    assert by[1]["finish_reason"] == "stop" and by[1]["message"]["content"] == "The cup is "
+    assert by[0]["finish_reason"] == "length" and by[0]["message"]["content"] == "The cup is red. The table"
+    (dec,) = decode_.messages(DecodeRequest)
+    assert _wait_for(lambda: [(m.rid, m.index) for m in decode_.messages(AbortRequest)] == [(dec.rid, 1)])
+    time.sleep(0.2)  # nothing else comes: the request finished, so no whole-request abort either
+    assert [(m.rid, m.index) for m in decode_.messages(AbortRequest)] == [(dec.rid, 1)]
+    assert not prefill.messages(AbortRequest)
+
+
 def test_concurrent_requests(gw, tiny_model_path):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: _chat(gw[0], tiny_model_path, f"q{i}"), range(8)))

@@ -101,6 +101,18 @@ def test_an_abort_frees_every_fork_and_seeded_choices_differ(runner):
     assert len(dec.running) == 4 and dec.pool.num_free < dec.pool.num_pages
     dec.abort("r3")
     assert not dec.running and dec.pool.num_free == dec.pool.num_pages
+    # One choice's abort (its text hit a stop string at the front): its fork stops and gives its own pages back,
+    # the others run on and the last of them still ends the request.
+    _decode(dec, ids, sampled, 5, _prefilled(runner, ids, sampled, 5))
+    dec.step()
+    before = dec.pool.num_free
+    fork2 = next(f for f in dec.running if f.index == 2)
+    own = len(fork2.pages) - fork2.shared
+    dec.abort("r5", 2)
+    assert sorted(f.index for f in dec.running) == [0, 1, 3] and dec.pool.num_free == before + own
+    outs = [o for _ in range(16) for _, o in dec.step()]
+    assert all(o.index != 2 for o in outs) and [o.last for o in outs if o.finish_reason] == [False, False, True]
+    assert not dec.running and dec.pool.num_free == dec.pool.num_pages
     # More choices than running slots can never be admitted: an error, not a request stuck in the queue.
     small = DecodeScheduler(runner, context_length=4096, max_running_requests=2, timeout_s=60.0,
                             kv_endpoint="tcp://me")

@@ -273,6 +273,8 @@ class ChatService:
                     if (fed := choices.feed(out)) is None:
                         continue  # a choice that ended at a stop string: its fork's later tokens
                     text, final = fed
+                    if final.finish_reason is not None and out.finish_reason is None and not choices.done:
+                        self.stages.abort_choice(chat.rid, out.index)  # cut at a stop string: its fork can stop
                     chat.trace.output(len(final.token_ids))
                     if n_tokens == 0:
                         logger.debug("rid=%s first output", chat.rid)

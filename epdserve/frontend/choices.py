@@ -1,9 +1,9 @@
 """The ``n`` choices of one request at a front: its outputs demultiplexed by ``TokenOutput.index`` (one decode fork
 each, see ``decode/forks.py``), detokenized and cut at stop strings per choice, and counted for the usage.
 
-A choice whose text hits a stop string ends here while its fork may still run at decode: its later outputs are
-dropped, and once every choice has ended the request's lifetime aborts whatever still runs (the forks, their
-shared pages). Usage counts the prompt once and sums the choices' completion tokens, as OpenAI and vLLM do.
+A choice whose text hits a stop string ends here; the front then tells decode to stop that fork alone
+(``Stages.abort_choice``: an ``AbortRequest`` with the choice's index), and its outputs still in flight are
+dropped. Once every choice has ended the request's lifetime aborts whatever still runs. Usage counts the prompt once and sums the choices' completion tokens, as OpenAI and vLLM do.
 """
 
 from __future__ import annotations

@@ -195,6 +195,10 @@ class SchedulerStages(abc.ABC):
         logger.debug("rid=%s abort", rid)
         self.scheduler.abort(rid)
 
+    def abort_choice(self, rid: str, index: int) -> None:
+        """Tell the scheduler to stop choice ``index``'s fork (a prefill scheduler ignores it)."""
+        self.scheduler.abort(rid, index)
+
     async def close(self) -> None:
         """Close the scheduler connection."""
         await self.scheduler.close()

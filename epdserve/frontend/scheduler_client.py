@@ -223,10 +223,11 @@ class SchedulerClient:
         """Forget ``rid``'s route; True when it had one (the request was sent and has not finished)."""
         return self.routes.pop(rid, None) is not None
 
-    def abort(self, rid: str) -> None:
-        """Tell the scheduler to drop ``rid`` (unknown ids are its to ignore; a server with no connection is skipped:
-        a restarted one has nothing of ``rid``). Synchronous: it runs in ``finally`` blocks of cancelled tasks."""
-        self.send(AbortRequest(rid))
+    def abort(self, rid: str, index: int | None = None) -> None:
+        """Tell the scheduler to drop ``rid`` (with ``index``: only that choice's fork, decode) (unknown ids are its
+        to ignore; a server with no connection is skipped: a restarted one has nothing of ``rid``). Synchronous: it
+        runs in ``finally`` blocks of cancelled tasks."""
+        self.send(AbortRequest(rid, index))
 
     async def load(self, timeout_s: float = 5.0) -> Load:
         """The scheduler's current :class:`Load`.

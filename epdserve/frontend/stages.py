@@ -92,6 +92,11 @@ class Stages(Protocol):
         included). Synchronous: it runs in ``finally`` blocks of cancelled tasks."""
         ...
 
+    def abort_choice(self, rid: str, index: int) -> None:
+        """n > 1: choice ``index`` of ``rid`` ended here (a stop string): tell decode to stop its fork, the other
+        choices running on."""
+        ...
+
     async def close(self) -> None:
         """Close every connection."""
         ...

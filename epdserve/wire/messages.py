@@ -130,9 +130,11 @@ class DecodeRequest:
 
 @dataclass
 class AbortRequest:
-    """gateway -> prefill/decode: drop ``rid`` and free its KV pages."""
+    """gateway -> prefill/decode: drop ``rid`` and free its KV pages. With ``index`` (n > 1, decode only): drop
+    only that choice's fork, which ended at a stop string at the front, and let the other choices run on."""
 
     rid: str
+    index: int | None = None
 
 
 @dataclass
