@@ -27,9 +27,7 @@ import torch
 from epdserve.decode.engine_pages import EnginePages, jump_reserved
 from epdserve.decode.kv_checks import check_kv
 from epdserve.decode.forks import ForkGroup, fork_copy_plan, fork_pages
-from epdserve.decode.steps import Step, output_ids
-from epdserve.device import to_device
-from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.decode.steps import Step, decode_batch, output_ids
 from epdserve.engine.grammar import Constraint, GrammarCompiler, GrammarMasker, accept_tokens, constraint_for
 from epdserve.kvcache.engine import KVEngine
 from epdserve.kvcache.page_pool import PagePool, page_slots
@@ -38,7 +36,6 @@ from epdserve.kvcache.state_slots import StateSlots
 from epdserve.wire.messages import DecodeRequest, KVAck, KVRegister, KVTransfer, Load, TokenLogprob, TokenOutput
 from epdserve.metrics import DecodeMetrics
 from epdserve.engine.model_runner import ModelRunner
-from epdserve.models.mrope import decode_positions
 from epdserve.engine.sampling import (apply_logit_bias, apply_penalties, choice_generator, has_penalties, sample,
                                       sampled_logprobs)
 
@@ -361,27 +358,9 @@ class DecodeScheduler:
         """Build and launch one decode step over the running requests that may still need a token; returns it
         without waiting for the device."""
         seqs = [s for s in self.running if s.launched < s.max_out]
-        prev, dev = self.inflight, self.runner.device
-        idx = [s.msg.prompt_len + s.launched - 1 for s in seqs]  # sequence index of each input token
-        # A request whose newest token is still on the device takes it from the previous step's output.
-        rows = [s.row if s.launched > len(s.output_ids) else -1 for s in seqs]
-        input_ids = torch.tensor([s.output_ids[-1] if r < 0 else 0 for s, r in zip(seqs, rows)], dtype=torch.int64)
-        if prev is not None and any(r >= 0 for r in rows):
-            rows_t = to_device(torch.tensor(rows, dtype=torch.int64), dev)
-            input_ids = torch.where(rows_t >= 0, prev.tokens[rows_t.clamp(min=0)], to_device(input_ids, dev))
-        # The rest is built on the CPU: the model runner moves it over in one asynchronous copy.
-        batch = ForwardBatch(
-            is_decode=True,
-            input_ids=input_ids,
-            positions=decode_positions(torch.tensor(idx, dtype=torch.int64),
-                                       torch.tensor([s.mrope_delta for s in seqs], dtype=torch.int64)),
-            out_slots=torch.tensor([self.pool.slots(s.pages, i, i + 1)[0] for s, i in zip(seqs, idx)],
-                                   dtype=torch.int64),
-            q_lens=[1] * len(seqs),
-            kv_lens=[i + 1 for i in idx],
-            page_table=[s.pages for s in seqs],
-            state_slots=self.states.slots([s.key for s in seqs]),
-        )
+        dev = self.runner.device
+        batch = decode_batch(seqs, self.inflight, self.pool, self.states, dev)
+        input_ids = batch.input_ids
         logits = self.runner.forward(batch)
         self.metrics.on_step(len(seqs))
         params = [s.msg.sampling for s in seqs]

@@ -1,12 +1,15 @@
-"""A launched decode step of :class:`~epdserve.decode.scheduler.DecodeScheduler` (its rows and sampled ids on the
-device) and the output-id matrix its penalties read."""
+"""A decode step of :class:`~epdserve.decode.scheduler.DecodeScheduler`: its :class:`ForwardBatch`
+(:func:`decode_batch`), the launched step (its rows and sampled ids on the device) and the output-id matrix its
+penalties read."""
 
 from __future__ import annotations
 
 import torch
 
 from epdserve.device import to_device
+from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.engine.sampling import token_logprobs
+from epdserve.models.mrope import decode_positions
 from epdserve.wire.messages import TokenLogprob
 
 
@@ -46,3 +49,28 @@ def output_ids(seqs: list, newest: torch.Tensor, dev: torch.device) -> torch.Ten
     host = torch.tensor([ids + [-1] * (width - len(ids)) for ids in before], dtype=torch.int64).view(len(seqs), width)
     newest = newest if newest.device.type == dev.type else to_device(newest, dev)
     return torch.cat([to_device(host, dev), newest[:, None]], dim=1)
+
+
+def decode_batch(seqs: list, prev: Step | None, pool, states, dev: torch.device) -> ForwardBatch:
+    """The decode step's batch over running requests ``seqs``: one new token each, at sequence index
+    ``prompt_len + launched - 1``. A request whose newest token is still on the device (sampled by ``prev``, the
+    step in flight) takes it from there without a host round trip; the rest is built on the CPU, for the model
+    runner to move over in one asynchronous copy. ``pool``: the :class:`~epdserve.kvcache.page_pool.PagePool`;
+    ``states``: the scheduler's :class:`~epdserve.kvcache.state_slots.StateSlots`."""
+    idx = [s.msg.prompt_len + s.launched - 1 for s in seqs]  # sequence index of each input token
+    rows = [s.row if s.launched > len(s.output_ids) else -1 for s in seqs]
+    input_ids = torch.tensor([s.output_ids[-1] if r < 0 else 0 for s, r in zip(seqs, rows)], dtype=torch.int64)
+    if prev is not None and any(r >= 0 for r in rows):
+        rows_t = to_device(torch.tensor(rows, dtype=torch.int64), dev)
+        input_ids = torch.where(rows_t >= 0, prev.tokens[rows_t.clamp(min=0)], to_device(input_ids, dev))
+    return ForwardBatch(
+        is_decode=True,
+        input_ids=input_ids,
+        positions=decode_positions(torch.tensor(idx, dtype=torch.int64),
+                                   torch.tensor([s.mrope_delta for s in seqs], dtype=torch.int64)),
+        out_slots=torch.tensor([pool.slots(s.pages, i, i + 1)[0] for s, i in zip(seqs, idx)], dtype=torch.int64),
+        q_lens=[1] * len(seqs),
+        kv_lens=[i + 1 for i in idx],
+        page_table=[s.pages for s in seqs],
+        state_slots=states.slots([s.key for s in seqs]),
+    )

@@ -116,3 +116,29 @@ def prefill_batch(reqs: list[PrefillRecord], chunks: list[tuple[int, int]], pool
         mm_mask=torch.cat(mask) if mm else None,
         mm_sources=sources if mm else None,
     )
+
+
+def plan_forward(running: list[PrefillRecord], budget: int, chunk: int, states, graphs
+                 ) -> tuple[list[PrefillRecord], list[tuple[int, int]], list]:
+    """What the next prefill forward computes: the ``running`` requests in admission order while ``budget`` new
+    tokens last, each its next chunk ``[start, end)`` of at most ``chunk`` tokens, and the state snapshots taken on
+    the way (``states``: :class:`~epdserve.kvcache.state_slots.StateSlots`; :meth:`reserve_cuts`' list, empty for
+    other models). A lone request that ``graphs`` (the runner's ``PrefillGraphRunner`` or None) would replay is
+    cut at its snapshot point instead: graphs take no snapshot, so it gets two forwards.
+
+    Returns:
+        ``(requests, chunks, cuts)``.
+    """
+    reqs, chunks = [], []
+    for req in running:
+        if budget <= 0:
+            break
+        take = min(req.n - req.computed, budget, chunk)
+        reqs.append(req)
+        chunks.append((req.computed, req.computed + take))
+        budget -= take
+    if len(reqs) == 1 and graphs is not None and chunks[0][1] - chunks[0][0] <= graphs.max_tokens:
+        start, end = chunks[0]
+        chunks[0] = (start, start + states.cut_chunk(start, end - start, reqs[0].n))
+        return reqs, chunks, []
+    return reqs, chunks, states.reserve_cuts([(r.key, s, e, r.n) for r, (s, e) in zip(reqs, chunks)])

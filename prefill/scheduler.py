@@ -30,7 +30,8 @@ from epdserve.models.mrope import mrope_positions
 from epdserve.engine.grammar import GrammarCompiler, constraint_for
 from epdserve.prefill.checks import check_embeds, validate_request
 from epdserve.prefill.first_token import sample_first_tokens
-from epdserve.prefill.records import PrefillRecord as _Req, RecordState as _State, image_pad_id, prefill_batch
+from epdserve.prefill.records import (PrefillRecord as _Req, RecordState as _State, image_pad_id, plan_forward,
+                                      prefill_batch)
 from epdserve.prefill.transfers import EngineWriter, engine_transfer, host_transfer, shared_transfer
 from epdserve.kvcache.engine import KVEngine, KVEngineError
 
@@ -357,22 +358,8 @@ class PrefillScheduler:
 
     def _forward(self) -> None:
         t0 = time.perf_counter()
-        budget = self.max_prefill_tokens
-        batch_reqs, chunks = [], []
-        for req in self.running:  # admission order
-            if budget <= 0:
-                break
-            take = min(req.n - req.computed, budget, self.chunk)
-            batch_reqs.append(req)
-            chunks.append((req.computed, req.computed + take))
-            budget -= take
-        graphs = self.runner.prefill_graphs
-        if len(batch_reqs) == 1 and graphs is not None and chunks[0][1] - chunks[0][0] <= graphs.max_tokens:
-            req, (start, end) = batch_reqs[0], chunks[0]  # a graph takes no snapshot: two forwards, cut between
-            chunks[0] = (start, start + self.states.cut_chunk(start, end - start, req.n))
-            cuts = []
-        else:
-            cuts = self.states.reserve_cuts([(r.key, s, e, r.n) for r, (s, e) in zip(batch_reqs, chunks)])
+        batch_reqs, chunks, cuts = plan_forward(self.running, self.max_prefill_tokens, self.chunk, self.states,
+                                                self.runner.prefill_graphs)
         dev = self.runner.device
         batch = prefill_batch(batch_reqs, chunks, self.pool)
         batch.state_slots = self.states.slots([r.room for r in batch_reqs])
