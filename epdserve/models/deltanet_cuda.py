@@ -276,46 +276,43 @@ def _chunk_rule_cut(conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     heads: tuple[int, int, int, int], cuts: SnapshotCuts) -> torch.Tensor:
     """:func:`_chunk_rule` over the split sequences, then the tails again from the states at the cuts (see
     :class:`SnapshotCuts`). Returns ``[T, hv, dv]``."""
-    _, _, chunk_gated_delta_rule, _ = _fla()
-    hk, hv, dk, dv = heads
-
-    def rule(x, g, beta, initial_state, cu, cu_cpu):
-        q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        n = x.shape[0]
-        return chunk_gated_delta_rule(
-            q.reshape(1, n, hk, dk), k.reshape(1, n, hk, dk), v.reshape(1, n, hv, dv), g=g[None], beta=beta[None],
-            initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-            cu_seqlens_cpu=cu_cpu)
-
     dtype = recurrent_state.dtype
-    core, final = rule(conv_out, g, beta, recurrent_state[cuts.split_slots], cuts.split_cu, cuts.split_cu_cpu)
+    core, final = _rule(conv_out, g, beta, recurrent_state[cuts.split_slots], heads, cu_seqlens=cuts.split_cu,
+                        cu_seqlens_cpu=cuts.split_cu_cpu)
     recurrent_state.index_copy_(0, cuts.keep_slots, final.index_select(0, cuts.keep_pos).to(dtype))
     # The tails start from the snapshot as stored (the pool's dtype), as a second forward would.
     at_cut = final.index_select(0, cuts.head_pos).to(dtype)
     recurrent_state.index_copy_(0, cuts.snap_slots, at_cut)
     rows = cuts.tail_rows
-    tail, tail_final = rule(conv_out.index_select(0, rows), g.index_select(0, rows), beta.index_select(0, rows),
-                            at_cut, cuts.tail_cu, cuts.tail_cu_cpu)
+    tail, tail_final = _rule(conv_out.index_select(0, rows), g.index_select(0, rows), beta.index_select(0, rows),
+                             at_cut, heads, cu_seqlens=cuts.tail_cu, cu_seqlens_cpu=cuts.tail_cu_cpu)
     recurrent_state.index_copy_(0, cuts.cut_slots, tail_final.to(dtype))
-    core = core[0]
-    core.index_copy_(0, rows, tail[0])
+    core.index_copy_(0, rows, tail)
     return core
 
 
 def _chunk_rule(conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
                 recurrent_state: torch.Tensor, heads: tuple[int, int, int, int], **varlen) -> torch.Tensor:
-    """fla's chunked gated delta rule over the conv output ``[T, conv_dim]`` (q|k|v) from the ``slots``' recurrent
-    states, the final states written back there; ``varlen``: fla's ``cu_seqlens`` arguments (none: one sequence).
-    Returns ``[T, hv, dv]``."""
+    """:func:`_rule` from the ``slots``' recurrent states, the final states written back there. Returns
+    ``[T, hv, dv]``."""
+    core, final = _rule(conv_out, g, beta, recurrent_state[slots], heads, **varlen)
+    recurrent_state.index_copy_(0, slots, final.to(recurrent_state.dtype))
+    return core
+
+
+def _rule(conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor,
+          heads: tuple[int, int, int, int], **varlen) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's chunked gated delta rule over the conv output ``[T, conv_dim]`` (q|k|v) from ``initial_state``
+    ``[N, hv, dk, dv]``, one per sequence; ``varlen``: fla's ``cu_seqlens`` arguments (none: one sequence).
+    Returns ``(core [T, hv, dv] in conv_out's dtype, final states [N, hv, dk, dv] float32)``."""
     _, _, chunk_gated_delta_rule, _ = _fla()
     hk, hv, dk, dv = heads
     T = conv_out.shape[0]
     q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
-    core, rec_final = chunk_gated_delta_rule(
+    core, final = chunk_gated_delta_rule(
         q.reshape(1, T, hk, dk), k.reshape(1, T, hk, dk), v.reshape(1, T, hv, dv), g=g[None], beta=beta[None],
-        initial_state=recurrent_state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True, **varlen)
-    recurrent_state.index_copy_(0, slots, rec_final.to(recurrent_state.dtype))
-    return core[0]
+        initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True, **varlen)
+    return core[0], final
 
 
 def padding_gates(g: torch.Tensor, beta: torch.Tensor, last_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
