@@ -339,11 +339,13 @@ def _fill_threads() -> int:
     return max(1, min(_MAX_FILL_THREADS, cpus // 2))
 
 
-def mask_logits(logits: torch.Tensor, constraints: list[Constraint | None],
-                masker: GrammarMasker | None = None) -> torch.Tensor:
-    """``logits`` ``[B, V]`` masked by each row's grammar: :meth:`GrammarMasker.mask` with ``masker`` (a
-    scheduler's, reused across steps) or, without one, a masker for this call alone (prefill's first tokens)."""
-    return (masker or GrammarMasker(logits.device)).mask(logits, constraints)
+def mask_logits(logits: torch.Tensor, constraints: list[Constraint | None]) -> torch.Tensor:
+    """``logits`` ``[B, V]`` masked by each row's grammar through a :class:`GrammarMasker` for this call alone
+    (prefill's first tokens; decode keeps one masker for every step); ``logits`` itself, with no masker made, when
+    no row has a grammar."""
+    if all(c is None for c in constraints):
+        return logits
+    return GrammarMasker(logits.device).mask(logits, constraints)
 
 
 def constraint_for(grammars: GrammarCompiler | None, spec: GrammarSpec | None) -> Constraint | None:
