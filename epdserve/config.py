@@ -213,6 +213,8 @@ class LaunchConfig:
     prefill_chunked_prefill_size: int = _like(PrefillConfig, "chunked_prefill_size")
     encoder_compile: bool = _like(EncoderConfig, "compile")
     encoder_gpu_jpeg_decode: bool = _like(EncoderConfig, "gpu_jpeg_decode")
+    mps: bool = _f(True, "run the stages that share a GPU under CUDA MPS (a daemon the launcher starts and stops; "
+                         "kernels of several stages run at once); --no-mps: the GPU time-slices between them")
 
 
 def _base_type(tp):

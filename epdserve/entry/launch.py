@@ -6,7 +6,8 @@ launcher's ``--log-level`` and ``--log-format``, through the launcher's stderr. 
 gateway's ``/health`` answers 200 and lists every encoder up (the gateway has then seen prefill and decode, with
 all their TP ranks, answer, and every encoder's gRPC health say SERVING), logs one ready line and one line of
 every process's ``/metrics`` URL, and on SIGINT/SIGTERM (or any child dying) stops all; a child that dies before
-the ready line is named with its last log lines.
+the ready line is named with its last log lines. Stages that share a GPU run under a CUDA MPS daemon of the
+launcher's own (:mod:`epdserve.entry.mps`; ``--no-mps``: time-slicing).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ import time
 import urllib.request
 
 from epdserve.config import LaunchConfig
+from epdserve.entry import mps
 from epdserve.logging_setup import active_format
 from epdserve.models.paths import resolve_model_path
 from epdserve.wire.transport import LOCAL as _LOCAL
@@ -136,10 +139,16 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
+    daemon, mps_env = None, {}
     try:
+        if cfg.device in ("cuda", "auto") and _has_cuda():
+            gpus = mps.stage_gpus(cfg.num_encoders, cfg.encoder_gpu, (cfg.prefill_base_gpu, cfg.prefill_tp),
+                                  (cfg.decode_base_gpu, cfg.decode_tp))
+            daemon, mps_env = mps.start_for(gpus, cfg.mps)
         for name, cmd in commands.items():
             # A new session keeps the terminal's Ctrl-C away from the children: the launcher stops them in order.
-            procs[name] = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE)
+            env = os.environ | mps_env[name] if name in mps_env else None
+            procs[name] = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, env=env)
             tails[name] = _LogTail(procs[name].stderr)
         health = f"http://{_LOCAL if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}/health"
         deadline, ready = time.monotonic() + ready_timeout_s, False
@@ -150,6 +159,8 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
                           "" if ready else " before every stage served")
                 for name in dead:
                     log.error("last lines of %s:\n%s", name, tails[name].text())
+                if daemon is not None and not ready:
+                    log.error("the stages on a shared GPU ran under CUDA MPS: --no-mps runs them without")
                 return 1
             if not ready and _gateway_ready(health, len(encoder_addrs)):
                 ready = True
@@ -163,6 +174,8 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
         return 0
     finally:
         _stop(procs)
+        if daemon is not None:
+            daemon.stop()
 
 
 def _stop(procs: dict[str, subprocess.Popen], grace_s: float = 10.0) -> None:
