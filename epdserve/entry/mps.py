@@ -3,8 +3,8 @@
 Without MPS, processes on one GPU get it in time slices: while prefill's long forward holds its slice, decode's
 short step waits, and the other way round. Under MPS (NVIDIA's Multi-Process Service: one server process owns the
 GPU and runs every client's kernels in one context) the stages' kernels share the SMs. Measured on an H100 with the
-``qwen3.5-9b`` preset at 32 concurrent requests (docs/performance.md, "Qwen3.5: CUDA MPS"): 14.6 req/s against
-12.6, TPOT median 11.2 ms against 13.7.
+``qwen3.5-9b`` preset at 32 concurrent requests (docs/performance.md, "Qwen3.5: the stages under CUDA MPS"):
+14.6 req/s against 12.6, TPOT median 11.2 ms against 13.7.
 
 The launcher starts a control daemon of its own (``nvidia-cuda-mps-control -d``) with a private pipe and log
 directory, gives the pipe directory to the stage processes on a shared GPU (``CUDA_MPS_PIPE_DIRECTORY``) and
