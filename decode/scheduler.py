@@ -373,7 +373,9 @@ class DecodeScheduler:
             if self.inflight is not None:
                 self._collect(self.inflight)
                 self.inflight = None
+            t0 = time.perf_counter()
             adjusted = self.masker.mask(adjusted, [None if s.done else s.constraint for s in seqs])
+            self.metrics.grammar_fill.observe(time.perf_counter() - t0)
         tokens = sample(adjusted, params, [s.generator for s in seqs])
         lp = sampled_logprobs(logits, tokens, params)  # now: a graph's logits are a view the next replay overwrites
         for row, seq in enumerate(seqs):
@@ -385,8 +387,11 @@ class DecodeScheduler:
         constrained rows' matchers take their tokens in one batched call first."""
         rows = [r for r in zip(step.seqs, step.host_tokens(), step.host_logprobs()) if not r[0].done]
         grammar_rows = [k for k, (seq, _, _) in enumerate(rows) if seq.constraint is not None]
+        t0 = time.perf_counter()
         accepted = dict(zip(grammar_rows, accept_tokens([rows[k][0].constraint for k in grammar_rows],
                                                         [rows[k][1] for k in grammar_rows])))
+        if grammar_rows:
+            self.metrics.grammar_accept.observe(time.perf_counter() - t0)
         for k, (seq, tok, tok_lp) in enumerate(rows):
             self._append_token(seq, tok, tok_lp, accepted.get(k))
 

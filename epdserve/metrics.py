@@ -40,6 +40,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                          0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Host work of one decode step (tens of microseconds to milliseconds).
+STEP_HOST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032)
 # How often the schedulers' gauges (Load) are refreshed from the scheduler loop, in seconds.
 LOAD_REFRESH_S = 0.25
 
@@ -241,6 +243,12 @@ class DecodeMetrics(LMStageMetrics):
         self.kv_latency = self._histogram("kv_transfer_latency_seconds", "From prefill sending a request's KV "
                                           "to decode receiving it (wall clocks of two processes), seconds",
                                           LATENCY_BUCKETS)
+        self.grammar_fill = self._histogram("grammar_fill_seconds", "Per decode step with constrained rows: host "
+                                            "seconds filling their token bitmasks and launching the mask (the "
+                                            "step's forward runs meanwhile)", STEP_HOST_BUCKETS)
+        self.grammar_accept = self._histogram("grammar_accept_seconds", "Per decode step with constrained rows: "
+                                              "host seconds advancing their matchers by the sampled tokens",
+                                              STEP_HOST_BUCKETS)
 
     def on_kv_received(self, transfer: Any) -> None:
         """A ``KVTransfer`` arrived: count its bytes (:func:`kv_transfer_bytes`) and the hand-off latency (errors

@@ -359,3 +359,8 @@ def test_schedulers_carry_the_grammar_from_prefill_to_decode_and_fail_only_bad_r
     assert "not allowed" in final["other"].error
     assert decode.pool.num_free == decode.pool.num_pages and not decode.running
     assert decode.states.used == 0 and prefill.states.used == 0
+    # The grammar's host time per step is on /metrics: "re" decoded ~5 constrained steps.
+    fills, accepts = (decode.metrics.value(f"epdserve:grammar_{k}_seconds_count", stage="decode")
+                      for k in ("fill", "accept"))
+    assert 3 <= fills <= 12 and 3 <= accepts <= 12
+    assert decode.metrics.value("epdserve:grammar_fill_seconds_sum", stage="decode") > 0
