@@ -122,7 +122,9 @@ def server_figures(before: Samples, after: Samples) -> dict[str, Any]:
                   "tpot_ms_mean": d.mean(P + "time_per_output_token_seconds", ms, stage=stage),
                   "batch_size_mean": d.mean(P + "batch_size", stage=stage),
                   "kv_bytes_received": d.total(P + "kv_transfer_bytes_total", stage=stage),
-                  "kv_transfer_latency_ms_mean": d.mean(P + "kv_transfer_latency_seconds", ms, stage=stage)}
+                  "kv_transfer_latency_ms_mean": d.mean(P + "kv_transfer_latency_seconds", ms, stage=stage),
+                  "grammar_fill_ms_mean": d.mean(P + "grammar_fill_seconds", ms, stage=stage),
+                  "grammar_accept_ms_mean": d.mean(P + "grammar_accept_seconds", ms, stage=stage)}
         if stage != "gateway":
             g |= {"queue_time_ms_mean": d.mean(P + "queue_time_seconds", ms, stage=stage),
                   "stage_latency_ms_mean": d.mean(P + "stage_latency_seconds", ms, stage=stage)}

@@ -270,6 +270,7 @@ def test_bench_scrapes_server_metrics(server, metrics_urls, model, tmp_path, cap
     assert server_side["gateway"]["prompt_tokens"] == s["total_input_tokens"] == server_side["prefill"]["prompt_tokens"]
     assert server_side["decode"]["generation_tokens"] == s["total_output_tokens"] == 12
     assert server_side["encoder"]["images"] == 3
+    assert server_side["decode"]["grammar_fill_ms_mean"] is None  # no constrained request: no such step
 
 
 # ---- without servers ------------------------------------------------------------------------------------------
