@@ -211,6 +211,7 @@ class LaunchConfig:
     encoder_cuda_graphs: int = _like(EncoderConfig, "cuda_graphs")
     prefill_cuda_graph_max_tokens: int = _like(PrefillConfig, "cuda_graph_max_tokens")
     prefill_chunked_prefill_size: int = _like(PrefillConfig, "chunked_prefill_size")
+    prefill_max_prefill_tokens: int = _like(PrefillConfig, "max_prefill_tokens")
     encoder_compile: bool = _like(EncoderConfig, "compile")
     encoder_gpu_jpeg_decode: bool = _like(EncoderConfig, "gpu_jpeg_decode")
     mps: bool = _f(True, "run the stages that share a GPU under CUDA MPS (a daemon the launcher starts and stops; "

@@ -456,3 +456,22 @@ def test_share_host_id_reaches_the_encoder_only_when_set():
         assert sharing.shared_with == "boot/host" and plain.calls[0][0] == "r1"
 
     asyncio.run(run())
+
+
+def test_launch_passes_the_prefill_batching_flags():
+    # `epdserve launch --prefill-max-prefill-tokens/--prefill-chunked-prefill-size` reach the prefill server's config.
+    import argparse
+
+    from epdserve.config import LaunchConfig, PrefillConfig, add_config_args, config_from_args
+    from epdserve.entry.launch import _commands
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, LaunchConfig)
+    flags = ["--prefill-max-prefill-tokens", "4096", "--prefill-chunked-prefill-size", "1024"]
+    cmd = _commands(config_from_args(LaunchConfig, parser.parse_args(flags)), "/models/m")[0]["prefill"]
+    pre_parser = argparse.ArgumentParser()
+    add_config_args(pre_parser, PrefillConfig)
+    got = config_from_args(PrefillConfig, pre_parser.parse_args(cmd[cmd.index("prefill") + 1:]))
+    assert (got.max_prefill_tokens, got.chunked_prefill_size) == (4096, 1024)
+    default = _commands(LaunchConfig(), "/models/m")[0]["prefill"]
+    assert default[default.index("--max-prefill-tokens") + 1] == str(PrefillConfig().max_prefill_tokens)
