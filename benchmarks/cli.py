@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import httpx
@@ -222,13 +223,15 @@ def _one_run(args, model: str, url: str, headers: dict[str, str], rate: float, s
     scraped: list = []
     result = run_benchmark(url, bodies, requests, load, headers=headers, show_progress=not args.disable_tqdm,
                            keep_text=args.save_text,
-                           before_measured=(lambda: scraped.append(scrape(metrics_urls))) if metrics_urls else None)
+                           before_measured=(lambda: scraped.append((scrape(metrics_urls), time.monotonic())))
+                           if metrics_urls else None)
     summary = summarize(result, load, slo)
     title = " ".join(x for x in ("Serving Benchmark Result", args.label,
                                  f"@ {rate:g} req/s" if getattr(args, "request_rates", None) else "") if x)
     print(format_summary(summary, title))
     if metrics_urls:
-        summary["server_metrics"] = server_figures(scraped[0], scrape(metrics_urls))
+        (before, t0), t1 = scraped[0], time.monotonic()  # the window between the scrapes: the measured run
+        summary["server_metrics"] = server_figures(before, scrape(metrics_urls), t1 - t0)
         print(format_server_figures(summary["server_metrics"], summary))
     # No secrets in result files: the API key is dropped and header values (often tokens) are left out.
     config = _jsonable({**{k: v for k, v in vars(args).items() if k != "api_key"}, "model": model, "url": url,

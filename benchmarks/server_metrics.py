@@ -83,8 +83,12 @@ class _Delta:
         return dict(out)
 
 
-def server_figures(before: Samples, after: Samples) -> dict[str, Any]:
-    """What moved between two scrapes, by stage (latencies in ms). Keys mirror the metric names."""
+def server_figures(before: Samples, after: Samples, seconds: float | None = None) -> dict[str, Any]:
+    """What moved between two scrapes, by stage (latencies in ms). Keys mirror the metric names.
+
+    ``seconds``, the wall time between the scrapes, gives each stage's ``device_busy_share``: its device seconds
+    (``device_busy_seconds_total``, summed over the stage's processes) per second of the run, the share of the
+    time its GPU was at its work (issue 45: which stage limits a GPU that stages share)."""
     d = _Delta(before, after)
     ms = 1000.0
     out: dict[str, Any] = {}
@@ -126,8 +130,11 @@ def server_figures(before: Samples, after: Samples) -> dict[str, Any]:
                   "grammar_fill_ms_mean": d.mean(P + "grammar_fill_seconds", ms, stage=stage),
                   "grammar_accept_ms_mean": d.mean(P + "grammar_accept_seconds", ms, stage=stage)}
         if stage != "gateway":
+            busy = d.total(P + "device_busy_seconds_total", stage=stage)
             g |= {"queue_time_ms_mean": d.mean(P + "queue_time_seconds", ms, stage=stage),
-                  "stage_latency_ms_mean": d.mean(P + "stage_latency_seconds", ms, stage=stage)}
+                  "stage_latency_ms_mean": d.mean(P + "stage_latency_seconds", ms, stage=stage),
+                  "device_busy_s": busy,
+                  "device_busy_share": None if busy is None or not seconds else busy / seconds}
         if stage in ("prefill", "decode"):
             g["kv_failures"] = d.by_label(P + "kv_transfer_failures_total", "reason", stage=stage)
         if g["requests"] is not None or any(v for k, v in g.items() if k not in ("errors", "requests_by_outcome")):

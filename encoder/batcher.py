@@ -229,6 +229,7 @@ class EncodeBatcher:
             if not item.future.done():
                 item.future.set_result(out)
         if self._metrics is not None:
+            self._metrics.device_busy.inc(loop.time() - tower_started)  # the tower call returns its results
             self._metrics.on_batch([started - item.arrival for item in batch], sum(item.patches for item in batch),
                                    prep_s + loop.time() - tower_started,
                                    video=getattr(batch[0].encoder, "is_video", False))

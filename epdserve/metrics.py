@@ -65,6 +65,10 @@ class StageMetrics:
         self._errors = self._counter("errors", "Errors by kind (a failed request, a dropped message, a failed step)",
                                      ("kind",))
         self._requests = self._counter("num_requests", "Requests finished by this stage, by outcome", ("outcome",))
+        # Not the gateway's: it runs no device work. Divided by wall time: the stage's busy share of its device.
+        self.device_busy = None if stage == "gateway" else self._counter(
+            "device_busy_seconds", "Seconds of device work (tower calls; prefill and decode forwards: CUDA event "
+            "time, including time the GPU gave to other processes meanwhile; wall time on the CPU)")
 
     # ---- construction helpers: every metric is prefixed, registered here, and labelled with the stage ---------
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()):

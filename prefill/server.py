@@ -22,6 +22,7 @@ import zmq
 from epdserve.wire import transport
 from epdserve.config import PrefillConfig
 from epdserve.device import resolve_device
+from epdserve.engine.busy import track_device_busy
 from epdserve.engine.grammar import GrammarCompiler
 from epdserve.engine.server import StageServer, kv_shared, register_kv_engine, serve_with_front, start_kv_engine
 from epdserve.kvcache.kv_share import host_id, shares_kv
@@ -55,6 +56,7 @@ def _serve(config: PrefillConfig) -> int:
     model_path, runner, context_length = runner_from_config(config, share_kv=share)
     register_kv_engine(engine, runner)
     metrics = PrefillMetrics()
+    track_device_busy(runner, metrics.device_busy.inc)
     grammars = GrammarCompiler(model_path, runner.config.vocab_size, list(runner.config.eos_token_ids))
     sched = PrefillScheduler(runner, context_length=context_length,
                              max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,

@@ -271,6 +271,11 @@ def test_bench_scrapes_server_metrics(server, metrics_urls, model, tmp_path, cap
     assert server_side["decode"]["generation_tokens"] == s["total_output_tokens"] == 12
     assert server_side["encoder"]["images"] == 3
     assert server_side["decode"]["grammar_fill_ms_mean"] is None  # no constrained request: no such step
+    # Every stage did device work during the run, and no more of it than the run lasted (one process each).
+    for stage in ("encoder", "prefill", "decode"):
+        busy, share = server_side[stage]["device_busy_s"], server_side[stage]["device_busy_share"]
+        assert busy > 0 and 0 < share <= 1, (stage, busy, share)
+        assert share == pytest.approx(busy / s["duration_s"], rel=0.5)
 
 
 # ---- without servers ------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import time
 import torch
 
 from epdserve.attention.select import make_backend
+from epdserve.engine.busy import DeviceBusy
 from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
@@ -82,6 +83,7 @@ class ModelRunner:
         t0 = time.monotonic()
         # Seconds each part of the start-up took (the servers' ready lines print them; issue 43).
         self.startup_s: dict[str, float] = {}
+        self.busy: DeviceBusy | None = None  # a server's device_busy_seconds metric (track_device_busy)
         self.device, self.dtype, self.page_size = torch.device(device), dtype, page_size
         self.tp = tp or TPGroup.single(self.device)
         self.config = cfg = ModelConfig.load(model_path)
@@ -177,6 +179,12 @@ class ModelRunner:
         Raises:
             ValueError: inconsistent page tables / lengths (from the attention backend).
         """
+        if self.busy is None:
+            return self._forward(batch)
+        with self.busy.measure():
+            return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         dev = self.device
         if self.tp.size > 1:
             ids = batch.input_ids.to(dev, torch.int64, non_blocking=True).contiguous()
