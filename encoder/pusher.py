@@ -24,6 +24,14 @@ _PUSH_LINGER_MS = 1000
 _MAX_PUSH_SOCKETS = 256
 
 
+async def _sent(sock: zmq.asyncio.Socket, frames: list[bytes | memoryview]) -> None:
+    """Queue ``frames`` without copying and wait until ZMQ no longer needs them: written to the connection (a
+    queued message is lost if the process dies, one in the kernel's socket buffer is not)."""
+    tracker = await sock.send_multipart(frames, copy=False, track=True)
+    while not tracker.done:
+        await asyncio.sleep(0.0002)
+
+
 class EmbeddingPusher:
     """ZMQ PUSH sockets to prefill embedding endpoints, connected on first use and cached per endpoint.
 
@@ -65,8 +73,9 @@ class EmbeddingPusher:
         return [self._socket(e) for e in endpoints]
 
     async def push(self, endpoints: list[str], messages: list[list[bytes | memoryview]]) -> None:
-        """Send ``messages[i]`` (a multipart message) to ``endpoints[i]``, concurrently; return once all have taken
-        theirs.
+        """Send ``messages[i]`` (a multipart message) to ``endpoints[i]``, concurrently; return once every message
+        has left this process (ZMQ has written it to the connection), so that an encoder killed after answering
+        loses no embeddings that its answer announced.
 
         Raises:
             RequestError: INVALID_ARGUMENT for a malformed endpoint, UNAVAILABLE for one that accepted nothing
@@ -76,7 +85,7 @@ class EmbeddingPusher:
 
         async def one(endpoint: str, sock: zmq.asyncio.Socket, frames: list[bytes | memoryview]) -> None:
             try:
-                await asyncio.wait_for(sock.send_multipart(frames, copy=False), self._timeout_s)
+                await asyncio.wait_for(_sent(sock, frames), self._timeout_s)
             except TimeoutError as e:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                    f"target {endpoint!r} accepted no embeddings within {self._timeout_s:g} s",
