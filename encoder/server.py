@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -40,6 +41,7 @@ from epdserve.encoder.outbox import EmbeddingOutbox
 from epdserve.encoder.pusher import EmbeddingPusher
 from epdserve.encoder.video import VideoJob, decode_video
 from epdserve.encoder.vision import ImageDecodeError, VisionEncoder
+from epdserve.engine.model_runner import startup_summary
 from epdserve.logging_setup import request_context
 from epdserve.encoder.metrics import EncoderMetrics
 from epdserve.metrics import start_metrics_server
@@ -385,9 +387,12 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
         await server.start()
         loop = asyncio.get_running_loop()
         model_path = await loop.run_in_executor(tower, resolve_model_path, config.model_path)
+        t0 = time.monotonic()
         encoder = await loop.run_in_executor(tower, VisionEncoder, model_path, device, dtype, config.cuda_graphs,
                                              config.compile, config.gpu_jpeg_decode)
-        await loop.run_in_executor(tower, encoder.warm_up)
+        t1 = time.monotonic()
+        await loop.run_in_executor(tower, encoder.warm_up)  # compiles the tower and captures its graphs
+        startup = {"weights": t1 - t0, "warm-up": time.monotonic() - t1}
         # Test hook: a slow model load (tests check that nothing calls the server ready before this one serves).
         await asyncio.sleep(float(os.environ.get(LOAD_DELAY_ENV, "0")))
         if config.bootstrap_port:  # bound once the model is loaded: a claim needs the tower's device
@@ -400,9 +405,9 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
         servicer.encoder = encoder
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("encoder ready on %s (model=%s, device=%s, dtype=%s, metrics=%s)",
+        log.info("encoder ready on %s (model=%s, device=%s, dtype=%s, metrics=%s); %s",
                  _bind_address(config.host, port), model_path, device, str(dtype).removeprefix("torch."),
-                 metrics_server.url)
+                 metrics_server.url, startup_summary(startup))
         if ready is not None:
             ready.set()
         # Shielded: cancelling wait_for_termination() itself leaves grpc's shutdown future cancelled, and the

@@ -132,6 +132,7 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
     """
     if cfg.num_encoders < 1:
         raise ValueError(f"--num-encoders must be at least 1, got {cfg.num_encoders}")
+    started = time.monotonic()
     # The default model built, a hub id downloaded, once, before the children race for it.
     model_path = resolve_model_path(cfg.model_path, cfg.revision)
     commands, encoder_addrs, metrics_urls = _commands(cfg, model_path)
@@ -165,8 +166,8 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
                 return 1
             if not ready and _gateway_ready(health, len(encoder_addrs)):
                 ready = True
-                log.info("epdserve ready on http://%s:%d (model=%s)", cfg.host, cfg.port,
-                         cfg.served_model_name or model_path)
+                log.info("epdserve ready on http://%s:%d (model=%s) in %.1f s", cfg.host, cfg.port,
+                         cfg.served_model_name or model_path, time.monotonic() - started)
                 log.info("metrics: %s", " ".join(f"{n}={u}" for n, u in metrics_urls.items()))
             if not ready and time.monotonic() > deadline:
                 log.error("servers not ready after %.0f s", ready_timeout_s)
