@@ -1,0 +1,108 @@
+"""Qwen3-VL-MoE's sparse block against transformers: the router's top-k selection and weights, the block's output
+from the released checkpoint layout (what ``save_pretrained`` writes), and TP=2 shards summing to the TP=1 output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from epdserve.engine.distributed import TPGroup
+from epdserve.models.qwen3_vl_moe_lm import Experts, SparseMoeBlock, route
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as hf_moe  # noqa: E402
+
+# The released 30B-A3B ratios shrunk: 128 experts top-8 -> 16 top-4; hidden 2048 : moe_intermediate 768.
+HIDDEN, EXPERTS, TOP_K, INTER = 64, 16, 4, 24
+
+
+def _text_config():
+    return transformers.Qwen3VLMoeTextConfig(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                              moe_intermediate_size=INTER, hidden_act="silu")
+
+
+@pytest.fixture(scope="module")
+def hf_block():
+    """transformers' sparse block with random float32 weights (fixed seed)."""
+    torch.manual_seed(0)
+    block = hf_moe.Qwen3VLMoeTextSparseMoeBlock(_text_config()).float()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.2)
+    return block
+
+
+def _ours(hf_block, tp: TPGroup, hub_layout: bool = True) -> SparseMoeBlock:
+    """Our block loaded from the released hub layout (the transposes of transformers' in-memory tensors) or from
+    what ``save_pretrained`` writes (the in-memory tensors)."""
+    block = SparseMoeBlock(HIDDEN, EXPERTS, TOP_K, INTER, tp)
+    block.gate.weight.data.copy_(hf_block.gate.weight)
+    exp = block.experts
+    for name in ("gate_up_proj", "down_proj"):
+        t = getattr(hf_block.experts, name).detach()
+        exp.load_shard(getattr(exp, name), t.transpose(1, 2).contiguous() if hub_layout else t.clone())
+    return block
+
+
+def test_router_matches_transformers(hf_block):
+    torch.manual_seed(1)
+    x = torch.randn(57, HIDDEN)
+    _, hf_weights, hf_experts = hf_block.gate(x)
+    weights, experts = route(x, hf_block.gate.weight.detach(), TOP_K)
+    assert torch.equal(experts, hf_experts)
+    assert torch.equal(weights, hf_weights)
+    assert torch.allclose(weights.sum(-1), torch.ones(57))
+    assert len(torch.unique(experts)) > TOP_K  # routing really picks different subsets
+
+
+@torch.no_grad()
+def test_block_matches_transformers_bitwise(hf_block):
+    torch.manual_seed(2)
+    x = torch.randn(33, HIDDEN)
+    want = hf_block(x[None])[0]
+    for hub_layout in (True, False):
+        assert torch.equal(_ours(hf_block, TPGroup.single(), hub_layout)(x), want)
+
+
+@torch.no_grad()
+def test_tp2_shards_sum_to_the_full_block(hf_block):
+    torch.manual_seed(3)
+    x = torch.randn(21, HIDDEN)
+    full = _ours(hf_block, TPGroup.single())(x)
+    # Each rank's partial sum (what it all-reduces); TPGroup of size 2 without a process group, so call experts.
+    parts = []
+    for rank in range(2):
+        block = _ours(hf_block, TPGroup(rank, 2, torch.device("cpu")))
+        assert block.experts.gate_up_proj.shape == (EXPERTS, INTER, HIDDEN)
+        parts.append(block.experts(x, *route(x, block.gate.weight, TOP_K)))
+    torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-5, atol=1e-6)
+
+
+def test_save_pretrained_writes_the_in_memory_expert_layout(tmp_path):
+    """transformers 5's ``save_pretrained`` writes the in-memory layout (``gate_up_proj`` ``[E, 2I, hidden]``,
+    ``down_proj`` ``[E, hidden, I]``), not the released checkpoint's transposes: the loader must take both."""
+    cfg = transformers.Qwen3VLMoeConfig(
+        text_config=dict(_text_config().to_dict(), num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, vocab_size=128, intermediate_size=48,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [6, 5, 5],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN,
+                           deepstack_visual_indexes=[0]))
+    model = transformers.Qwen3VLMoeForConditionalGeneration(cfg)
+    model.save_pretrained(tmp_path)
+    tensors = {}
+    for f in tmp_path.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    names = [n for n in tensors if ".mlp." in n and "language_model" in n]
+    gate_up = next(tensors[n] for n in names if n.endswith("experts.gate_up_proj"))
+    down = next(tensors[n] for n in names if n.endswith("experts.down_proj"))
+    assert tuple(gate_up.shape) == (EXPERTS, 2 * INTER, HIDDEN), names
+    assert tuple(down.shape) == (EXPERTS, HIDDEN, INTER), names
+    assert not any("shared" in n for n in names)  # Qwen3-VL-MoE has no shared experts
+
+
+def test_load_shard_rejects_a_foreign_shape():
+    exp = Experts(EXPERTS, HIDDEN, INTER, TPGroup.single())
+    with pytest.raises(ValueError, match="neither"):
+        exp.load_shard(exp.down_proj, torch.zeros(EXPERTS, HIDDEN, INTER + 1))
