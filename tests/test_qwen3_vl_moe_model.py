@@ -106,3 +106,62 @@ def test_load_shard_rejects_a_foreign_shape():
     exp = Experts(EXPERTS, HIDDEN, INTER, TPGroup.single())
     with pytest.raises(ValueError, match="neither"):
         exp.load_shard(exp.down_proj, torch.zeros(EXPERTS, HIDDEN, INTER + 1))
+
+
+# ---------------------------------------------------------------- the whole LM over the paged KV cache
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_path(tiny_qwen3_vl_path, tmp_path_factory):
+    """A tiny Qwen3-VL-MoE checkpoint: the tiny Qwen3-VL's tokenizer, processor and shapes, its MLPs replaced by
+    16 experts top-4 (layer 0 kept dense through ``mlp_only_layers``), random weights of a fixed seed, written by
+    transformers' ``save_pretrained``."""
+    import json
+    import shutil
+
+    src = tmp_path_factory.mktemp("tiny-moe")
+    shutil.copytree(tiny_qwen3_vl_path, src, dirs_exist_ok=True)
+    for f in list(src.glob("*.safetensors*")):
+        f.unlink()
+    cfg = json.loads((src / "config.json").read_text())
+    text = dict(cfg["text_config"], num_experts=EXPERTS, num_experts_per_tok=TOP_K, mlp_only_layers=[0],
+                moe_intermediate_size=cfg["text_config"]["intermediate_size"] // 4, decoder_sparse_step=1)
+    text.pop("model_type", None)
+    vision = dict(cfg["vision_config"])
+    vision.pop("model_type", None)
+    moe_cfg = transformers.Qwen3VLMoeConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        **{k: cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+           if k in cfg})
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(moe_cfg).float()
+    with torch.no_grad():  # the init's std is tiny: spread the router so top-k really varies by token
+        for layer in model.model.language_model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(src)
+    return str(src)
+
+
+def test_text_greedy_matches_transformers(tiny_moe_path):
+    from test_qwen3_vl_model import Seq3, greedy
+    from test_model_runtime import Pages
+
+    from epdserve.engine.model_runner import ModelRunner
+    from epdserve.models.config import ModelConfig
+
+    cfg = ModelConfig.load(tiny_moe_path)
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.mlp_only_layers) == \
+        ("qwen3_vl_moe", EXPERTS, TOP_K, (0,))
+    hf = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+    steps, page_size = 9, 16
+    runner = ModelRunner(tiny_moe_path, device=torch.device("cpu"), dtype=torch.float32, num_pages=64,
+                         page_size=page_size, attention_backend="sdpa")
+    assert sum(isinstance(layer.mlp, SparseMoeBlock) for layer in runner.model.layers) == cfg.num_layers - 1
+    seq = Seq3(ids[0], [], Pages(64, seed=1).take(-(-(ids.shape[1] + steps) // page_size)), page_size)
+    first, tokens = greedy(runner, seq, steps)
+    with torch.no_grad():
+        ref_logits = hf(input_ids=ids).logits[0, -1]
+        ref = hf.generate(input_ids=ids, max_new_tokens=steps, do_sample=False)[0, ids.shape[1]:].tolist()
+    torch.testing.assert_close(first, ref_logits, atol=1e-4, rtol=1e-4)
+    assert tokens[:len(ref)] == ref

@@ -28,7 +28,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from epdserve.engine.distributed import TPGroup
+from epdserve.attention.base import AttentionBackend
+from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import split_evenly
+from epdserve.models.qwen3_vl_lm import Qwen3VLLanguageModel
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,3 +123,31 @@ class SparseMoeBlock(nn.Module):
         weights, experts = route(x, self.gate.weight, self.top_k)
         out = self.experts(x, weights, experts)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+
+def is_sparse_layer(cfg: ModelConfig, layer_id: int) -> bool:
+    """Whether decoder layer ``layer_id`` has routed experts (transformers' ``Qwen3VLMoeTextDecoderLayer`` rule)."""
+    return (layer_id not in cfg.mlp_only_layers and cfg.num_experts > 0
+            and (layer_id + 1) % cfg.decoder_sparse_step == 0)
+
+
+class Qwen3VLMoeLanguageModel(Qwen3VLLanguageModel):
+    """The Qwen3-VL-MoE text decoder: :class:`~epdserve.models.qwen3_vl_lm.Qwen3VLLanguageModel` (attention, q/k
+    norms, interleaved M-RoPE, DeepStack, paged KV, same interface) whose sparse layers (:func:`is_sparse_layer`)
+    carry a :class:`SparseMoeBlock` as ``mlp``; the other layers keep the dense MLP of ``intermediate_size``.
+
+    ``load_weights`` takes Qwen3-VL's names plus ``layers.N.mlp.gate.weight`` ``[E, hidden]`` and the fused
+    ``layers.N.mlp.experts.gate_up_proj`` / ``down_proj`` in either layout of :meth:`Experts.load_shard`.
+
+    Raises:
+        ValueError: heads, KV heads, the intermediate or the experts' intermediate size cannot be split over
+            ``tp.size`` ranks.
+    """
+
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend | None = None, tp: TPGroup | None = None):
+        super().__init__(cfg, attn, tp)
+        tp = tp or TPGroup.single()
+        for i, layer in enumerate(self.layers):
+            if is_sparse_layer(cfg, i):
+                layer.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                           cfg.moe_intermediate_size, tp)
