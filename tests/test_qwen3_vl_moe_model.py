@@ -165,3 +165,34 @@ def test_text_greedy_matches_transformers(tiny_moe_path):
         ref = hf.generate(input_ids=ids, max_new_tokens=steps, do_sample=False)[0, ids.shape[1]:].tolist()
     torch.testing.assert_close(first, ref_logits, atol=1e-4, rtol=1e-4)
     assert tokens[:len(ref)] == ref
+
+
+@pytest.mark.parametrize("photos", [["chelsea"], ["chelsea", "coffee"]])
+def test_photo_greedy_matches_transformers(tiny_moe_path, photo_paths, photos):
+    """Our encoder (the MoE checkpoint's Qwen3-VL tower, DeepStack levels) feeds our MoE LM; the greedy tokens
+    equal transformers' ``generate()``."""
+    import test_qwen3_vl_model as dense
+    from test_model_runtime import Pages
+
+    from epdserve.encoder.vision import VisionEncoder
+    from epdserve.engine.model_runner import ModelRunner
+    from epdserve.models.config import ModelConfig
+
+    hf = dense.HF3.__new__(dense.HF3)  # the dense test's prompt/seq helpers over the MoE model
+    hf.path, hf.cfg = tiny_moe_path, ModelConfig.load(tiny_moe_path)
+    hf.model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_path,
+                                                                               dtype=torch.float32).eval()
+    hf.processor = transformers.AutoProcessor.from_pretrained(tiny_moe_path)
+    paths = [photo_paths[p] for p in photos]
+    inputs = hf.prompt(paths)
+    n, steps, page_size = inputs["input_ids"].shape[1], 9, 16
+    runner = ModelRunner(tiny_moe_path, device=torch.device("cpu"), dtype=torch.float32, num_pages=256,
+                         page_size=page_size, attention_backend="sdpa")
+    features = dense.ours(VisionEncoder(tiny_moe_path, "cpu", "float32"), paths)
+    seq = hf.seq(inputs, Pages(256, seed=3).take(-(-(n + steps) // page_size)), page_size, features)
+    first, tokens = dense.greedy(runner, seq, steps)
+    with torch.no_grad():
+        ref_logits = hf.model(**inputs).logits[0, -1]
+        ref = hf.model.generate(**inputs, max_new_tokens=steps, do_sample=False)[0, n:].tolist()
+    torch.testing.assert_close(first, ref_logits, atol=1e-4, rtol=1e-4)
+    assert tokens[:len(ref)] == ref
