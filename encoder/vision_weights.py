@@ -17,7 +17,7 @@ def vision_class(model_type: str) -> type:
     """transformers' vision tower class of ``model_type``.
 
     Raises:
-        ValueError: not ``qwen2_5_vl``, ``qwen2_vl``, ``qwen3_vl`` or ``qwen3_5``.
+        ValueError: not ``qwen2_5_vl``, ``qwen2_vl``, ``qwen3_vl``, ``qwen3_vl_moe`` or ``qwen3_5``.
     """
     if model_type == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
@@ -31,12 +31,16 @@ def vision_class(model_type: str) -> type:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
         return Qwen3VLVisionModel
+    if model_type == "qwen3_vl_moe":  # the MoE LM's tower: Qwen3-VL's, DeepStack included
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+        return Qwen3VLMoeVisionModel
     if model_type == "qwen3_5":  # Qwen3-VL's tower without the DeepStack mergers
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
         return Qwen3_5VisionModel
-    raise ValueError(f"unsupported model_type {model_type!r}; expected 'qwen2_5_vl', 'qwen2_vl', 'qwen3_vl' or "
-                     "'qwen3_5'")
+    raise ValueError(f"unsupported model_type {model_type!r}; expected 'qwen2_5_vl', 'qwen2_vl', 'qwen3_vl', "
+                     "'qwen3_vl_moe' or 'qwen3_5'")
 
 
 def _safetensors_files(model_path: Path) -> list[Path]:

@@ -8,21 +8,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5")
+SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
 
 # What transformers' config classes assume when a key is absent. Qwen3-VL (``Qwen3VLTextConfig``) has an explicit
 # ``head_dim`` defaulting to 128 and ``mrope_section`` [24, 20, 20] (``Qwen3VLTextRotaryEmbedding``); Qwen2-VL and
 # Qwen2.5-VL derive head_dim from hidden / heads and default to [16, 24, 24].
 # Qwen3.5 (``Qwen3_5TextConfig``, ``Qwen3_5TextRotaryEmbedding``): head_dim 256, [11, 11, 10] over the rotary quarter
 # of head_dim (``partial_rotary_factor`` 0.25), no DeepStack.
-_DEFAULT_MROPE_SECTION = {"qwen3_vl": (24, 20, 20), "qwen3_5": (11, 11, 10)}
-_DEFAULT_HEAD_DIM = {"qwen3_vl": 128, "qwen3_5": 256}
-_DEFAULT_ROPE_THETA = {"qwen3_vl": 500000.0, "qwen3_5": 10000000.0}
-_DEFAULT_DEEPSTACK = {"qwen3_vl": (8, 16, 24)}  # Qwen3VLVisionConfig.deepstack_visual_indexes
+# Qwen3-VL-MoE (``Qwen3VLMoeTextConfig``) shares Qwen3-VL's attention, RoPE and vision defaults.
+_DEFAULT_MROPE_SECTION = {"qwen3_vl": (24, 20, 20), "qwen3_vl_moe": (24, 20, 20), "qwen3_5": (11, 11, 10)}
+_DEFAULT_HEAD_DIM = {"qwen3_vl": 128, "qwen3_vl_moe": 128, "qwen3_5": 256}
+_DEFAULT_ROPE_THETA = {"qwen3_vl": 500000.0, "qwen3_vl_moe": 500000.0, "qwen3_5": 10000000.0}
+# Qwen3VLVisionConfig.deepstack_visual_indexes (and Qwen3VLMoeVisionConfig's)
+_DEFAULT_DEEPSTACK = {"qwen3_vl": (8, 16, 24), "qwen3_vl_moe": (8, 16, 24)}
 _DEFAULT_PARTIAL_ROTARY = {"qwen3_5": 0.25}
 # transformers' Qwen3VLTextRotaryEmbedding (and Qwen3_5TextRotaryEmbedding) always interleaves (the checkpoints'
 # ``mrope_interleaved: true`` is informative only); Qwen2/2.5-VL never do.
-_INTERLEAVED_MROPE = ("qwen3_vl", "qwen3_5")
+_INTERLEAVED_MROPE = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")
 # Qwen3_5TextConfig's defaults for the Gated DeltaNet (linear-attention) layers.
 _LINEAR_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                     "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
@@ -89,6 +91,12 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # Qwen3-VL-MoE (Qwen3VLMoeTextConfig; 0 experts: a dense model): see epdserve.models.qwen3_vl_moe_lm.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def is_hybrid(self) -> bool:
@@ -206,6 +214,7 @@ class ModelConfig:
                 "deepstack_visual_indexes", _DEFAULT_DEEPSTACK.get(model_type, ())) or ()),
             rotary_dim=rotary_dim,
             **hybrid,
+            **_moe_fields(model_type, get),
         )
 
 
@@ -227,6 +236,19 @@ def _rope_fields(model_type: str, get, head_dim: int) -> tuple[tuple[int, int, i
         raise ValueError(f"mrope_section {list(section)} must have 3 parts summing to rotary_dim/2 = "
                          f"{rotary_dim // 2}")
     return section, theta, rotary_dim  # type: ignore[return-value]
+
+
+def _moe_fields(model_type: str, get) -> dict[str, Any]:
+    """The routed-expert sizes of a Qwen3-VL-MoE text config with ``Qwen3VLMoeTextConfig``'s defaults (60 experts,
+    top-4, 1408, sparse step 1, no MLP-only layers); ``{}`` for other models. The expert count is ``num_experts``
+    in the released configs and ``num_local_experts`` in what transformers 5 writes (its ``attribute_map``)."""
+    if model_type != "qwen3_vl_moe":
+        return {}
+    experts = get("num_experts", get("num_local_experts", 60))
+    return {"num_experts": int(experts), "num_experts_per_tok": int(get("num_experts_per_tok", 4)),
+            "moe_intermediate_size": int(get("moe_intermediate_size", 1408)),
+            "decoder_sparse_step": int(get("decoder_sparse_step", 1)),
+            "mlp_only_layers": tuple(int(i) for i in get("mlp_only_layers", ()) or ())}
 
 
 def _hybrid_fields(model_type: str, get, num_layers: int) -> dict[str, Any]:
