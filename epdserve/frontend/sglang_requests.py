@@ -15,19 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+import torch
 
 from epdserve.frontend.errors import APIError
+from epdserve.frontend.grpc_tensor import InvalidRequest, decode_tensor
 from epdserve.frontend.image_slots import image_slots
 from epdserve.frontend.prompt import EncodedImage
 from epdserve.frontend.structured import checked, generate_grammar
 from epdserve.wire.messages import (
     DecodeRequest, GrammarSpec, ImageSpan, PrefillRequest, SamplingParams, input_ids_digest,
 )
-
-
-class InvalidRequest(ValueError):
-    """A request the worker refuses: gRPC INVALID_ARGUMENT with this message."""
 
 
 @dataclass
@@ -54,20 +51,13 @@ class GrpcLeg:
     rooms: list[EncodeRoom] = field(default_factory=list)
 
 
-def _tensor(t: Any, what: str) -> np.ndarray:
-    """A proto ``TensorData`` (raw little-endian bytes, shape, dtype name) as an array.
+def _tensor(t: Any, what: str) -> torch.Tensor:
+    """A proto ``TensorData`` (raw little-endian bytes in ``data``, shape, dtype name) as a tensor.
 
     Raises:
         InvalidRequest: an unknown dtype, or bytes that do not fill the shape.
     """
-    dtypes = {"float32": np.float32, "int64": np.int64, "uint32": np.uint32, "int32": np.int32}
-    if t.dtype not in dtypes:
-        raise InvalidRequest(f"{what} has dtype {t.dtype!r}; expected one of {sorted(dtypes)}")
-    arr = np.frombuffer(t.data, dtype=np.dtype(dtypes[t.dtype]).newbyteorder("<"))
-    shape = list(t.shape)
-    if int(np.prod(shape)) != arr.size:
-        raise InvalidRequest(f"{what} carries {arr.size} values for shape {shape}")
-    return arr.reshape(shape)
+    return decode_tensor(t.data, t.shape, t.dtype, what)
 
 
 async def sampling_params(sp: Any, prompt_len: int, context_length: int, vocab_size: int,

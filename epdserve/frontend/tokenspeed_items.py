@@ -16,13 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from epdserve.frontend.sglang_requests import InvalidRequest
+from epdserve.frontend.grpc_tensor import InvalidRequest, decode_tensor
 
-_FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_INTS = {"int64": np.int64, "int32": np.int32, "uint32": np.uint32}
 _IMAGE, _UNSPECIFIED = 1, 0  # smg.grpc.common.Modality: MODALITY_UNSPECIFIED = 0, IMAGE = 1
 
 
@@ -37,16 +34,7 @@ def tensor_from_proto(t: Any, what: str) -> torch.Tensor:
     if t.WhichOneof("payload") not in ("inline", None):
         raise InvalidRequest(f"{what} arrived as a {t.WhichOneof('payload')} handle; this worker takes inline "
                              "tensors only (run smg with SMG_MM_TENSOR_TRANSPORT=inline, its default)")
-    shape, data = [int(d) for d in t.shape], t.inline
-    if t.dtype in _FLOATS:
-        out = torch.frombuffer(bytearray(data), dtype=_FLOATS[t.dtype]) if data else torch.empty(0)
-    elif t.dtype in _INTS:
-        out = torch.from_numpy(np.frombuffer(data, dtype=np.dtype(_INTS[t.dtype]).newbyteorder("<")).astype(np.int64))
-    else:
-        raise InvalidRequest(f"{what} has dtype {t.dtype!r}; expected one of {sorted(_FLOATS | _INTS)}")
-    if out.numel() != int(np.prod(shape)):
-        raise InvalidRequest(f"{what} carries {out.numel()} values for shape {shape}")
-    return out.reshape(shape)
+    return decode_tensor(t.inline, t.shape, t.dtype, what)
 
 
 @dataclass
