@@ -224,14 +224,15 @@ class EncodeBatcher:
         except Exception as e:  # each waiting request logs and reports it
             _fail(batch, e)
             return
-        self._tower_s = _ema(self._tower_s, loop.time() - tower_started)
+        tower_s = loop.time() - tower_started
+        self._tower_s = _ema(self._tower_s, tower_s)
         for item, out in zip(batch, outs):
             if not item.future.done():
                 item.future.set_result(out)
         if self._metrics is not None:
-            self._metrics.device_busy.inc(loop.time() - tower_started)  # the tower call returns its results
+            self._metrics.device_busy.inc(tower_s)  # the tower call returns its results: its wall time is the GPU's
             self._metrics.on_batch([started - item.arrival for item in batch], sum(item.patches for item in batch),
-                                   prep_s + loop.time() - tower_started,
+                                   prep_s + tower_s,
                                    video=getattr(batch[0].encoder, "is_video", False))
 
     async def aclose(self) -> None:

@@ -120,25 +120,25 @@ def start_for(gpus: dict[str, list[int]], enabled: bool, control: str = CONTROL
         ``(daemon or None, extra environment by process name)``: the daemon to :meth:`MpsDaemon.stop` after the
         stages, and the variables to add to each process on a shared GPU (empty where MPS is not used).
     """
-    on_shared = {name for name, used in gpus.items() if set(used) & shared(gpus)}
+    common = shared(gpus)
+    on_shared = {name for name, used in gpus.items() if set(used) & common}
     if not enabled or not on_shared:
         return None, {}
+    where = _names(common)
     spanning = sorted(name for name in on_shared if len(gpus[name]) > 1)
     if spanning:
         log.info("CUDA MPS off: %s spans several GPUs (tensor parallelism) and shares one with another stage; "
-                 "the stages time-slice GPU %s", ", ".join(spanning), _names(shared(gpus)))
+                 "the stages time-slice GPU %s", ", ".join(spanning), where)
         return None, {}
-    if running_elsewhere() is not None:
-        log.info("CUDA MPS: stages on GPU %s join the MPS daemon at %s", _names(shared(gpus)), running_elsewhere())
+    if (pipe := running_elsewhere()) is not None:
+        log.info("CUDA MPS: stages on GPU %s join the MPS daemon at %s", where, pipe)
         return None, {}
     try:
         daemon = MpsDaemon.start(control)
     except OSError as e:
-        log.warning("CUDA MPS off (%s): the stages on GPU %s time-slice it; --no-mps silences this",
-                    e, _names(shared(gpus)))
+        log.warning("CUDA MPS off (%s): the stages on GPU %s time-slice it; --no-mps silences this", e, where)
         return None, {}
-    log.info("CUDA MPS on for GPU %s (%s share it; --no-mps: time-slicing)", _names(shared(gpus)),
-             ", ".join(sorted(on_shared)))
+    log.info("CUDA MPS on for GPU %s (%s share it; --no-mps: time-slicing)", where, ", ".join(sorted(on_shared)))
     return daemon, {name: daemon.env for name in on_shared}
 
 

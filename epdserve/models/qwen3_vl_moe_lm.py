@@ -105,7 +105,8 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router (``gate.weight`` ``[E, hidden]``, replicated) plus :class:`Experts`: ``[T, hidden]`` ->
-    ``[T, hidden]``, all-reduced over the TP group.
+    ``[T, hidden]``, all-reduced over the TP group. No fused CUDA kernel yet: ``use_fused_ops`` leaves it on the
+    torch path everywhere.
 
     Raises:
         ValueError: ``moe_intermediate_size`` cannot be split over ``tp.size`` ranks.
@@ -116,7 +117,6 @@ class SparseMoeBlock(nn.Module):
         self.tp, self.top_k = tp, top_k
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden_size, moe_intermediate_size, tp)
-        self.fused = False  # no fused CUDA kernel yet: the torch path runs everywhere
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``."""
