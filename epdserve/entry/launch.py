@@ -45,9 +45,7 @@ def _commands(cfg: LaunchConfig, model_path: str) -> tuple[dict[str, list[str]],
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())
     exe = [sys.executable, "-m", "epdserve", "--log-level", level, "--log-format", active_format()]
     # GPU placement: the encoders on one GPU, each LM server's TP ranks on consecutive GPUs from its base.
-    encoder_device = cfg.device
-    if cfg.device in ("cuda", "auto") and _has_cuda():
-        encoder_device = f"cuda:{cfg.encoder_gpu}"
+    encoder_device = f"cuda:{cfg.encoder_gpu}" if _on_gpus(cfg) else cfg.device
     commands = {f"encoder{i}": [*exe, "encoder", *common[:2], "--device", encoder_device, "--dtype", cfg.dtype,
                                 "--port", addr.rsplit(":", 1)[1], "--metrics-port", str(metrics_ports[f"encoder{i}"]),
                                 "--cuda-graphs", str(cfg.encoder_cuda_graphs),
@@ -85,6 +83,12 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _on_gpus(cfg: LaunchConfig) -> bool:
+    """Whether the stages go on GPUs by the placement flags (``--encoder-gpu``, the TP bases): a ``cuda`` or
+    ``auto`` device on a machine with CUDA."""
+    return cfg.device in ("cuda", "auto") and _has_cuda()
 
 
 def _gateway_ready(url: str, num_encoders: int) -> bool:
@@ -143,7 +147,7 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
         signal.signal(sig, lambda *_: stopping.append(True))
     daemon, mps_env = None, {}
     try:
-        if cfg.device in ("cuda", "auto") and _has_cuda():
+        if _on_gpus(cfg):
             gpus = mps.stage_gpus(cfg.num_encoders, cfg.encoder_gpu, (cfg.prefill_base_gpu, cfg.prefill_tp),
                                   (cfg.decode_base_gpu, cfg.decode_tp))
             daemon, mps_env = mps.start_for(gpus, cfg.mps)
