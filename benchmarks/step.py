@@ -27,7 +27,8 @@ import time
 import torch
 
 from epdserve.engine.forward_batch import ForwardBatch
-from epdserve.engine.model_runner import ModelRunner, startup_summary
+from epdserve.engine.model_runner import ModelRunner
+from epdserve.logging_setup import startup_summary
 from epdserve.models.mrope import decode_positions
 
 

@@ -28,7 +28,7 @@ from epdserve.engine.grammar import GrammarCompiler
 from epdserve.engine.server import StageServer, kv_shared, register_kv_engine, serve_with_front, start_kv_engine
 from epdserve.wire.messages import AbortRequest, DecodeRequest, KVTransfer, ServerInfo, TokenOutputBatch
 from epdserve.metrics import DecodeMetrics
-from epdserve.engine.model_runner import startup_summary
+from epdserve.logging_setup import startup_summary
 from epdserve.engine.runner_setup import runner_from_config
 
 log = logging.getLogger("epdserve.decode")

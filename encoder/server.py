@@ -41,8 +41,7 @@ from epdserve.encoder.outbox import EmbeddingOutbox
 from epdserve.encoder.pusher import EmbeddingPusher
 from epdserve.encoder.video import VideoJob, decode_video
 from epdserve.encoder.vision import ImageDecodeError, VisionEncoder
-from epdserve.engine.model_runner import startup_summary
-from epdserve.logging_setup import request_context
+from epdserve.logging_setup import request_context, startup_summary
 from epdserve.encoder.metrics import EncoderMetrics
 from epdserve.metrics import start_metrics_server
 from epdserve.models.paths import resolve_model_path

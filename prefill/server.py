@@ -30,7 +30,7 @@ from epdserve.wire.device_share import take_embeddings
 from epdserve.prefill.embed_gate import EmbeddingGate
 from epdserve.wire.messages import AbortRequest, ImageEmbeddings, KVAck, KVRegister, PrefillRequest, ServerInfo
 from epdserve.metrics import PrefillMetrics
-from epdserve.engine.model_runner import startup_summary
+from epdserve.logging_setup import startup_summary
 from epdserve.engine.runner_setup import runner_from_config
 from epdserve.prefill.replies import PrefillReplies
 from epdserve.prefill.scheduler import PrefillScheduler

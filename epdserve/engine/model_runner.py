@@ -352,13 +352,6 @@ class ModelRunner:
                                       state_slots=[self.state_pool.scratch_slot] * len(q_lens)))
 
 
-def startup_summary(startup_s: dict[str, float]) -> str:
-    """``"started in 41.2 s (weights 12.0 s, graphs 21.1 s, warm-up 8.1 s)"`` from a runner's
-    :attr:`ModelRunner.startup_s` (seconds per part, in the order they ran)."""
-    parts = ", ".join(f"{name} {sec:.1f} s" for name, sec in startup_s.items())
-    return f"started in {sum(startup_s.values()):.1f} s ({parts})"
-
-
 def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
                  share_kv: bool = False) -> ModelRunner:
     """Build and warm up TP rank ``tp.rank``'s model runner of a prefill or decode server from its
