@@ -183,9 +183,12 @@ def test_bf16_prefill_graphs_equal_eager_extends(small35):
     """One request's extends replayed from prefill CUDA graphs (its rows padded up to the captured size, the
     DeltaNet layers on fla's fixed-length kernels with the padding's gates zeroed) against the eager varlen
     kernels: each prompt prefilled in two extends (a fresh one cut at a page boundary, as the prefill server cuts
-    a hybrid prompt for its state snapshot, then a continued one), then greedy decode steps. The logits must agree
-    to well within the model's logit scale and the greedy tokens must be equal; a wrong final state (padding
-    leaking into it, a wrong conv window or slot) would move both."""
+    a hybrid prompt for its state snapshot, then a continued one), then decode steps teacher-forced on the eager
+    run's greedy tokens (free-running, one bf16 near-tie of the random checkpoint sends the two runs down different
+    token paths, as it did on an H200). Every step's logits must agree to well within the model's logit scale, and
+    the greedy tokens must be equal unless eager's own top-two margin is within twice that step's difference (a
+    near-tie); a wrong final state (padding leaking into it, a wrong conv window or slot) moves the logits by
+    O(scale)."""
     steps = 8
     kw = dict(device=torch.device("cuda"), dtype=torch.bfloat16, num_pages=512, page_size=PAGE, num_state_slots=4)
     eager = ModelRunner(small35, **kw)
@@ -193,22 +196,33 @@ def test_bf16_prefill_graphs_equal_eager_extends(small35):
     assert eager.prefill_graphs is None and graphed.prefill_graphs is not None
     for ids in _prompts(eager.config.vocab_size):
         cut = max(1, (len(ids) - 1) // PAGE * PAGE)
-        runs = []
+        runs, fed = [], []
         for runner in (eager, graphed):
             req = _Req(runner, ids, Pages(runner.num_pages), steps)
             try:
                 logits = [_forward(runner, [req], [req.seq.extend_part(n)], False) for n in (cut, len(ids))
                           if n > req.seq.cached]
-                for _ in range(steps):
-                    logits.append(_forward(runner, [req], [req.seq.decode_part(int(logits[-1].argmax()))], True))
+                for step in range(steps):
+                    if runner is eager:
+                        fed.append(int(logits[-1].argmax()))
+                    logits.append(_forward(runner, [req], [req.seq.decode_part(fed[step])], True))
             finally:
                 req.close()
             runs.append(logits)
         scale = max(float(w.abs().max()) for w in runs[0])
-        err = max(float((w - g).abs().max()) for w, g in zip(*runs))
-        print(f"{len(ids)} tokens: max |graph - eager logit| {err:.4g} (logit scale {scale:.3g})")
-        assert err <= 0.02 * scale, f"{len(ids)}-token prompt: logits differ by {err:.4g} (scale {scale:.3g})"
-        assert [int(x.argmax()) for x in runs[1]] == [int(x.argmax()) for x in runs[0]]
+        errs = [float((w - g).abs().max()) for w, g in zip(*runs)]
+        near_ties = 0
+        for step, (w, g, err) in enumerate(zip(*runs, errs)):
+            assert err <= 0.02 * scale, f"{len(ids)}-token prompt, step {step}: logits differ by {err:.4g} " \
+                                        f"(scale {scale:.3g})"
+            if int(g.argmax()) != int(w.argmax()):
+                top2 = w[0].topk(2).values
+                margin = float(top2[0] - top2[1])
+                assert margin <= 2 * err, f"{len(ids)}-token prompt, step {step}: greedy differs at margin " \
+                                          f"{margin:.3g} > 2 x {err:.3g}"
+                near_ties += 1
+        print(f"{len(ids)} tokens: max |graph - eager logit| {max(errs):.4g} (logit scale {scale:.3g}) over "
+              f"{len(errs)} forwards; greedy differs at {near_ties} near-ties")
 
 
 @pytest.mark.gpu

@@ -122,12 +122,18 @@ class Qwen3VLLanguageModel(Qwen2VLLanguageModel):
         x = self._embed(batch)
         rope = self._rope(batch, x)
         residual = None
+        # A prefill folds the residual in after each DeepStack layer whether or not it has image rows: a prefill
+        # CUDA graph always carries the (aligned, maybe all-False) image rows and so always folds, and a text-only
+        # prompt must round the same run eagerly, so its tokens do not depend on which path ran it.
+        folds = 0 if batch.is_decode else max(len(deepstack), self.config.num_deepstack_layers)
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, self.attn)
-            if i < len(deepstack):
+            if i < folds:
                 # The layer's output is x + residual; fold it into one tensor so the features add to the sum,
                 # then let the next layer start as the first one does (residual None).
-                x, residual = add_deepstack(x + residual, batch.mm_mask, deepstack[i], rows), None
+                x, residual = x + residual, None
+                if i < len(deepstack):
+                    x = add_deepstack(x, batch.mm_mask, deepstack[i], rows)
         return self._logits(batch, x, residual, out)
 
     def _split_columns(self, batch: ForwardBatch) -> ForwardBatch:
