@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from epdserve.frontend.sglang_requests import InvalidRequest, build_leg, image_spans, sampling_params
+from epdserve.frontend.scheduler_requests import InvalidRequest, build_leg, image_spans, sampling_params
 
 _proto = pytest.importorskip("smg_grpc_proto")  # its generated modules load as attributes
 pb = _proto.sglang_scheduler_pb2

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from epdserve.frontend.image_slots import image_slots
 from epdserve.frontend.media import MediaPolicy
 from epdserve.frontend.prompt import PromptBuilder, to_hf_messages
-from epdserve.frontend.protocol import ChatCompletionRequest
+from epdserve.frontend.openai.protocol import ChatCompletionRequest
 from epdserve.frontend.request_media import fetch_media
 from epdserve.hashing import video_key
 from epdserve.models.mrope import mrope_positions

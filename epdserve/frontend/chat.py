@@ -22,19 +22,19 @@ import httpx
 
 from epdserve.frontend.choices import Choices, check_n, collect_choices, prepend
 from epdserve.frontend.detokenizer import IncrementalDetokenizer, special_ids
-from epdserve.frontend.logprobs import TokenBytes, logprob_content
+from epdserve.frontend.openai.logprobs import TokenBytes, logprob_content
 from epdserve.frontend.image_slots import image_slots
 from epdserve.frontend.media import MediaPolicy, run_cpu_bound
 from epdserve.frontend.prompt import EncodedImage, Prompt, PromptBuilder, PromptError, VideoInput, to_hf_messages
 from epdserve.frontend.request_media import check_encoded, fetch_media
 from epdserve.frontend.errors import APIError, GenerationFailed, StageError
-from epdserve.frontend.protocol import (
+from epdserve.frontend.openai.protocol import (
     AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChoiceLogprobs,
     ChunkChoice, Delta, GenerateRequest, Usage,
 )
 from epdserve.frontend.stages import Stages
 from epdserve.frontend.structured import chat_grammar, generate_grammar
-from epdserve.frontend.tools import ToolPlan, ToolStream, finish_reason, tool_message, tool_plan
+from epdserve.frontend.openai.tools import ToolPlan, ToolStream, finish_reason, tool_message, tool_plan
 from epdserve.wire.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenLogprob, TokenOutput
 from epdserve.metrics import GatewayMetrics, RequestTrace
 from epdserve.video import VideoLimits
@@ -54,7 +54,7 @@ class PreparedChat:
     deadline: float | None = None  # time.monotonic() value after which the request ends with 504
     # (first output, the rest) of a request whose outputs began before its answer did (ChatService.prime)
     head: tuple[TokenOutput, AsyncIterator[TokenOutput]] | None = None
-    tools: ToolPlan | None = None  # the request's tools (epdserve.frontend.tools); None: none
+    tools: ToolPlan | None = None  # the request's tools (epdserve.frontend.openai.tools); None: none
     choices: Choices | None = None  # its choices' outputs so far, once they are read (ChatService.outputs)
 
 
@@ -255,7 +255,7 @@ class ChatService:
         """``chat``'s outputs as ``(text delta, output)``, up to the one with a finish reason (cut at a stop
         string), each recorded in the request's trace; the trace is finished once that last one has been taken.
         A request left early (client gone, stop string) is aborted by its lifetime. The one loop over a request's
-        outputs behind every answer shape (:meth:`complete`, :meth:`stream`, ``epdserve.frontend.generate``).
+        outputs behind every answer shape (:meth:`complete`, :meth:`stream`, ``epdserve.frontend.native.generate``).
 
         Raises:
             GenerationFailed: a stage reported an error for the request (500).

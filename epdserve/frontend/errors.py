@@ -3,7 +3,7 @@ client that left (:class:`ClientGone`)."""
 
 from __future__ import annotations
 
-from epdserve.frontend.protocol import ErrorInfo, ErrorResponse
+from epdserve.frontend.openai.protocol import ErrorInfo, ErrorResponse
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",

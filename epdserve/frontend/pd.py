@@ -47,8 +47,8 @@ from epdserve.frontend.errors import APIError
 from epdserve.frontend.httputil import describe_validation_error, first_error_param, server_config, until_disconnect
 from epdserve.frontend.lifetime import RequestLifetime
 from epdserve.frontend.media import MediaPolicy
-from epdserve.frontend.native import native_router
-from epdserve.frontend.openai import openai_router
+from epdserve.frontend.native.routes import native_router
+from epdserve.frontend.openai.routes import openai_router
 from epdserve.frontend.process import die_with_parent
 from epdserve.frontend.prompt import EncodedImage, PromptBuilder, VideoInput
 from epdserve.frontend.scheduler_client import SchedulerClient
@@ -391,9 +391,9 @@ def run_front(role: str, config_cls: type, make_stages: Callable[[Any, Scheduler
                   make_stages(config, scheduler))
     if config.grpc_port:
         if config.grpc_protocol == "tokenspeed":
-            from epdserve.frontend.tokenspeed_grpc import TokenSpeedGrpcServer as GrpcServer
+            from epdserve.frontend.tokenspeed.service import TokenSpeedGrpcServer as GrpcServer
         elif config.grpc_protocol == "sglang":
-            from epdserve.frontend.sglang_grpc import SglangGrpcServer as GrpcServer
+            from epdserve.frontend.sglang.service import SglangGrpcServer as GrpcServer
         else:
             raise SystemExit(f"--grpc-protocol {config.grpc_protocol!r}: expected 'sglang' or 'tokenspeed'")
         front.services.append(GrpcServer(front, config, config.host, config.grpc_port))

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from epdserve.frontend.protocol import ChatMessage, ImagePart, TextPart, VideoPart
+from epdserve.frontend.openai.protocol import ChatMessage, ImagePart, TextPart, VideoPart
 from epdserve.frontend.tool_prompt import hermes_messages, renders_tools
 from epdserve.models.video_layout import VideoLayout, video_mrope_entries
 from epdserve.wire.messages import ImageSpan

@@ -13,7 +13,7 @@ import httpx
 from epdserve.frontend.errors import APIError, StageError
 from epdserve.frontend.media import MediaError, MediaPolicy, load_media, run_cpu_bound
 from epdserve.frontend.prompt import EncodedImage, VideoInput, VideoSlot
-from epdserve.frontend.protocol import MMProcessorKwargs
+from epdserve.frontend.openai.protocol import MMProcessorKwargs
 from epdserve.frontend.video_slots import video_slot
 from epdserve.video import VideoLimits
 

@@ -1,6 +1,6 @@
 """What the two scheduler gRPC protocols smg speaks to a ``grpc://`` prefill or decode worker share: SGLang's
-(``sglang.grpc.scheduler.SglangScheduler``, :mod:`epdserve.frontend.sglang_grpc`) and TokenSpeed's
-(``tokenspeed.grpc.scheduler.TokenSpeedScheduler``, :mod:`epdserve.frontend.tokenspeed_grpc`), both from the
+(``sglang.grpc.scheduler.SglangScheduler``, :mod:`epdserve.frontend.sglang.service`) and TokenSpeed's
+(``tokenspeed.grpc.scheduler.TokenSpeedScheduler``, :mod:`epdserve.frontend.tokenspeed.service`), both from the
 ``smg-grpc-proto`` package.
 
 Their ``Generate`` streams, ``Abort``, ``HealthCheck`` and ``GetTokenizer`` have the same messages (field for field)
@@ -31,7 +31,7 @@ from google.protobuf.struct_pb2 import Struct
 
 from epdserve.frontend.errors import StageError
 from epdserve.frontend.prompt import EncodedImage
-from epdserve.frontend.sglang_requests import GrpcLeg, InvalidRequest, check_encoded
+from epdserve.frontend.scheduler_requests import GrpcLeg, InvalidRequest, check_encoded
 from epdserve.wire.messages import TokenOutput
 
 logger = logging.getLogger("epdserve.front")

@@ -9,7 +9,7 @@ the stages take (``SamplingParams.grammar``), and checked with xgrammar before a
   ``ebnf``.
 
 Two constraints on one request get a 400, as does anything xgrammar rejects (its message). Tool calling's grammar
-(``tool_choice`` required or a named function, a ``structural_tag``) is built by :mod:`epdserve.frontend.tools` and
+(``tool_choice`` required or a named function, a ``structural_tag``) is built by :mod:`epdserve.frontend.openai.tools` and
 checked with :func:`checked` here.
 """
 
@@ -20,7 +20,7 @@ import json
 
 from epdserve.engine.grammar import GrammarError, build_grammar
 from epdserve.frontend.errors import APIError
-from epdserve.frontend.structured_formats import ResponseFormat, StructuredOutputs
+from epdserve.frontend.openai.response_format import ResponseFormat, StructuredOutputs
 from epdserve.wire.messages import GrammarSpec
 
 _ANY_JSON = "$$ANY$$"  # SGLang's json_schema value for any JSON object

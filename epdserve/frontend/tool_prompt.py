@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from epdserve.frontend.tool_calls import END, START
+from epdserve.frontend.openai.tool_calls import END, START
 
 _PROBE = "epdserve_probe_function"
 # Qwen2-VL's template's system prompt when the messages have none.

@@ -7,8 +7,8 @@ Like SGLang's request it carries token ids, never text, and the same sampling fi
 Differences: the prefill↔decode rendezvous is ``kv_bootstrap_info`` (the prefill's bootstrap host, port and room,
 SGLang's ``disaggregated_params``), and an image arrives as a ``MultimodalItem`` without pixels whose embedding
 an encoder of smg's choosing computes; ``encode_bootstrap_info`` names, per item, that encoder's bootstrap host,
-port and room, from which the prefill front pulls it (:mod:`epdserve.frontend.room_client`). The image's span is
-checked against this checkpoint's processor (:mod:`epdserve.frontend.tokenspeed_items`) and hashed by smg's
+port and room, from which the prefill front pulls it (:mod:`epdserve.frontend.tokenspeed.room_client`). The image's span is
+checked against this checkpoint's processor (:mod:`epdserve.frontend.tokenspeed.items`) and hashed by smg's
 content hash, so a repeated image shares radix-cache pages as with epdserve's own gateway.
 """
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from epdserve.frontend.sglang_requests import (EncodeRoom, GrpcLeg, InvalidRequest, check_image_runs, pd_bootstrap,
+from epdserve.frontend.scheduler_requests import (EncodeRoom, GrpcLeg, InvalidRequest, check_image_runs, pd_bootstrap,
                                               prompt_ids, sampling_params)
-from epdserve.frontend.tokenspeed_items import ProcessorLimits, image_item
+from epdserve.frontend.tokenspeed.items import ProcessorLimits, image_item
 from epdserve.wire.messages import DecodeRequest, ImageSpan, PrefillRequest, input_ids_digest
 
 

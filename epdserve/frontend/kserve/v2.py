@@ -1,5 +1,5 @@
 """The Open Inference Protocol (v2, KServe's and Triton's) for a chat model, the way Triton's vLLM backend maps an
-LLM onto tensors; shared by the HTTP routes (:mod:`epdserve.frontend.kserve_http`) and the gRPC service
+LLM onto tensors; shared by the HTTP routes (:mod:`epdserve.frontend.kserve.http`) and the gRPC service
 (``epdserve.gateway.kserve_grpc``).
 
 Inputs (one request, no batch dimension beyond 1):
@@ -42,7 +42,7 @@ import epdserve
 from epdserve.frontend.chat import ChatService, PreparedChat
 from epdserve.frontend.errors import APIError
 from epdserve.frontend.httputil import describe_validation_error
-from epdserve.frontend.protocol import ChatCompletionRequest, GenerateRequest
+from epdserve.frontend.openai.protocol import ChatCompletionRequest, GenerateRequest
 
 INPUTS = {"text_input": "BYTES", "image": "BYTES", "video": "BYTES", "stream": "BOOL",
           "sampling_parameters": "BYTES", "exclude_input_in_output": "BOOL", "return_finish_reason": "BOOL",

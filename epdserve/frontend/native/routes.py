@@ -1,5 +1,5 @@
 """SGLang's native protocol: ``POST /generate`` (text or token ids in, no chat template; answers in
-``epdserve.frontend.generate``), as a router over a server's :class:`~epdserve.frontend.serving.RequestPath`."""
+``epdserve.frontend.native.generate``), as a router over a server's :class:`~epdserve.frontend.serving.RequestPath`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from epdserve.frontend.chat import ChatService
-from epdserve.frontend.generate import generate_events, generate_json
-from epdserve.frontend.openai import no_auth
-from epdserve.frontend.protocol import GenerateRequest
+from epdserve.frontend.native.generate import generate_events, generate_json
+from epdserve.frontend.openai.routes import no_auth
+from epdserve.frontend.openai.protocol import GenerateRequest
 from epdserve.frontend.serving import Call, RequestPath
 
 
@@ -28,7 +28,7 @@ def native_router(path: RequestPath, authorize: Callable = no_auth) -> APIRouter
 
     @router.post("/generate")
     async def generate(request: Request) -> Response:
-        """SGLang's native API: text or token ids in, no chat template (see ``epdserve.frontend.generate``)."""
+        """SGLang's native API: text or token ids in, no chat template (see ``epdserve.frontend.native.generate``)."""
         return await path.serve(request, GenerateRequest, lambda rid, req: generate_call(path.server.chat, rid, req))
 
     return router

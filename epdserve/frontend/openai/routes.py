@@ -10,12 +10,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from epdserve.frontend.chat import ChatService, PreparedChat
-from epdserve.frontend.generate import completion_events, completion_json
-from epdserve.frontend.protocol import (
+from epdserve.frontend.native.generate import completion_events, completion_json
+from epdserve.frontend.openai.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, CompletionRequest, Delta, ModelCard, ModelList,
 )
 from epdserve.frontend.serving import Call, RequestPath
-from epdserve.frontend.tool_protocol import DeltaFunctionCall, DeltaToolCall
+from epdserve.frontend.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall
 
 
 async def no_auth() -> None:

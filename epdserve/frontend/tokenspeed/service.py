@@ -24,11 +24,11 @@ from typing import Any
 
 from epdserve.frontend.grpc_service import GrpcService
 from epdserve.frontend.prompt import EncodedImage
-from epdserve.frontend.room_client import RoomClient
+from epdserve.frontend.tokenspeed.room_client import RoomClient
 from epdserve.frontend.scheduler_grpc import SchedulerServicerBase
-from epdserve.frontend.sglang_requests import GrpcLeg
-from epdserve.frontend.tokenspeed_items import ProcessorLimits
-from epdserve.frontend.tokenspeed_requests import build_leg
+from epdserve.frontend.scheduler_requests import GrpcLeg
+from epdserve.frontend.tokenspeed.items import ProcessorLimits
+from epdserve.frontend.tokenspeed.requests import build_leg
 
 _IMAGE = 1  # smg.grpc.common.Modality.IMAGE
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from epdserve.frontend.chat import ChatService, PreparedChat
 from epdserve.frontend.choices import collect_choices
-from epdserve.frontend.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from epdserve.frontend.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from epdserve.wire.messages import TokenOutput
 
 

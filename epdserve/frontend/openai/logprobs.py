@@ -3,7 +3,7 @@ most likely tokens at its step, from the stages' :class:`~epdserve.wire.messages
 
 from __future__ import annotations
 
-from epdserve.frontend.protocol import TokenLogprobInfo, TopLogprob
+from epdserve.frontend.openai.protocol import TokenLogprobInfo, TopLogprob
 from epdserve.wire.messages import TokenLogprob
 
 

@@ -5,7 +5,7 @@ SDK send fields like ``user``), but fields that would change the answer and are 
 ``repetition_penalty``, ``min_p``; ``logprobs`` outside chat completions) are rejected by each request's
 ``unsupported()`` rather than silently dropped. Extensions shared with vLLM/SGLang: ``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``return_token_ids``, ``structured_outputs`` (see :mod:`epdserve.frontend.structured`).
-Tool calling: :mod:`epdserve.frontend.tool_protocol` and :mod:`epdserve.frontend.tools`.
+Tool calling: :mod:`epdserve.frontend.openai.tool_protocol` and :mod:`epdserve.frontend.openai.tools`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from epdserve.frontend.structured_formats import ResponseFormat, StructuredOutputs
-from epdserve.frontend.tool_protocol import DeltaToolCall, HistoryToolCall, Tool, ToolCall, ToolChoice
+from epdserve.frontend.openai.response_format import ResponseFormat, StructuredOutputs
+from epdserve.frontend.openai.tool_protocol import DeltaToolCall, HistoryToolCall, Tool, ToolCall, ToolChoice
 
 
 def _is_none(value: object) -> bool:
@@ -147,7 +147,7 @@ class ChatCompletionRequest(BaseModel):
     logit_bias: _LogitBias = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    tools: list[Tool] | None = None  # see epdserve.frontend.tools
+    tools: list[Tool] | None = None  # see epdserve.frontend.openai.tools
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
     mm_processor_kwargs: MMProcessorKwargs | None = None
