@@ -1,7 +1,7 @@
 """The gateway: the OpenAI-compatible HTTP server in front of one encoder pool, one prefill and one decode server.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
-(:mod:`epdserve.frontend.openai.routes`), ``POST /generate`` (:mod:`epdserve.frontend.native.routes`), the Open Inference Protocol
+(:mod:`epdserve.frontend.openai`), ``POST /generate`` (:mod:`epdserve.frontend.native`), the Open Inference Protocol
 v2 under ``/v2`` (:mod:`epdserve.frontend.kserve.http`; over gRPC on ``--kserve-grpc-port``:
 :mod:`epdserve.gateway.kserve_grpc`), ``GET /health``
 (readiness: 200 once the processor is loaded, prefill and decode have answered and are up, and at least one encoder

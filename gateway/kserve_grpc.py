@@ -71,7 +71,7 @@ def parse_request(req: pb.ModelInferRequest, model: str, rid: str) -> V2Request:
     """A ``ModelInferRequest`` as a validated :class:`V2Request` (request parameters of any type).
 
     Raises:
-        APIError: 404 for another model, 400 for any input problem (:func:`~epdserve.frontend.kserve.parse_v2`).
+        APIError: 404 for another model, 400 for any input problem (:func:`~epdserve.frontend.kserve.v2.parse_v2`).
     """
     check_model(req.model_name, req.model_version, model)
     params = {k: _param(v) for k, v in req.parameters.items()}

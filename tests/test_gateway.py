@@ -25,8 +25,9 @@ import zmq
 from epdserve.config import GatewayConfig
 from epdserve.gateway.app import create_app, server_config
 from epdserve.frontend.media import MediaError, MediaPolicy, decode_data_url, load_image
-from epdserve.frontend.prompt import EncodedImage, PromptBuilder, PromptError, to_hf_messages
+from epdserve.frontend.openai.chat import to_hf_messages
 from epdserve.frontend.openai.protocol import ChatMessage
+from epdserve.frontend.prompt import EncodedImage, PromptBuilder, PromptError
 from epdserve.frontend.errors import StageError
 from epdserve.gateway.stages import GatewayStages as StageClient
 from epdserve.wire.messages import (

@@ -1,4 +1,4 @@
-"""Tool calling's pieces on their own (no server): the incremental hermes parser (epdserve/frontend/tool_calls.py) on
+"""Tool calling's pieces on their own (no server): the incremental hermes parser (epdserve/frontend/openai/tool_calls.py) on
 hand-written model outputs split at every character, the stream's delta shape, the required/named grammar
 (xgrammar structural tag) and the prompt text for chat templates that ignore tools."""
 
@@ -128,7 +128,7 @@ def test_the_required_and_named_grammar_allows_only_blocks_that_follow_the_schem
 def test_templates_without_tools_get_the_text_a_tools_template_writes():
     """The Qwen2-VL/2.5-VL template ignores tools; what epdserve writes into its messages renders as Qwen3-VL's
     template renders tools, calls and results (past the system prompt, which only Qwen2-VL's template adds)."""
-    from epdserve.frontend.prompt import to_hf_messages
+    from epdserve.frontend.openai.chat import to_hf_messages
     from epdserve.frontend.openai.protocol import ChatMessage
     from epdserve.frontend.tool_prompt import DEFAULT_SYSTEM, hermes_messages
     from epdserve.models.checkpoint_parts import CHAT_TEMPLATE, build_tokenizer

@@ -30,9 +30,8 @@ from epdserve.frontend.kserve.v2 import (
     INPUTS, Tensor, V2Output, V2Request, check_model, model_metadata, output_values, parse_v2, prepare, raw_bytes,
     raw_values, server_metadata, v2_collect, v2_stream,
 )
-from epdserve.frontend.openai.routes import no_auth
 from epdserve.frontend import logger
-from epdserve.frontend.serving import Call, RequestPath
+from epdserve.frontend.serving import Call, RequestPath, no_auth
 
 HEADER_LENGTH = "Inference-Header-Content-Length"  # Triton's binary tensor data extension
 

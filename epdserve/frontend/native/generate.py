@@ -1,5 +1,5 @@
-"""Answers of the two prompt-in APIs (no chat template), for a request prepared by ``ChatService.prepare_ids``:
-SGLang's native ``/generate`` and OpenAI's (legacy) ``/v1/completions``.
+"""SGLang's native ``/generate``: its request in the core's terms (a prompt without a chat template, for
+``ChatService.prepare_ids``) and its answers.
 
 Shapes follow SGLang's ``/generate`` (``sglang/srt/entrypoints/http_server.py``): ``{"text", "output_ids",
 "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency"}}``,
@@ -8,13 +8,10 @@ does not report which stop matched) or null while running. Streamed, each SSE ev
 far (SGLang's default, not deltas), then ``data: [DONE]``; a failure once streaming has begun is an OpenAI-style
 ``{"error": {...}}`` event, as on every streamed route.
 
-``/v1/completions`` answers a ``text_completion`` object (OpenAI's shape; ``token_ids``/``prompt_token_ids`` with
-``return_token_ids``, as vLLM), streamed as text deltas with an optional usage event. Both are used by the gateway
-and by the prefill/decode HTTP fronts behind a PD router.
+Used by the gateway and by the prefill/decode HTTP fronts behind a PD router.
 
-``n > 1`` (``sampling_params.n``, ``n``): ``/generate`` answers a list of ``n`` bodies (SGLang's shape), each
-``meta_info`` counting its own choice's tokens; streamed, each event carries its choice's ``index``. The completion
-has ``n`` choices, streamed with their ``index``; its usage sums the choices' completion tokens.
+``n > 1`` (``sampling_params.n``): the answer is a list of ``n`` bodies (SGLang's shape), each ``meta_info``
+counting its own choice's tokens; streamed, each event carries its choice's ``index``.
 """
 
 from __future__ import annotations
@@ -27,8 +24,26 @@ from typing import Any
 
 from epdserve.frontend.chat import ChatService, PreparedChat
 from epdserve.frontend.choices import collect_choices
-from epdserve.frontend.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from epdserve.wire.messages import TokenOutput
+from epdserve.frontend.native.protocol import GenerateRequest
+from epdserve.frontend.request import PromptRequest, bias_pairs
+from epdserve.frontend.structured import generate_grammar
+from epdserve.wire.messages import SamplingParams, TokenOutput
+
+
+async def prompt_request(req: GenerateRequest) -> PromptRequest:
+    """``req`` (its :meth:`~GenerateRequest.unsupported` said None) in the core's terms, its grammar checked.
+
+    Raises:
+        APIError: 400 for more than one constraint, or one xgrammar rejects.
+    """
+    sp = req.sampling_params
+    grammar = await generate_grammar(sp.json_schema, sp.regex, sp.ebnf, req.structured_outputs)
+    sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, stop=sp.stop_list(),
+                              stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos,
+                              seed=sp.sampling_seed, frequency_penalty=sp.frequency_penalty,
+                              presence_penalty=sp.presence_penalty, logit_bias=bias_pairs(sp.logit_bias),
+                              grammar=grammar, n=sp.n)
+    return PromptRequest(sampling, req.text, req.input_ids, sp.max_new_tokens)
 
 
 def _meta_info(service: ChatService, chat: PreparedChat, out: TokenOutput, n_out: int, t0: float) -> dict[str, Any]:
@@ -73,45 +88,5 @@ def generate_events(service: ChatService, chat: PreparedChat) -> AsyncIterator[s
                 if n > 1:
                     body["index"] = i
                 yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    return service.sse(chat, events())
-
-
-async def completion_json(service: ChatService, chat: PreparedChat, req: CompletionRequest) -> dict[str, Any]:
-    """Run ``chat`` to the end; the ``text_completion`` JSON body.
-
-    Raises:
-        APIError: as :meth:`ChatService.outputs`.
-    """
-    async with aclosing(service.outputs(chat)) as outputs:
-        results = await collect_choices(outputs, chat.prefill.sampling.n)
-    rti = req.return_token_ids
-    choices = [CompletionChoice(index=r.index, text=r.text, finish_reason=r.final.finish_reason,
-                                token_ids=r.token_ids if rti else None) for r in results]
-    return CompletionResponse(id=chat.rid, model=service.model_name, choices=choices,
-                              usage=service.usage(chat, results[-1].final, sum(len(r.token_ids) for r in results)),
-                              prompt_token_ids=chat.prompt.input_ids if rti else None).model_dump()
-
-
-def completion_events(service: ChatService, chat: PreparedChat, req: CompletionRequest) -> AsyncIterator[str]:
-    """The streamed ``text_completion`` events of ``chat``: text deltas, the finish, the usage event when
-    ``stream_options.include_usage``, then ``[DONE]``; a failure once streaming has begun becomes an error event
-    (:meth:`ChatService.sse`). Closing it aborts the request."""
-    created, rti = int(time.time()), req.return_token_ids
-
-    def event(choices: list[CompletionChoice], **extra) -> str:
-        body = CompletionResponse(id=chat.rid, created=created, model=service.model_name, choices=choices, **extra)
-        return f"data: {body.model_dump_json()}\n\n"
-
-    async def events() -> AsyncIterator[str]:
-        n_out = 0
-        async with aclosing(service.outputs(chat)) as outputs:
-            async for text, final in outputs:
-                n_out += len(final.token_ids)
-                if text or final.finish_reason is not None or (rti and final.token_ids):
-                    yield event([CompletionChoice(index=final.index, text=text, finish_reason=final.finish_reason,
-                                                  token_ids=final.token_ids if rti else None)])
-        if req.stream_options and req.stream_options.include_usage:
-            yield event([], usage=service.usage(chat, final, n_out))
 
     return service.sse(chat, events())

@@ -25,11 +25,12 @@ from typing import Any
 
 from epdserve.engine.grammar import GrammarError, build_grammar
 from epdserve.frontend.errors import APIError
-from epdserve.frontend.structured import checked
-from epdserve.frontend.openai.tool_calls import END, START, ParsedCall, ToolCallParser, parse_tool_calls
+from epdserve.frontend.openai.tool_calls import ParsedCall, ToolCallParser, parse_tool_calls
 from epdserve.frontend.openai.tool_protocol import (
     DeltaFunctionCall, DeltaToolCall, FunctionCall, FunctionDefinition, NamedToolChoice, Tool, ToolCall,
 )
+from epdserve.frontend.structured import checked
+from epdserve.frontend.tool_prompt import END, START
 from epdserve.wire.messages import MAX_GRAMMAR_CHARS, GrammarSpec
 
 
