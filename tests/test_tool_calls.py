@@ -1,6 +1,7 @@
-"""Tool calling's pieces on their own (no server): the incremental hermes parser (epdserve/frontend/openai/tool_calls.py) on
-hand-written model outputs split at every character, the stream's delta shape, the required/named grammar
-(xgrammar structural tag) and the prompt text for chat templates that ignore tools."""
+"""Tool calling's pieces on their own (no server): the incremental hermes parser
+(epdserve/frontend/openai/tool_calls.py) on hand-written model outputs split at every character, the stream's delta
+shape, the required/named grammar (xgrammar structural tag) and the prompt text for chat templates that ignore
+tools."""
 
 from __future__ import annotations
 

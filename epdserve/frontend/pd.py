@@ -18,10 +18,10 @@ scheduler loop; it talks to the loop over the loop's ZMQ request socket exactly 
 at once and the router moves on.
 
 Routes: the OpenAI and native routers (``/v1/chat/completions``, ``/v1/completions``, ``/generate``,
-``/v1/models``) behind :class:`LegPath`, and :func:`front_router`'s: ``GET /health`` (readiness: 200 once the processor is loaded, the scheduler answered and, on a
-prefill front with ``--encoder-urls``, an encoder serves; else 503 with the reason), ``GET /health/live``,
-``/model_info``, ``/server_info``, ``/loads`` (and SGLang's older names ``/get_model_info``, ``/get_server_info``,
-and ``/v1/loads``).
+``/v1/models``) behind :class:`LegPath`, and :func:`front_router`'s: ``GET /health`` (readiness: 200 once the
+processor is loaded, the scheduler answered and, on a prefill front with ``--encoder-urls``, an encoder serves;
+else 503 with the reason), ``GET /health/live``, ``/model_info``, ``/server_info``, ``/loads`` (and SGLang's older
+names ``/get_model_info``, ``/get_server_info``, and ``/v1/loads``).
 """
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""SGLang's native ``/generate``: its request (:mod:`.protocol`), answers (:mod:`.generate`) and router (:mod:`.routes`)."""
+"""SGLang's native ``/generate``: its request (:mod:`.protocol`), answers (:mod:`.generate`) and router
+(:mod:`.routes`)."""

@@ -7,9 +7,9 @@ Like SGLang's request it carries token ids, never text, and the same sampling fi
 Differences: the prefill↔decode rendezvous is ``kv_bootstrap_info`` (the prefill's bootstrap host, port and room,
 SGLang's ``disaggregated_params``), and an image arrives as a ``MultimodalItem`` without pixels whose embedding
 an encoder of smg's choosing computes; ``encode_bootstrap_info`` names, per item, that encoder's bootstrap host,
-port and room, from which the prefill front pulls it (:mod:`epdserve.frontend.tokenspeed.room_client`). The image's span is
-checked against this checkpoint's processor (:mod:`epdserve.frontend.tokenspeed.items`) and hashed by smg's
-content hash, so a repeated image shares radix-cache pages as with epdserve's own gateway.
+port and room, from which the prefill front pulls it (:mod:`epdserve.frontend.tokenspeed.room_client`). The
+image's span is checked against this checkpoint's processor (:mod:`epdserve.frontend.tokenspeed.items`) and hashed
+by smg's content hash, so a repeated image shares radix-cache pages as with epdserve's own gateway.
 """
 
 from __future__ import annotations
