@@ -5,6 +5,7 @@ flag and the install command and exit code 2 (:mod:`epdserve.entry.extras`), for
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import types
 
@@ -105,3 +106,17 @@ def test_the_server_stops_with_one_line_and_code_2(monkeypatch, capsys, request,
     for extra in extras:
         assert f"'epdserve[{extra}]'" in err, err
     assert "pip install" in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_every_server_imports_without_any_extra():
+    """The base install (no extra) imports every server, the launcher and every protocol package: an optional
+    package loads only when a flag asks for it (a fresh interpreter, where none of them is loaded yet)."""
+    extras = ["smg_grpc_proto", "nixl", "mooncake", "flashinfer", "fla", "openai", "tritonclient"]
+    modules = ["epdserve.entry.cli", "epdserve.entry.launch", "epdserve.gateway.app", "epdserve.encoder.server",
+               "epdserve.prefill.server", "epdserve.decode.server", "epdserve.prefill.http_front",
+               "epdserve.decode.http_front", "epdserve.frontend.sglang.service",
+               "epdserve.frontend.tokenspeed.service", "epdserve.encoder.tokenspeed"]
+    code = (f"import importlib, sys\nsys.modules.update(dict.fromkeys({extras!r}))\n"
+            f"for m in {modules!r}:\n    importlib.import_module(m)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
