@@ -15,7 +15,8 @@ from typing import Any
 
 from epdserve.config import DecodeConfig
 from epdserve.frontend.errors import StageError
-from epdserve.frontend.pd import SchedulerStages, run_front
+from epdserve.entry.front import run_front
+from epdserve.frontend.pd import SchedulerStages
 from epdserve.frontend.prompt import EncodedImage, VideoInput
 from epdserve.wire.messages import DecodeRequest, PrefillRequest
 

@@ -27,8 +27,8 @@ from google.protobuf.struct_pb2 import Struct
 
 from epdserve.encoder.rooms import RoomStore
 from epdserve.encoder.vision import PreparedImages
-from epdserve.frontend.sglang_requests import InvalidRequest
-from epdserve.frontend.tokenspeed_items import ImageItem, ProcessorLimits, image_item, item_pixels
+from epdserve.frontend.grpc_tensor import InvalidRequest
+from epdserve.frontend.tokenspeed.items import ImageItem, ProcessorLimits, image_item, item_pixels
 
 _IMAGE = 1  # smg.grpc.common.Modality.IMAGE
 

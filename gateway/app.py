@@ -2,7 +2,7 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
 (:mod:`epdserve.frontend.openai`), ``POST /generate`` (:mod:`epdserve.frontend.native`), the Open Inference Protocol
-v2 under ``/v2`` (:mod:`epdserve.frontend.kserve_http`; over gRPC on ``--kserve-grpc-port``:
+v2 under ``/v2`` (:mod:`epdserve.frontend.kserve.http`; over gRPC on ``--kserve-grpc-port``:
 :mod:`epdserve.gateway.kserve_grpc`), ``GET /health``
 (readiness: 200 once the processor is loaded, prefill and decode have answered and are up, and at least one encoder
 serves, else 503 with the reason; ``?details=1`` adds a JSON body with every stage's liveness and load, ``&fresh=1``
@@ -29,11 +29,11 @@ from epdserve.frontend.app import create_app as create_server_app
 from epdserve.frontend.chat import PreparedChat
 from epdserve.frontend.errors import APIError, StageError
 from epdserve.frontend.httputil import server_config, until_disconnect
-from epdserve.frontend.kserve_http import v2_router
+from epdserve.frontend.kserve.http import v2_router
 from epdserve.frontend.lifetime import RequestLifetime
-from epdserve.frontend.native import native_router
+from epdserve.frontend.native.routes import native_router
 from epdserve.frontend.observability import RequestIdHeader, metrics_router
-from epdserve.frontend.openai import openai_router
+from epdserve.frontend.openai.routes import openai_router
 from epdserve.frontend.serving import Call, RequestPath
 from epdserve.gateway.kserve_grpc import KServeGrpcServer
 from epdserve.gateway.routes import gateway_router, not_ready

@@ -7,7 +7,7 @@ RPCs: ``ServerLive`` (true while the process answers), ``ServerReady`` and ``Mod
 starts, prefill or decode is down or no encoder serves: what ``/health`` says), ``ServerMetadata``,
 ``ModelMetadata``, ``ModelInfer`` (one whole answer) and ``ModelStreamInfer`` (one response per text delta when
 the request's ``stream`` is true, each with the parameter ``triton_final_response``, true on the last; the
-requests of one stream run concurrently). Tensors: :mod:`epdserve.frontend.kserve`; outputs travel as
+requests of one stream run concurrently). Tensors: :mod:`epdserve.frontend.kserve.v2`; outputs travel as
 ``raw_output_contents``, as Triton sends them. A request's id is its ``id`` field, else the ``x-request-id``
 metadata, else a new one. Errors: a status code (INVALID_ARGUMENT for bad input, NOT_FOUND for another model,
 UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ...); on a stream, a response with ``error_message`` and the
@@ -26,7 +26,7 @@ import grpc
 
 from epdserve.frontend.errors import APIError
 from epdserve.frontend.grpc_service import GrpcService
-from epdserve.frontend.kserve import (
+from epdserve.frontend.kserve.v2 import (
     Tensor, V2Output, V2Request, check_model, model_metadata, output_values, parse_v2, prepare, raw_bytes,
     raw_values, server_metadata, v2_collect, v2_stream,
 )
@@ -71,7 +71,7 @@ def parse_request(req: pb.ModelInferRequest, model: str, rid: str) -> V2Request:
     """A ``ModelInferRequest`` as a validated :class:`V2Request` (request parameters of any type).
 
     Raises:
-        APIError: 404 for another model, 400 for any input problem (:func:`~epdserve.frontend.kserve.parse_v2`).
+        APIError: 404 for another model, 400 for any input problem (:func:`~epdserve.frontend.kserve.v2.parse_v2`).
     """
     check_model(req.model_name, req.model_version, model)
     params = {k: _param(v) for k, v in req.parameters.items()}

@@ -16,7 +16,8 @@ from epdserve.config import PrefillConfig
 from epdserve.frontend.encoder_client import EncoderClient, GrpcEncoderClient, encode_options
 from epdserve.frontend.encoders import EncoderPool, parse_encoder_addrs
 from epdserve.frontend.errors import StageError
-from epdserve.frontend.pd import SchedulerStages, run_front
+from epdserve.entry.front import run_front
+from epdserve.frontend.pd import SchedulerStages
 from epdserve.frontend.prompt import EncodedImage, VideoInput
 from epdserve.frontend.scheduler_client import SchedulerClient
 from epdserve.wire.messages import DecodeRequest, PrefillRequest

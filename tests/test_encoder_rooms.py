@@ -20,9 +20,10 @@ from epdserve.encoder.outbox import EmbeddingOutbox
 from epdserve.encoder.pusher import EmbeddingPusher
 from epdserve.encoder.rooms import RoomServer, RoomStore
 from epdserve.frontend.errors import StageError
-from epdserve.frontend.room_client import RoomClient
-from epdserve.frontend.sglang_requests import EncodeRoom, InvalidRequest
-from epdserve.frontend.tokenspeed_items import ProcessorLimits, image_item, item_pixels, tensor_from_proto
+from epdserve.frontend.grpc_tensor import InvalidRequest
+from epdserve.frontend.scheduler_requests import EncodeRoom
+from epdserve.frontend.tokenspeed.items import ProcessorLimits, image_item, item_pixels, tensor_from_proto
+from epdserve.frontend.tokenspeed.room_client import RoomClient
 from epdserve.wire import messages, room_messages
 from epdserve.wire.codec import WireError
 from epdserve.wire.room_messages import EmbedClaim, EmbedClaimReply

@@ -1,10 +1,11 @@
 """A flag whose optional package is missing stops the server before it loads anything, with one line naming the
-flag and the install command and exit code 2 (:mod:`epdserve.entry.extras`). Absence is simulated by a ``None``
-entry in ``sys.modules`` (what ``import`` then raises ImportError for), so the checks run wherever the packages
-are installed too."""
+flag and the install command and exit code 2 (:mod:`epdserve.entry.extras`), for every extra a server flag needs
+(through ``epdserve <server>`` itself: :data:`STARTS`). Absence is simulated by a ``None`` entry in ``sys.modules``
+(what ``import`` then raises ImportError for), so the checks run wherever the packages are installed too."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import types
 
@@ -68,11 +69,54 @@ def test_nothing_asked_for_needs_nothing(monkeypatch):
         check_extras(config)
 
 
-def test_the_server_stops_with_one_line_and_code_2(monkeypatch, capsys, tiny_model_path):
-    _absent(monkeypatch, "smg_grpc_proto")
-    code = main(["prefill", "--model-path", tiny_model_path, "--device", "cpu", "--grpc-port", "31000",
-                 "--port", "0", "--zmq-port", "0"])
+# One server start per extra: (subcommand and flags, modules made absent, modules made present, the flag the line
+# names, the extras its install command names). MODEL / HYBRID stand for the tiny Qwen2.5-VL / Qwen3.5 checkpoints.
+STARTS = {
+    "smg-grpc": (["prefill", "MODEL", "--grpc-port", "31000"], ["smg_grpc_proto"], [], "--grpc-port",
+                 ["smg-grpc"]),
+    "tokenspeed": (["decode", "MODEL", "--grpc-port", "31000", "--grpc-protocol", "tokenspeed"], ["smg_grpc_proto"],
+                   [], "--grpc-protocol tokenspeed", ["smg-grpc"]),
+    "encoder-rooms": (["encoder", "MODEL", "--bootstrap-port", "31001"], ["smg_grpc_proto"], [], "--bootstrap-port",
+                      ["smg-grpc"]),
+    "nixl": (["prefill", "MODEL", "--kv-transfer", "nixl"], ["nixl", "epdserve.kvcache.engine_nixl"], [],
+             "--kv-transfer nixl", ["nixl"]),
+    "mooncake": (["decode", "MODEL", "--kv-transfer", "mooncake"], ["mooncake", "epdserve.kvcache.engine_mooncake"],
+                 [], "--kv-transfer mooncake", ["mooncake", "mooncake-cpu"]),
+    "launch-nixl": (["launch", "MODEL", "--kv-transfer", "nixl"], ["nixl", "epdserve.kvcache.engine_nixl"], [],
+                    "--kv-transfer nixl", ["nixl"]),
+    "gpu": (["prefill", "MODEL", "--device", "cuda"], ["flashinfer"], [], "--attention-backend", ["gpu"]),
+    "hybrid-gpu": (["decode", "HYBRID", "--device", "cuda"], ["fla"], ["flashinfer"], "Qwen3.5", ["hybrid-gpu"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STARTS))
+def test_the_server_stops_with_one_line_and_code_2(monkeypatch, capsys, request, name):
+    argv, absent, present, flag, extras = STARTS[name]
+    _absent(monkeypatch, *absent)
+    for module in present:
+        _present(monkeypatch, module)
+    paths = {"MODEL": "tiny_model_path", "HYBRID": "tiny_qwen3_5_path"}
+    server, model, *flags = argv
+    lm = ["--port", "0", "--zmq-port", "0"] if server in ("prefill", "decode") else []
+    device = [] if "--device" in flags else ["--device", "cpu"]
+    code = main([server, "--model-path", request.getfixturevalue(paths[model]), *device, *lm, *flags])
     err = capsys.readouterr().err.strip()
-    assert code == 2
-    assert err.startswith("epdserve prefill: --grpc-port") and "pip install 'epdserve[smg-grpc]'" in err, err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert code == 2, err
+    assert err.startswith(f"epdserve {server}: ") and flag in err, err
+    for extra in extras:
+        assert f"'epdserve[{extra}]'" in err, err
+    assert "pip install" in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_every_server_imports_without_any_extra():
+    """The base install (no extra) imports every server, the launcher and every protocol package: an optional
+    package loads only when a flag asks for it (a fresh interpreter, where none of them is loaded yet)."""
+    extras = ["smg_grpc_proto", "nixl", "mooncake", "flashinfer", "fla", "openai", "tritonclient"]
+    modules = ["epdserve.entry.cli", "epdserve.entry.launch", "epdserve.gateway.app", "epdserve.encoder.server",
+               "epdserve.prefill.server", "epdserve.decode.server", "epdserve.prefill.http_front",
+               "epdserve.decode.http_front", "epdserve.frontend.sglang.service",
+               "epdserve.frontend.tokenspeed.service", "epdserve.encoder.tokenspeed"]
+    code = (f"import importlib, sys\nsys.modules.update(dict.fromkeys({extras!r}))\n"
+            f"for m in {modules!r}:\n    importlib.import_module(m)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

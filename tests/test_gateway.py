@@ -25,8 +25,9 @@ import zmq
 from epdserve.config import GatewayConfig
 from epdserve.gateway.app import create_app, server_config
 from epdserve.frontend.media import MediaError, MediaPolicy, decode_data_url, load_image
-from epdserve.frontend.prompt import EncodedImage, PromptBuilder, PromptError, to_hf_messages
-from epdserve.frontend.protocol import ChatMessage
+from epdserve.frontend.openai.chat import to_hf_messages
+from epdserve.frontend.openai.protocol import ChatMessage
+from epdserve.frontend.prompt import EncodedImage, PromptBuilder, PromptError
 from epdserve.frontend.errors import StageError
 from epdserve.gateway.stages import GatewayStages as StageClient
 from epdserve.wire.messages import (
@@ -912,7 +913,7 @@ def test_max_new_tokens_budget(builder):
 
     from epdserve.frontend.chat import ChatService
     from epdserve.frontend.errors import APIError
-    from epdserve.frontend.protocol import ChatCompletionRequest
+    from epdserve.frontend.openai.protocol import ChatCompletionRequest
 
     def budget(default, **kw):
         svc = ChatService(SimpleNamespace(context_length=100), builder, "m", MediaPolicy(max_bytes=1), default)

@@ -1,5 +1,6 @@
 """The code's shape, checked with ``ast`` only: no import cycle between product modules, stages that import no
-other stage, and files and functions short enough to read.
+other stage, a front end whose protocol packages import no other protocol and whose core imports none, and files
+and functions short enough to read.
 
 Product modules are the installed ``epdserve`` package: ``epdserve/`` (shared code) and the stage folders that
 pyproject.toml maps under it (``gateway/``, ``encoder/``, ``prefill/``, ``decode/``), ``proto/`` and
@@ -71,6 +72,25 @@ def _imports(name: str, path: Path) -> Iterator[tuple[str, int]]:
 GRAPH = {name: sorted(set(_imports(name, path))) for name, path in MODULES.items()}
 
 
+def _frontend_names(name: str) -> tuple[str, ...]:
+    """A tuple of names assigned in ``epdserve/frontend/__init__.py`` (``PUBLIC``, ``PROTOCOLS``), read with ast."""
+    tree = ast.parse(MODULES["epdserve.frontend"].read_text())
+    (value,) = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)]
+    return tuple(ast.literal_eval(value))
+
+
+FRONTEND = "epdserve.frontend"
+PROTOCOLS = _frontend_names("PROTOCOLS")
+PUBLIC = _frontend_names("PUBLIC")
+
+
+def _protocol(module: str) -> str | None:
+    """The front-end protocol package ``module`` belongs to (``openai``, ...), or None."""
+    parts = module.split(".")
+    return parts[2] if module.startswith(FRONTEND + ".") and parts[2] in PROTOCOLS else None
+
+
 def _stage(module: str) -> str | None:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[1] in STAGES else None
@@ -139,6 +159,50 @@ def test_stages_import_only_shared_code():
             if other and other != own and not consumer:
                 wrong.append(f"{MODULES[module].relative_to(ROOT)}:{line} imports {target}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_front_end_has_its_protocol_packages_and_public_core():
+    """Guards the front-end checks below against passing on names that no longer exist."""
+    for protocol in PROTOCOLS:
+        assert f"{FRONTEND}.{protocol}" in MODULES, protocol
+        assert any(_protocol(m) == protocol for m in MODULES if m != f"{FRONTEND}.{protocol}"), protocol
+    for name in PUBLIC:
+        assert f"{FRONTEND}.{name}" in MODULES and name not in PROTOCOLS, name
+
+
+def test_protocol_packages_import_only_the_public_core_and_themselves():
+    """A front-end protocol package (``epdserve/frontend/openai/``, ...) imports its own modules and the core's
+    public modules (``PUBLIC`` in ``epdserve/frontend/__init__.py``), never another protocol package or the core's
+    server-side modules; the core imports no protocol package. Composition (which protocols a server serves) is the
+    servers': ``gateway/app.py``, ``epdserve/entry/front.py``."""
+    public = {FRONTEND} | {f"{FRONTEND}.{name}" for name in PUBLIC}
+    wrong = []
+    for module, edges in GRAPH.items():
+        if module != FRONTEND and not module.startswith(FRONTEND + "."):
+            continue
+        own = _protocol(module)
+        for target, line in edges:
+            if not target.startswith(FRONTEND):
+                continue
+            other = _protocol(target)
+            if own is None and other is not None:
+                why = "the core imports a protocol package"
+            elif own is not None and other not in (None, own):
+                why = "a protocol package imports another"
+            elif own is not None and other is None and target not in public:
+                why = "a protocol package imports a core module outside PUBLIC"
+            else:
+                continue
+            wrong.append(f"{MODULES[module].relative_to(ROOT)}:{line} imports {target} ({why})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_package_folder_is_installed():
+    """Each product folder with an ``__init__.py`` is a package pyproject.toml installs (a folder left out of
+    ``packages`` is missing from a wheel, though an editable install still finds it)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    assert packages - listed == set(), sorted(packages - listed)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

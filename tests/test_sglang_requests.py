@@ -7,7 +7,9 @@ import asyncio
 
 import pytest
 
-from epdserve.frontend.sglang_requests import InvalidRequest, build_leg, image_spans, sampling_params
+from epdserve.frontend.grpc_tensor import InvalidRequest
+from epdserve.frontend.scheduler_requests import sampling_params
+from epdserve.frontend.sglang.requests import build_leg, image_spans
 
 _proto = pytest.importorskip("smg_grpc_proto")  # its generated modules load as attributes
 pb = _proto.sglang_scheduler_pb2

@@ -1,6 +1,7 @@
-"""Tool calling's pieces on their own (no server): the incremental hermes parser (epdserve/frontend/tool_calls.py) on
-hand-written model outputs split at every character, the stream's delta shape, the required/named grammar
-(xgrammar structural tag) and the prompt text for chat templates that ignore tools."""
+"""Tool calling's pieces on their own (no server): the incremental hermes parser
+(epdserve/frontend/openai/tool_calls.py) on hand-written model outputs split at every character, the stream's delta
+shape, the required/named grammar (xgrammar structural tag) and the prompt text for chat templates that ignore
+tools."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 
 import pytest
 
-from epdserve.frontend.tool_calls import ToolCallParser, parse_tool_calls
+from epdserve.frontend.openai.tool_calls import ToolCallParser, parse_tool_calls
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Pa}ri\\"s{", "days": [1, {"x": null}]}}'
 OUTPUTS = [
@@ -71,7 +72,7 @@ def test_a_call_cut_off_keeps_its_streamed_arguments():
 
 
 def test_the_stream_sends_one_delta_per_call_per_chunk_in_openai_shape():
-    from epdserve.frontend.tools import ToolPlan, ToolStream
+    from epdserve.frontend.openai.tools import ToolPlan, ToolStream
 
     stream = ToolStream(ToolPlan([], parse=True))
     content, calls = stream.feed('Sure. <tool_call>\n{"name": "f", "arguments": {"a"', last=False)
@@ -103,8 +104,8 @@ def _matcher(grammar):
 
 
 def test_the_required_and_named_grammar_allows_only_blocks_that_follow_the_schemas():
-    from epdserve.frontend.tool_protocol import FunctionDefinition
-    from epdserve.frontend.tools import tool_call_grammar
+    from epdserve.frontend.openai.tool_protocol import FunctionDefinition
+    from epdserve.frontend.openai.tools import tool_call_grammar
 
     weather = FunctionDefinition(name="get_weather", parameters={
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -128,8 +129,8 @@ def test_the_required_and_named_grammar_allows_only_blocks_that_follow_the_schem
 def test_templates_without_tools_get_the_text_a_tools_template_writes():
     """The Qwen2-VL/2.5-VL template ignores tools; what epdserve writes into its messages renders as Qwen3-VL's
     template renders tools, calls and results (past the system prompt, which only Qwen2-VL's template adds)."""
-    from epdserve.frontend.prompt import to_hf_messages
-    from epdserve.frontend.protocol import ChatMessage
+    from epdserve.frontend.openai.chat import to_hf_messages
+    from epdserve.frontend.openai.protocol import ChatMessage
     from epdserve.frontend.tool_prompt import DEFAULT_SYSTEM, hermes_messages
     from epdserve.models.checkpoint_parts import CHAT_TEMPLATE, build_tokenizer
     from epdserve.models.qwen3_vl_checkpoint import QWEN3_VL_CHAT_TEMPLATE

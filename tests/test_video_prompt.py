@@ -19,8 +19,9 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from epdserve.frontend.image_slots import image_slots
 from epdserve.frontend.media import MediaPolicy
-from epdserve.frontend.prompt import PromptBuilder, to_hf_messages
-from epdserve.frontend.protocol import ChatCompletionRequest
+from epdserve.frontend.openai.chat import to_hf_messages
+from epdserve.frontend.openai.protocol import ChatCompletionRequest
+from epdserve.frontend.prompt import PromptBuilder
 from epdserve.frontend.request_media import fetch_media
 from epdserve.hashing import video_key
 from epdserve.models.mrope import mrope_positions
@@ -357,6 +358,7 @@ def test_pd_fronts_build_the_same_video_prompt_and_only_prefill_encodes(tiny_mod
 
     from epdserve.decode.http_front import DecodeFrontStages
     from epdserve.frontend.chat import ChatService
+    from epdserve.frontend.openai.chat import ChatCompletion
     from epdserve.prefill.http_front import PrefillFrontStages
     from epdserve.wire.messages import ServerInfo
 
@@ -375,7 +377,7 @@ def test_pd_fronts_build_the_same_video_prompt_and_only_prefill_encodes(tiny_mod
     async def prepare(stages):
         chat = ChatService(stages, builder, "m", MediaPolicy(max_bytes=10**8))
         try:
-            return await chat.prepare("r", req)
+            return await ChatCompletion(chat, "r", req).prepare()
         finally:
             chat.close()
 

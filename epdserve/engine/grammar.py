@@ -68,7 +68,7 @@ def build_grammar(spec: GrammarSpec) -> Any:
     cannot spend its whole budget on whitespace, and xgrammar's ``strict_mode`` forbids properties and items the
     schema does not name, so every output validates against the schema. ``structural_tag``: xgrammar's
     structural-tag JSON (``{"type": "structural_tag", "format": ...}``), e.g. the tool calls of
-    :mod:`epdserve.frontend.tools`.
+    :mod:`epdserve.frontend.openai.tools`.
 
     Raises:
         GrammarError: xgrammar rejects it (its message, see :func:`library_message`), or an unknown kind.

@@ -50,7 +50,7 @@ def create_app(server: Server, routers: Sequence[APIRouter], *, title: str, erro
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         path = request.url.path
-        # The Open Inference Protocol's error shape on its routes (epdserve.frontend.kserve_http), OpenAI's elsewhere.
+        # The Open Inference Protocol's error shape on its routes (epdserve.frontend.kserve.http), OpenAI's elsewhere.
         body = {"error": e.message} if path == "/v2" or path.startswith("/v2/") else e.body().model_dump()
         return JSONResponse(body, status_code=e.status, headers=e.headers if error_headers else None)
 

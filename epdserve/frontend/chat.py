@@ -1,10 +1,12 @@
-"""One chat completion, from a validated request to a response or an SSE stream (no HTTP plumbing here).
+"""One request, from the core's request model (:mod:`epdserve.frontend.request`) to its outputs: a protocol package
+turns its wire format into a :class:`~epdserve.frontend.request.ChatRequest` or
+:class:`~epdserve.frontend.request.PromptRequest` and its answer out of :meth:`ChatService.outputs` (no HTTP
+plumbing and no protocol here).
 
 Steps: fetch images -> start encoding (embeddings go straight to prefill) -> image slots from the file headers,
 tokenize with them, check lengths -> send ``DecodeRequest`` then ``PrefillRequest`` (an image request before the
 encoder answers) -> check the encoder's answer against the slots -> detokenize the ``TokenOutput``s' ids (one
-:class:`IncrementalDetokenizer` per choice, stop strings matched here: :mod:`epdserve.frontend.choices`) -> collect
-or stream the text.
+:class:`IncrementalDetokenizer` per choice, stop strings matched here: :mod:`epdserve.frontend.choices`).
 """
 
 from __future__ import annotations
@@ -16,25 +18,19 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
-from epdserve.frontend.choices import Choices, check_n, collect_choices, prepend
-from epdserve.frontend.detokenizer import IncrementalDetokenizer, special_ids
-from epdserve.frontend.logprobs import TokenBytes, logprob_content
+from epdserve.frontend.choices import Choices, check_n, prepend
+from epdserve.frontend.detokenizer import IncrementalDetokenizer, TokenBytes, special_ids
 from epdserve.frontend.image_slots import image_slots
 from epdserve.frontend.media import MediaPolicy, run_cpu_bound
-from epdserve.frontend.prompt import EncodedImage, Prompt, PromptBuilder, PromptError, VideoInput, to_hf_messages
+from epdserve.frontend.prompt import EncodedImage, Prompt, PromptBuilder, PromptError, VideoInput
+from epdserve.frontend.request import ChatRequest, PromptRequest, Usage
 from epdserve.frontend.request_media import check_encoded, fetch_media
 from epdserve.frontend.errors import APIError, GenerationFailed, StageError
-from epdserve.frontend.protocol import (
-    AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChoiceLogprobs,
-    ChunkChoice, Delta, GenerateRequest, Usage,
-)
 from epdserve.frontend.stages import Stages
-from epdserve.frontend.structured import chat_grammar, generate_grammar
-from epdserve.frontend.tools import ToolPlan, ToolStream, finish_reason, tool_message, tool_plan
 from epdserve.wire.messages import DecodeRequest, PrefillRequest, SamplingParams, TokenLogprob, TokenOutput
 from epdserve.metrics import GatewayMetrics, RequestTrace
 from epdserve.video import VideoLimits
@@ -46,7 +42,6 @@ class PreparedChat:
     """A request ready to send to the stages."""
 
     rid: str
-    request: ChatCompletionRequest | None  # None for a /generate request (see ChatService.prepare_ids)
     prompt: Prompt
     prefill: PrefillRequest
     decode: DecodeRequest
@@ -54,12 +49,11 @@ class PreparedChat:
     deadline: float | None = None  # time.monotonic() value after which the request ends with 504
     # (first output, the rest) of a request whose outputs began before its answer did (ChatService.prime)
     head: tuple[TokenOutput, AsyncIterator[TokenOutput]] | None = None
-    tools: ToolPlan | None = None  # the request's tools (epdserve.frontend.tools); None: none
     choices: Choices | None = None  # its choices' outputs so far, once they are read (ChatService.outputs)
 
 
 class ChatService:
-    """Runs chat completions against the stages. One per gateway; safe for concurrent requests.
+    """Runs requests against the stages. One per server; safe for concurrent requests.
 
     Args:
         stages: started (or starting) :class:`~epdserve.frontend.stages.Stages`.
@@ -88,13 +82,13 @@ class ChatService:
         # Detokenization runs on the event loop, so it gets its own copy of the tokenizer.
         self._detok_tokenizer = copy.deepcopy(builder.tokenizer)
         self._skip_ids = special_ids(self._detok_tokenizer)
-        self._token_bytes = TokenBytes(self._detok_tokenizer)
+        self.token_bytes = TokenBytes(self._detok_tokenizer)  # a token id's exact bytes (logprobs)
         self._image_processor = builder.processor.image_processor
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def prepare(self, rid: str, req: ChatCompletionRequest, deadline: float | None = None) -> PreparedChat:
+    async def prepare(self, rid: str, req: ChatRequest, deadline: float | None = None) -> PreparedChat:
         """Fetch and encode images and videos, build the prompt, check lengths and build the stage requests; an
         image or video request is sent to the stages before the encoder answers where they take it so
         (``stages.sends_before_encoded``), and the encoder's answer is checked against the image and video slots.
@@ -102,28 +96,23 @@ class ChatService:
 
         Args:
             deadline: ``time.monotonic()`` value after which the request ends with 504 (None: none); it is kept in
-                the result for :meth:`complete` and :meth:`stream`.
+                the result for :meth:`outputs`.
 
         Raises:
             APIError: 400/413 for bad images, videos or prompts, the encoder's status for encoder failures, 500
                 when the encoder counts an image's or video's tokens differently, 503 when the stages are not ready
                 or a stage goes down, 504 past ``deadline``. The stages have dropped the request whenever this raises.
         """
-        bias = self._logit_bias(req.logit_bias)  # before any image goes to an encoder
-        check_n(req.n, self.max_n)
-        grammar = await chat_grammar(req.response_format, req.structured_outputs)
-        tools = await tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls is not False, grammar is not None)
-        grammar = tools.grammar if tools is not None and tools.grammar is not None else grammar
+        self._check_logit_bias(req.sampling.logit_bias)  # before any image goes to an encoder
+        check_n(req.sampling.n, self.max_n)
         trace = self.metrics.trace()
-        hf_messages, urls, video_urls = to_hf_messages(req.messages)
-        logger.debug("rid=%s received (%d images, %d videos)", rid, len(urls), len(video_urls))
-        media = await fetch_media(urls, video_urls, req.mm_processor_kwargs, self.media, self.http,
+        logger.debug("rid=%s received (%d images, %d videos)", rid, len(req.image_urls), len(req.video_urls))
+        media = await fetch_media(req.image_urls, req.video_urls, req.video_sampling, self.media, self.http,
                                   self.builder.processor, self.video_limits)
         images, videos = media.images, media.videos
         # The chat template and the text's tokens do not depend on the images: they run while the encoder works.
         pieces = asyncio.get_running_loop().run_in_executor(self._executor, self.builder.tokenize_template,
-                                                            hf_messages, [v.placeholder for v in videos],
-                                                            tools.functions if tools is not None else None)
+                                                            req.messages, [v.placeholder for v in videos], req.tools)
         encoding = (asyncio.ensure_future(self._encode(trace, rid, images, [v.input for v in videos], deadline))
                     if (images or videos) and self.stages.encodes else None)
         try:
@@ -132,10 +121,9 @@ class ChatService:
             # prefill starts when the embeddings land instead of after a round trip through this gateway.
             slots = [await run_cpu_bound(len(b), image_slots, self._image_processor, b) for b in images]
             prompt = self.builder.splice(await pieces, slots, videos)
-            max_new = self._max_new_tokens(req.requested_max_tokens(), len(prompt.input_ids), "messages",
+            max_new = self._max_new_tokens(req.max_tokens, len(prompt.input_ids), "messages",
                                            "max_completion_tokens")
-            sampling = self._sampling(req, max_new, bias, grammar)
-            prefill, decode = self._stage_requests(rid, prompt, sampling)
+            prefill, decode = self._stage_requests(rid, prompt, replace(req.sampling, max_new_tokens=max_new))
             if encoding is not None:
                 if self.stages.sends_before_encoded:
                     self.stages.send(prefill, decode)
@@ -156,7 +144,7 @@ class ChatService:
             raise
         logger.debug("rid=%s prompt_tokens=%d images=%d videos=%d max_new_tokens=%d", rid, len(prompt.input_ids),
                      len(images), len(videos), max_new)
-        return PreparedChat(rid, req, prompt, prefill, decode, trace, deadline, tools=tools)
+        return PreparedChat(rid, prompt, prefill, decode, trace, deadline)
 
     async def _encode(self, trace: RequestTrace, rid: str, images: list[bytes], videos: list[VideoInput],
                       deadline: float | None) -> list[EncodedImage]:
@@ -164,67 +152,39 @@ class ChatService:
         # (and cancels the task) before then leaves no never-awaited coroutine behind.
         return await trace.encode(self.stages.encode(rid, images, deadline, videos))
 
-    @staticmethod
-    def _sampling(req: ChatCompletionRequest, max_new: int, bias: list[list], grammar) -> SamplingParams:
-        return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            max_new_tokens=max_new,
-            stop=req.stop_list(),
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos,
-            seed=req.seed,
-            logprobs=(req.top_logprobs or 0) if req.logprobs else -1,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            presence_penalty=req.presence_penalty or 0.0,
-            logit_bias=bias,
-            grammar=grammar,
-            n=req.n,
-        )
-
-    async def prepare_ids(self, rid: str, req: GenerateRequest, deadline: float | None = None) -> PreparedChat:
-        """The stage requests of an SGLang-style ``/generate`` request: ``req.text`` tokenized as is (no chat
-        template, the tokenizer's own special-token rule) or ``req.input_ids`` taken as they are.
+    async def prepare_ids(self, rid: str, req: PromptRequest, deadline: float | None = None) -> PreparedChat:
+        """The stage requests of a prompt without a chat template: ``req.text`` tokenized as is (the tokenizer's
+        own special-token rule) or ``req.input_ids`` taken as they are.
 
         Raises:
-            APIError: 400 for an unsupported feature, a token id outside the vocabulary or a prompt over the
-                context length; 503 when the stages are not ready.
+            APIError: 400 for a token id outside the vocabulary, an empty prompt, too many choices or a prompt
+                over the context length; 503 when the stages are not ready.
         """
-        if (problem := req.unsupported()) is not None:
-            raise APIError(400, problem)
         if req.input_ids is not None:
             ids = list(req.input_ids)
             vocab = len(self._detok_tokenizer)
-            if max(ids) >= vocab:
+            if ids and max(ids) >= vocab:
                 raise APIError(400, f"token id {max(ids)} is outside the vocabulary ({vocab} ids)", param="input_ids")
         else:
             tokenizer = self.builder.tokenizer
             ids = await asyncio.get_running_loop().run_in_executor(self._executor, tokenizer.encode, req.text)
         if not ids:
             raise APIError(400, "the prompt is empty", param="text")
-        sp = req.sampling_params
-        check_n(sp.n, self.max_n, "sampling_params.n")
-        grammar = await generate_grammar(sp.json_schema, sp.regex, sp.ebnf, req.structured_outputs)
-        max_new = self._max_new_tokens(sp.max_new_tokens, len(ids), "input_ids", "max_new_tokens")
-        sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=max_new,
-                                  stop=sp.stop_list(), stop_token_ids=list(sp.stop_token_ids or []),
-                                  ignore_eos=sp.ignore_eos, seed=sp.sampling_seed,
-                                  frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-                                  logit_bias=self._logit_bias(sp.logit_bias), grammar=grammar, n=sp.n)
+        check_n(req.sampling.n, self.max_n, "sampling_params.n")
+        max_new = self._max_new_tokens(req.max_tokens, len(ids), "input_ids", "max_new_tokens")
+        self._check_logit_bias(req.sampling.logit_bias)
         prompt = Prompt(ids, [], req.text or "")
-        logger.debug("rid=%s /generate prompt_tokens=%d max_new_tokens=%d", rid, len(ids), max_new)
-        return PreparedChat(rid, None, prompt, *self._stage_requests(rid, prompt, sampling), self.metrics.trace(),
-                            deadline)
+        logger.debug("rid=%s prompt-in prompt_tokens=%d max_new_tokens=%d", rid, len(ids), max_new)
+        return PreparedChat(rid, prompt, *self._stage_requests(rid, prompt, replace(req.sampling,
+                                                                                    max_new_tokens=max_new)),
+                            self.metrics.trace(), deadline)
 
-    def _logit_bias(self, bias: dict[int, float] | None) -> list[list]:
-        """A request's ``logit_bias`` for the stages, as ``[token id, bias]`` pairs. Raises APIError 400 for a
-        token id outside the vocabulary."""
+    def _check_logit_bias(self, bias: list[list]) -> None:
+        """Raise APIError 400 when ``bias`` (``[token id, bias]`` pairs) names a token id outside the vocabulary."""
         vocab = len(self._detok_tokenizer)
-        if bias and max(bias) >= vocab:
-            raise APIError(400, f"logit_bias names token id {max(bias)}, outside the vocabulary ({vocab} ids)",
+        if bias and (top := max(t for t, _ in bias)) >= vocab:
+            raise APIError(400, f"logit_bias names token id {top}, outside the vocabulary ({vocab} ids)",
                            param="logit_bias")
-        return [[t, b] for t, b in sorted((bias or {}).items())]
 
     def _stage_requests(self, rid: str, prompt: Prompt, sampling: SamplingParams) -> tuple[PrefillRequest,
                                                                                           DecodeRequest]:
@@ -255,7 +215,7 @@ class ChatService:
         """``chat``'s outputs as ``(text delta, output)``, up to the one with a finish reason (cut at a stop
         string), each recorded in the request's trace; the trace is finished once that last one has been taken.
         A request left early (client gone, stop string) is aborted by its lifetime. The one loop over a request's
-        outputs behind every answer shape (:meth:`complete`, :meth:`stream`, ``epdserve.frontend.generate``).
+        outputs behind every protocol's answer.
 
         Raises:
             GenerationFailed: a stage reported an error for the request (500).
@@ -346,73 +306,6 @@ class ChatService:
             chat.trace.fail("internal")
             yield f"data: {APIError(500, f'internal error: {e}').body().model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
-
-    async def complete(self, chat: PreparedChat) -> ChatCompletionResponse:
-        """Run ``chat`` to the end and build the ``chat.completion`` response.
-
-        Raises:
-            APIError: as :meth:`outputs`.
-        """
-        async with aclosing(self.outputs(chat)) as outputs:
-            results = await collect_choices(outputs, chat.prefill.sampling.n)
-        rti, choices = chat.request.return_token_ids, []
-        for r in results:  # tools and structured outputs apply per choice
-            content, calls = tool_message(chat.tools, r.text)
-            choices.append(Choice(index=r.index, message=AssistantMessage(content=content, tool_calls=calls),
-                                  finish_reason=finish_reason(r.final.finish_reason, bool(calls)),
-                                  token_ids=r.token_ids if rti else None,
-                                  logprobs=self._logprobs(chat, r.token_ids, r.logprobs)))
-        return ChatCompletionResponse(
-            id=chat.rid, model=self.model_name, choices=choices,
-            usage=self.usage(chat, results[-1].final, sum(len(r.token_ids) for r in results)),
-            prompt_token_ids=chat.prompt.input_ids if rti else None)
-
-    def stream(self, chat: PreparedChat) -> AsyncIterator[str]:
-        """The SSE events of ``chat``: a role chunk, content chunks, a finish chunk, an optional usage chunk, then
-        ``data: [DONE]``; a failure once streaming has begun becomes an error event (:meth:`sse`).
-
-        Closing the iterator early (client gone) aborts the request on the stages, and so does a stop string: the
-        stream then ends with the text cut before it and ``finish_reason`` "stop".
-        """
-        return self.sse(chat, self._chunks(chat))
-
-    async def _chunks(self, chat: PreparedChat) -> AsyncIterator[str]:
-        created = int(time.time())
-        rti = chat.request.return_token_ids
-        opts = chat.request.stream_options
-
-        def event(choices: list[ChunkChoice], **extra) -> str:
-            chunk = ChatCompletionChunk(id=chat.rid, created=created, model=self.model_name, choices=choices,
-                                        **extra)
-            return f"data: {chunk.model_dump_json()}\n\n"
-
-        n = chat.prefill.sampling.n
-        for i in range(n):
-            yield event([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))],
-                        prompt_token_ids=chat.prompt.input_ids if rti else None)
-        n_tokens = 0
-        tools = [ToolStream(chat.tools) for _ in range(n)]  # tool-call text becomes tool_calls deltas, not content
-        async with aclosing(self.outputs(chat)) as outputs:
-            async for text, final in outputs:
-                n_tokens += len(final.token_ids)
-                i = final.index
-                text, calls = tools[i].feed(text, last=final.finish_reason is not None)
-                if text or calls or final.token_ids and (rti or final.logprobs):
-                    delta = Delta(content=text if text or not calls else None, tool_calls=calls)
-                    yield event([ChunkChoice(index=i, delta=delta, token_ids=final.token_ids if rti else None,
-                                             logprobs=self._logprobs(chat, final.token_ids, final.logprobs))])
-                if final.finish_reason is not None:  # each choice finishes on its own (OpenAI's, vLLM's)
-                    yield event([ChunkChoice(index=i, delta=Delta(), finish_reason=finish_reason(
-                        final.finish_reason, tools[i].called))])
-        if opts and opts.include_usage:
-            yield event([], usage=self.usage(chat, final, n_tokens))
-
-    def _logprobs(self, chat: PreparedChat, token_ids: list[int],
-                  logprobs: list[TokenLogprob]) -> ChoiceLogprobs | None:
-        """OpenAI's ``logprobs`` of a choice or chunk: None unless the request asked for them."""
-        if not chat.request.logprobs:
-            return None
-        return ChoiceLogprobs(content=logprob_content(self._token_bytes, token_ids, logprobs))
 
     def _detokenizer(self, chat: PreparedChat) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._detok_tokenizer, chat.prefill.sampling.stop, self._skip_ids)

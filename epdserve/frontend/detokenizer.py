@@ -21,7 +21,7 @@ text. Then no UTF-8 sequence crosses the split, the text before it is final, and
 
 Text that may still change or may still turn out to start a stop string is held back: the window's pending
 U+FFFD tail and, when stop strings are set, the last ``max(len(stop)) - 1`` characters. :meth:`flush` releases
-it at the end.
+it at the end. :class:`TokenBytes` gives a token's exact bytes (for log-probabilities).
 """
 
 from __future__ import annotations
@@ -141,3 +141,31 @@ class IncrementalDetokenizer:
         cut = max(0, len(self.unsent) - keep)
         out, self.unsent = self.unsent[:cut], self.unsent[cut:]
         return out, False
+
+
+class TokenBytes:
+    """The exact bytes of a token id. Byte-level BPE vocabularies (GPT-2's, Qwen2's) store each byte as one
+    printable character (transformers' ``bytes_to_unicode``); a token holding part of a UTF-8 character has no
+    text of its own, so its bytes come from that map. Tokens outside it (added tokens) are their decoded text.
+
+    Args:
+        tokenizer: a transformers tokenizer; used from one thread (the gateway's event loop).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        self._tokenizer = tokenizer
+        self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        self._cache: dict[int, bytes] = {}  # bounded by the vocabulary
+
+    def __call__(self, token_id: int) -> bytes:
+        out = self._cache.get(token_id)
+        if out is None:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            if piece and all(c in self._byte_of for c in piece):
+                out = bytes(self._byte_of[c] for c in piece)
+            else:
+                out = self._tokenizer.decode([token_id]).encode()
+            self._cache[token_id] = out
+        return out

@@ -3,7 +3,7 @@ client that left (:class:`ClientGone`)."""
 
 from __future__ import annotations
 
-from epdserve.frontend.protocol import ErrorInfo, ErrorResponse
+from pydantic import BaseModel
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
@@ -11,6 +11,23 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
 # Seconds a client should wait before retrying after a stage went down: about one heartbeat, so a restarted stage
 # is seen by then.
 STAGE_RETRY_AFTER_S = 2
+
+
+class ErrorInfo(BaseModel):
+    """One error: what went wrong, its type, the request field at fault and a code (the HTTP status unless
+    named)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The error body every route but KServe's answers with (OpenAI's shape, which SGLang's and vLLM's routes
+    share): ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
 
 
 class StageError(Exception):
@@ -23,7 +40,8 @@ class StageError(Exception):
 
 
 class APIError(Exception):
-    """An error answered as OpenAI error JSON with HTTP ``status`` (and ``headers``, e.g. ``Retry-After``)."""
+    """An error answered as error JSON (:class:`ErrorResponse`) with HTTP ``status`` (and ``headers``, e.g.
+    ``Retry-After``)."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
                  code: str | int | None = None, headers: dict[str, str] | None = None):
@@ -42,7 +60,7 @@ class APIError(Exception):
         return cls(e.status, e.message, headers=headers)
 
     def body(self) -> ErrorResponse:
-        """The OpenAI error JSON body."""
+        """The error JSON body."""
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
                                              code=self.code))
 

@@ -11,25 +11,24 @@ into the KV transfer and decode fails the request on a mismatch.
 - Prefill leg: answers once prefill is done, with the first token only (``finish_reason="length"``).
 - Decode leg: answers like the gateway (JSON or SSE); a stream's HTTP status waits for the first token.
 
-The front runs as a child process of its server (``epdserve.frontend.process.spawn_front``), as SGLang's tokenizer
-manager does, so tokenization never shares a GIL with the scheduler loop; it talks to the loop over the loop's ZMQ
-request socket exactly as a gateway does (:class:`SchedulerStages`). It dies with its parent (``PR_SET_PDEATHSIG``),
-so a killed server refuses connections at once and the router moves on.
+The front runs as a child process of its server (``epdserve.frontend.process.spawn_front``; its app and ``main``:
+:mod:`epdserve.entry.front`), as SGLang's tokenizer manager does, so tokenization never shares a GIL with the
+scheduler loop; it talks to the loop over the loop's ZMQ request socket exactly as a gateway does
+(:class:`SchedulerStages`). It dies with its parent (``PR_SET_PDEATHSIG``), so a killed server refuses connections
+at once and the router moves on.
 
 Routes: the OpenAI and native routers (``/v1/chat/completions``, ``/v1/completions``, ``/generate``,
-``/v1/models``), ``GET /health`` (readiness: 200 once the processor is loaded, the scheduler answered and, on a
-prefill front with ``--encoder-urls``, an encoder serves; else 503 with the reason), ``GET /health/live``,
-``/model_info``, ``/server_info``, ``/loads`` (and SGLang's older names ``/get_model_info``, ``/get_server_info``,
-and ``/v1/loads``).
+``/v1/models``) behind :class:`LegPath`, and :func:`front_router`'s: ``GET /health`` (readiness: 200 once the
+processor is loaded, the scheduler answered and, on a prefill front with ``--encoder-urls``, an encoder serves;
+else 503 with the reason), ``GET /health/live``, ``/model_info``, ``/server_info``, ``/loads`` (and SGLang's older
+names ``/get_model_info``, ``/get_server_info``, and ``/v1/loads``).
 """
 
 from __future__ import annotations
 
 import abc
-import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -37,19 +36,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from epdserve.frontend.app import create_app
 from epdserve.frontend.chat import ChatService, PreparedChat
 from epdserve.frontend.errors import APIError
-from epdserve.frontend.httputil import describe_validation_error, first_error_param, server_config, until_disconnect
+from epdserve.frontend.httputil import describe_validation_error, first_error_param, until_disconnect
 from epdserve.frontend.lifetime import RequestLifetime
 from epdserve.frontend.media import MediaPolicy
-from epdserve.frontend.native import native_router
-from epdserve.frontend.openai import openai_router
-from epdserve.frontend.process import die_with_parent
 from epdserve.frontend.prompt import EncodedImage, PromptBuilder, VideoInput
 from epdserve.frontend.scheduler_client import SchedulerClient
 from epdserve.frontend.serving import Call, RequestPath
@@ -355,75 +350,3 @@ def loads_body(load: Load, page_size: int) -> dict[str, Any]:
         **dataclasses.asdict(load),
     }
     return {"timestamp": time.time(), "dp_rank_count": 1, "loads": [rank], "aggregate": dict(rank)}
-
-
-def create_front_app(front: Front) -> FastAPI:
-    """The FastAPI app of a prefill or decode front (see the module docstring for the routes)."""
-    path = LegPath(front, logger)
-    return create_app(front, [front_router(front), openai_router(path), native_router(path)],
-                      title=f"epdserve {front.role}", error_headers=False)
-
-
-def run_front(role: str, config_cls: type, make_stages: Callable[[Any, SchedulerClient], SchedulerStages],
-              argv: list[str] | None = None) -> int:
-    """The ``main`` of a ``role`` front's child process (``python -m epdserve.<role>.http_front CONFIG_JSON
-    --parent-pid PID``): serve until SIGTERM.
-
-    Args:
-        config_cls: the server's config class (``CONFIG_JSON`` is one as JSON).
-        make_stages: ``(config, scheduler client) ->`` the role's stages.
-    """
-    parser = argparse.ArgumentParser(prog=f"epdserve.{role}.http_front")
-    parser.add_argument("config", help="the server's config as JSON")
-    parser.add_argument("--parent-pid", type=int, default=0)
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    from epdserve.entry.cli import setup_logging
-
-    setup_logging(args.log_level)
-    if args.parent_pid:
-        die_with_parent(args.parent_pid)
-    config = config_cls(**json.loads(args.config))
-    local = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
-    # Started before the scheduler binds: its requests wait for the connection rather than fail.
-    scheduler = SchedulerClient(f"tcp://{local}:{config.zmq_port}", role, immediate=False)
-    front = Front(role, config.model_path, config.served_model_name or config.model_path,
-                  make_stages(config, scheduler))
-    if config.grpc_port:
-        if config.grpc_protocol == "tokenspeed":
-            from epdserve.frontend.tokenspeed_grpc import TokenSpeedGrpcServer as GrpcServer
-        elif config.grpc_protocol == "sglang":
-            from epdserve.frontend.sglang_grpc import SglangGrpcServer as GrpcServer
-        else:
-            raise SystemExit(f"--grpc-protocol {config.grpc_protocol!r}: expected 'sglang' or 'tokenspeed'")
-        front.services.append(GrpcServer(front, config, config.host, config.grpc_port))
-    asyncio.run(_serve_front(front, config))
-    return 0
-
-
-async def _serve_front(front: Front, config: Any) -> None:
-    """Start the front's services (a port that cannot be bound ends the process), then serve HTTP on
-    ``config.port`` until SIGTERM (the app's lifespan starts and closes the front), or without HTTP (port 0:
-    gRPC only) start the front here and wait for SIGTERM or SIGINT."""
-    for service in front.services:
-        await service.start()
-    if config.port:
-        import uvicorn
-
-        server = uvicorn.Server(server_config(create_front_app(front), config.host, config.port,
-                                              graceful_shutdown_s=2))
-        logger.info("%s front listening on http://%s:%d", front.role, config.host, config.port)
-        await server.serve()
-        return
-    import signal
-
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    startup = asyncio.create_task(front.start())
-    try:
-        await stop.wait()
-    finally:
-        startup.cancel()
-        await asyncio.gather(startup, return_exceptions=True)
-        await front.close()

@@ -1,4 +1,4 @@
-"""OpenAI messages -> token ids with image and video slots, exactly as the Hugging Face processor would build them.
+"""Chat messages -> token ids with image and video slots, exactly as the Hugging Face processor would build them.
 
 The gateway never sees pixels, so it cannot call the processor on images. It gets each image's token count from
 the encoder instead and does the processor's own text expansion: the i-th ``<|image_pad|>`` in the chat-template
@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from epdserve.frontend.protocol import ChatMessage, ImagePart, TextPart, VideoPart
 from epdserve.frontend.tool_prompt import hermes_messages, renders_tools
 from epdserve.models.video_layout import VideoLayout, video_mrope_entries
 from epdserve.wire.messages import ImageSpan
@@ -91,46 +90,6 @@ class Prompt:
     input_ids: list[int]
     images: list[ImageSpan]  # every image's span and every video's span(s), in prompt order
     text: str  # the chat-template text before image expansion (for logs and debugging)
-
-
-def to_hf_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[str], list[str]]:
-    """Convert OpenAI messages to the chat-template format and collect image and video URLs in prompt order.
-
-    Image parts become ``{"type": "image"}``, video parts ``{"type": "video"}``, text parts ``{"type": "text",
-    "text": ...}``; string content stays a string; ``developer`` becomes ``system``; ``None`` content becomes ``""``.
-    An assistant message's ``tool_calls`` keep their ids with ``arguments`` as dicts, a tool message its
-    ``tool_call_id`` (HF's tool-use format; see :mod:`epdserve.frontend.tool_prompt`).
-
-    Returns:
-        ``(hf_messages, image_urls, video_urls)``: ``image_urls[i]`` is the i-th image of the prompt,
-        ``video_urls[j]`` its j-th video.
-    """
-    hf: list[dict[str, Any]] = []
-    urls: list[str] = []
-    video_urls: list[str] = []
-    for msg in messages:
-        role = "system" if msg.role == "developer" else msg.role
-        extra: dict[str, Any] = {}
-        if msg.role == "assistant" and msg.tool_calls:
-            extra["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": c.function.arguments_object()}} for c in msg.tool_calls]
-        elif msg.role == "tool":
-            extra = {"tool_call_id": msg.tool_call_id} | ({"name": msg.name} if msg.name else {})
-        if msg.content is None or isinstance(msg.content, str):
-            hf.append({"role": role, "content": msg.content or "", **extra})
-            continue
-        parts: list[dict[str, Any]] = []
-        for part in msg.content:
-            if isinstance(part, ImagePart):
-                parts.append({"type": "image"})
-                urls.append(part.image_url.url)
-            elif isinstance(part, VideoPart):
-                parts.append({"type": "video"})
-                video_urls.append(part.video_url.url)
-            elif isinstance(part, TextPart):
-                parts.append({"type": "text", "text": part.text})
-        hf.append({"role": role, "content": parts, **extra})
-    return hf, urls, video_urls
 
 
 class PromptBuilder:

@@ -13,7 +13,7 @@ import httpx
 from epdserve.frontend.errors import APIError, StageError
 from epdserve.frontend.media import MediaError, MediaPolicy, load_media, run_cpu_bound
 from epdserve.frontend.prompt import EncodedImage, VideoInput, VideoSlot
-from epdserve.frontend.protocol import MMProcessorKwargs
+from epdserve.frontend.request import VideoSampling
 from epdserve.frontend.video_slots import video_slot
 from epdserve.video import VideoLimits
 
@@ -26,18 +26,18 @@ class RequestMedia:
     videos: list[VideoSlot]
 
 
-async def fetch_media(image_urls: list[str], video_urls: list[str], kwargs: MMProcessorKwargs | None,
+async def fetch_media(image_urls: list[str], video_urls: list[str], sampling: VideoSampling | None,
                       policy: MediaPolicy, http: httpx.AsyncClient | None, processor: Any,
                       limits: VideoLimits) -> RequestMedia:
     """Fetch every image and video of a request concurrently (under ``policy``) and plan the videos with the
-    request's sampling (``kwargs``: ``mm_processor_kwargs``) under ``processor`` and ``limits``, off the event
-    loop where the work is large.
+    request's ``sampling`` (None: the checkpoint's default) under ``processor`` and ``limits``, off the event loop
+    where the work is large.
 
     Raises:
         APIError: 400/413 for a URL that cannot be used (:class:`MediaError`), 400 for a video that cannot be read,
             is over a limit or cannot be sampled so (``param="messages"``).
     """
-    fps, num_frames = (kwargs.fps, kwargs.num_frames) if kwargs is not None else (None, None)
+    fps, num_frames = (sampling.fps, sampling.num_frames) if sampling is not None else (None, None)
     try:
         files = await asyncio.gather(*(load_media(u, policy, http, "image") for u in image_urls),
                                      *(load_media(u, policy, http, "video") for u in video_urls))

@@ -1,11 +1,11 @@
 """What the two scheduler gRPC protocols smg speaks to a ``grpc://`` prefill or decode worker share: SGLang's
-(``sglang.grpc.scheduler.SglangScheduler``, :mod:`epdserve.frontend.sglang_grpc`) and TokenSpeed's
-(``tokenspeed.grpc.scheduler.TokenSpeedScheduler``, :mod:`epdserve.frontend.tokenspeed_grpc`), both from the
+(``sglang.grpc.scheduler.SglangScheduler``, :mod:`epdserve.frontend.sglang.service`) and TokenSpeed's
+(``tokenspeed.grpc.scheduler.TokenSpeedScheduler``, :mod:`epdserve.frontend.tokenspeed.service`), both from the
 ``smg-grpc-proto`` package.
 
 Their ``Generate`` streams, ``Abort``, ``HealthCheck`` and ``GetTokenizer`` have the same messages (field for field)
 and the same meaning, so one request path serves both: the protocol module turns its ``GenerateRequest`` into a
-:class:`~epdserve.frontend.sglang_requests.GrpcLeg` (:meth:`SchedulerServicerBase._build`) and says how a prefill
+:class:`~epdserve.frontend.scheduler_requests.GrpcLeg` (:meth:`SchedulerServicerBase._build`) and says how a prefill
 leg's image embeddings reach this server's TP ranks (:meth:`SchedulerServicerBase._embed`: SGLang's sends image
 bytes that the front's encoders encode; TokenSpeed's names encoder bootstrap rooms to pull them from); the legs,
 heartbeats, aborts and outputs are here.
@@ -31,7 +31,8 @@ from google.protobuf.struct_pb2 import Struct
 
 from epdserve.frontend.errors import StageError
 from epdserve.frontend.prompt import EncodedImage
-from epdserve.frontend.sglang_requests import GrpcLeg, InvalidRequest, check_encoded
+from epdserve.frontend.grpc_tensor import InvalidRequest
+from epdserve.frontend.scheduler_requests import GrpcLeg, check_encoded
 from epdserve.wire.messages import TokenOutput
 
 logger = logging.getLogger("epdserve.front")

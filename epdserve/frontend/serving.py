@@ -1,6 +1,6 @@
 """The request path every protocol router calls: open a request, parse it, admit and prepare it, answer it.
 
-A protocol module (``epdserve.frontend.openai``, ``epdserve.frontend.native``, ``epdserve.frontend.kserve_http``)
+A protocol package's router (``epdserve.frontend.openai``, ``epdserve.frontend.native``, ``epdserve.frontend.kserve``)
 only turns its wire format into a :class:`Call` and hands it to :meth:`RequestPath.serve`. A protocol on another
 transport (the KServe v2 gRPC service, ``epdserve.gateway.kserve_grpc``) drives the same pieces below HTTP:
 :meth:`RequestPath.take` and :meth:`RequestPath.start` give it a :class:`~epdserve.frontend.lifetime.RequestLifetime`
@@ -50,6 +50,10 @@ class Call:
 
 # (request id, the parsed body) -> its Call
 CallFactory = Callable[[str, Any], Call]
+
+
+async def no_auth() -> None:
+    """The FastAPI dependency of a server without an API key (every protocol router's default)."""
 
 
 class Server(Protocol):

@@ -1,15 +1,15 @@
-"""Structured outputs in each protocol's terms, turned into the one :class:`~epdserve.wire.messages.GrammarSpec`
-the stages take (``SamplingParams.grammar``), and checked with xgrammar before any stage sees the request.
+"""Structured outputs in the terms more than one protocol shares, turned into the one
+:class:`~epdserve.wire.messages.GrammarSpec` the stages take (``SamplingParams.grammar``), and checked with
+xgrammar (:func:`checked`) before any stage sees the request.
 
-- OpenAI chat: ``response_format`` ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
-  {"name", "schema", "strict"}}`` (``strict`` or not, the output follows the schema: xgrammar's strict mode).
-- vLLM (chat and completions): ``structured_outputs`` with one of ``json`` (a schema, object or text),
-  ``regex``, ``choice`` (a list of strings, as an EBNF alternation), ``grammar`` (EBNF) or ``json_object``.
-- SGLang ``/generate``: ``sampling_params`` ``json_schema`` (text; ``"$$ANY$$"``: any JSON object), ``regex`` or
-  ``ebnf``.
+- vLLM's ``structured_outputs`` (OpenAI chat and completions, ``/generate``): one of ``json`` (a schema, object or
+  text), ``regex``, ``choice`` (a list of strings, as an EBNF alternation), ``grammar`` (EBNF) or ``json_object``.
+- SGLang's sampling parameters (``/generate``, the scheduler gRPC protocols): ``json_schema`` (text;
+  ``"$$ANY$$"``: any JSON object), ``regex`` or ``ebnf``.
 
-Two constraints on one request get a 400, as does anything xgrammar rejects (its message). Tool calling's grammar
-(``tool_choice`` required or a named function, a ``structural_tag``) is built by :mod:`epdserve.frontend.tools` and
+Two constraints on one request get a 400, as does anything xgrammar rejects (its message). OpenAI's
+``response_format`` is :mod:`epdserve.frontend.openai.response_format`'s; tool calling's grammar (``tool_choice``
+required or a named function, a ``structural_tag``) is built by :mod:`epdserve.frontend.openai.tools`; both are
 checked with :func:`checked` here.
 """
 
@@ -18,12 +18,26 @@ from __future__ import annotations
 import asyncio
 import json
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from epdserve.engine.grammar import GrammarError, build_grammar
 from epdserve.frontend.errors import APIError
-from epdserve.frontend.structured_formats import ResponseFormat, StructuredOutputs
 from epdserve.wire.messages import GrammarSpec
 
 _ANY_JSON = "$$ANY$$"  # SGLang's json_schema value for any JSON object
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` request field (one constraint of the five)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
 
 
 def _one(found: list[GrammarSpec], what: str, param: str) -> GrammarSpec | None:
@@ -32,28 +46,14 @@ def _one(found: list[GrammarSpec], what: str, param: str) -> GrammarSpec | None:
     return found[0] if found else None
 
 
-def _schema_text(schema: dict | str) -> str:
+def schema_text(schema: dict | str) -> str:
+    """A JSON schema given as an object or as text, as text."""
     return schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
 
 
 def _choice_ebnf(choice: list[str]) -> str:
     # JSON string escapes (\" \\ \n \uXXXX) are also xgrammar's EBNF string escapes.
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
-
-
-def response_format_grammar(fmt: ResponseFormat | None) -> GrammarSpec | None:
-    """The grammar of OpenAI's ``response_format`` (None for none or ``text``).
-
-    Raises:
-        APIError: 400 for ``json_schema`` without a ``schema``.
-    """
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return GrammarSpec("json_object")
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
-    return GrammarSpec("json_schema", _schema_text(fmt.json_schema.schema_))
 
 
 def structured_outputs_grammar(so: StructuredOutputs | None) -> GrammarSpec | None:
@@ -68,7 +68,7 @@ def structured_outputs_grammar(so: StructuredOutputs | None) -> GrammarSpec | No
         raise APIError(400, "structured_outputs.structural_tag is not supported", param="structured_outputs")
     found = []
     if so.json_ is not None:
-        found.append(GrammarSpec("json_schema", _schema_text(so.json_)))
+        found.append(GrammarSpec("json_schema", schema_text(so.json_)))
     if so.regex is not None:
         found.append(GrammarSpec("regex", so.regex))
     if so.choice is not None:
@@ -78,18 +78,6 @@ def structured_outputs_grammar(so: StructuredOutputs | None) -> GrammarSpec | No
     if so.json_object:
         found.append(GrammarSpec("json_object"))
     return _one(found, "structured_outputs' json, regex, choice, grammar and json_object", "structured_outputs")
-
-
-async def chat_grammar(fmt: ResponseFormat | None, so: StructuredOutputs | None) -> GrammarSpec | None:
-    """A chat request's grammar from ``response_format`` or ``structured_outputs``, checked (:func:`checked`).
-
-    Raises:
-        APIError: 400 when both constrain the output, when xgrammar rejects it, or as the two functions above.
-    """
-    rf, sg = response_format_grammar(fmt), structured_outputs_grammar(so)
-    if rf is not None and sg is not None:
-        raise APIError(400, "give response_format or structured_outputs, not both", param="response_format")
-    return await checked(rf, "response_format") if rf is not None else await checked(sg, "structured_outputs")
 
 
 async def generate_grammar(json_schema: str | None, regex: str | None, ebnf: str | None,

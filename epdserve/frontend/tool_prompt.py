@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from epdserve.frontend.tool_calls import END, START
-
+# The tags around one call in a hermes block, as the model writes it (epdserve.frontend.openai.tool_calls parses them).
+START, END = "<tool_call>", "</tool_call>"
 _PROBE = "epdserve_probe_function"
 # Qwen2-VL's template's system prompt when the messages have none.
 DEFAULT_SYSTEM = "You are a helpful assistant."

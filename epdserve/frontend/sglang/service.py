@@ -7,7 +7,7 @@ itself, and sends each request to one prefill and one decode worker at once (PD 
 ``GenerateRequest`` of token ids with ``disaggregated_params`` (the prefill server's bootstrap host and port, and
 a random room): the same legs, room semantics and scheduler path as the HTTP fronts
 (:mod:`epdserve.frontend.pd`), only without the template step. Conversion and checks are
-:mod:`epdserve.frontend.sglang_requests`.
+:mod:`epdserve.frontend.sglang.requests`.
 
 RPCs:
 - ``Generate`` (server-streaming): prefill leg: encodes the images (on the prefill front's encoders), prefills and
@@ -32,7 +32,8 @@ import grpc
 from epdserve.frontend.grpc_service import GrpcService
 from epdserve.frontend.prompt import EncodedImage
 from epdserve.frontend.scheduler_grpc import SchedulerServicerBase
-from epdserve.frontend.sglang_requests import GrpcLeg, build_leg
+from epdserve.frontend.scheduler_requests import GrpcLeg
+from epdserve.frontend.sglang.requests import build_leg
 
 
 def _servicer_base() -> type:

@@ -1,5 +1,5 @@
 """The request and response fields of tool calling, as OpenAI's chat-completions API spells them (``tools``,
-``tool_choice``, ``tool_calls`` in messages and stream deltas); :mod:`epdserve.frontend.tools` acts on them."""
+``tool_choice``, ``tool_calls`` in messages and stream deltas); :mod:`epdserve.frontend.openai.tools` acts on them."""
 
 from __future__ import annotations
 

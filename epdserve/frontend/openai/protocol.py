@@ -1,11 +1,13 @@
-"""The OpenAI chat-completions schema the gateway speaks (requests, responses, stream chunks, errors).
+"""The OpenAI schema the servers speak: chat completions and (legacy) completions, their requests, responses and
+stream chunks, and the model list (errors and ``usage`` are the core's: :mod:`epdserve.frontend.errors`,
+:mod:`epdserve.frontend.request`).
 
 Only what the gateway can honour is modelled. Unknown request fields are ignored (clients such as the OpenAI
 SDK send fields like ``user``), but fields that would change the answer and are not implemented (``best_of``,
 ``repetition_penalty``, ``min_p``; ``logprobs`` outside chat completions) are rejected by each request's
 ``unsupported()`` rather than silently dropped. Extensions shared with vLLM/SGLang: ``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``return_token_ids``, ``structured_outputs`` (see :mod:`epdserve.frontend.structured`).
-Tool calling: :mod:`epdserve.frontend.tool_protocol` and :mod:`epdserve.frontend.tools`.
+Tool calling: :mod:`epdserve.frontend.openai.tool_protocol` and :mod:`epdserve.frontend.openai.tools`.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from epdserve.frontend.structured_formats import ResponseFormat, StructuredOutputs
-from epdserve.frontend.tool_protocol import DeltaToolCall, HistoryToolCall, Tool, ToolCall, ToolChoice
+from epdserve.frontend.openai.response_format import ResponseFormat
+from epdserve.frontend.openai.tool_protocol import DeltaToolCall, HistoryToolCall, Tool, ToolCall, ToolChoice
+from epdserve.frontend.request import (
+    INT64_MAX, Int64, LogitBias, MaxTokens, Penalty, Seed, TokenId, Usage, stop_list,
+)
+from epdserve.frontend.structured import StructuredOutputs
 
 
 def _is_none(value: object) -> bool:
@@ -25,20 +31,6 @@ def _is_none(value: object) -> bool:
 
 # Extension fields are left out of the JSON when unset so plain OpenAI responses stay byte-for-byte familiar.
 _Extension = Field(default=None, exclude_if=_is_none)
-# Integers travel to the stages as msgpack int64 (a seed may use the unsigned range, as torch.manual_seed does).
-_INT64_MAX = (1 << 63) - 1
-_Int64 = Annotated[int, Field(ge=-(1 << 63), le=_INT64_MAX)]
-_TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
-_Penalty = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)  # OpenAI's range for presence/frequency
-# OpenAI's logit_bias: token ids (JSON object keys, so strings) -> a bias in [-100, 100] added to their logits.
-_LogitBias = dict[_TokenId, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None
-
-
-def stop_list(stop: str | list[str] | None) -> list[str]:
-    """A request's ``stop`` (one string, several, or none) as a list."""
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
 
 
 class ImageURL(BaseModel):
@@ -90,7 +82,7 @@ class MMProcessorKwargs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     fps: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
-    num_frames: int | None = Field(default=None, ge=1, le=_INT64_MAX)
+    num_frames: int | None = Field(default=None, ge=1, le=INT64_MAX)
 
     @model_validator(mode="after")
     def _one_sampling(self) -> MMProcessorKwargs:
@@ -129,12 +121,12 @@ class ChatCompletionRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: _Int64 | None = None
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
-    max_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
+    top_k: Int64 | None = None
+    max_completion_tokens: MaxTokens | None = None
+    max_tokens: MaxTokens | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[_TokenId] | None = None
-    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
+    stop_token_ids: list[TokenId] | None = None
+    seed: Seed | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -142,12 +134,12 @@ class ChatCompletionRequest(BaseModel):
     return_token_ids: bool = False
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's range
-    presence_penalty: float | None = _Penalty
-    frequency_penalty: float | None = _Penalty
-    logit_bias: _LogitBias = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    tools: list[Tool] | None = None  # see epdserve.frontend.tools
+    tools: list[Tool] | None = None  # see epdserve.frontend.openai.tools
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
     mm_processor_kwargs: MMProcessorKwargs | None = None
@@ -165,25 +157,6 @@ class ChatCompletionRequest(BaseModel):
 
     def stop_list(self) -> list[str]:
         return stop_list(self.stop)
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    """Token counts. ``cached_tokens`` counts prompt tokens whose KV came from the prefix cache."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class AssistantMessage(BaseModel):
@@ -269,84 +242,6 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: ErrorInfo
-
-
-# ---- SGLang's native /generate (text or token ids in, text and token ids out) ------------------------------
-
-class GenerateSamplingParams(BaseModel):
-    """``sampling_params`` of SGLang's ``/generate`` (``sglang/srt/sampling/sampling_params.py``): the same
-    defaults (``max_new_tokens`` 128, ``temperature`` 1, ``top_k`` -1). Unknown fields are ignored; the ones that
-    would change the answer and are not implemented are refused by :meth:`GenerateRequest.unsupported`."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    max_new_tokens: int = Field(default=128, ge=1, le=_INT64_MAX)
-    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: _Int64 = -1
-    min_p: float = 0.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[_TokenId] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    sampling_seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
-    n: int = Field(default=1, ge=1)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = 1.0
-    logit_bias: _LogitBias = None
-    json_schema: str | None = None  # structured outputs (epdserve.frontend.structured)
-    regex: str | None = None
-    ebnf: str | None = None
-
-    def stop_list(self) -> list[str]:
-        return stop_list(self.stop)
-
-
-class GenerateRequest(BaseModel):
-    """One SGLang ``/generate`` request: exactly one of ``text`` (tokenized as is, no chat template) and
-    ``input_ids``. ``stream`` answers with SSE events carrying the text and ids so far (SGLang's default)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    text: str | None = None
-    input_ids: list[_TokenId] | None = None
-    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
-    stream: bool = False
-    rid: str | None = Field(default=None, max_length=256)
-    image_data: object | None = None
-    return_logprob: bool = False
-    structured_outputs: StructuredOutputs | None = None  # vLLM's, from /v1/completions (as_generate)
-
-    def unsupported(self) -> str | None:
-        """A message naming the first problem or unimplemented feature of this request, else None."""
-        if (self.text is None) == (self.input_ids is None):
-            return "give exactly one of text and input_ids"
-        if self.input_ids is not None and not self.input_ids:
-            return "input_ids is empty"
-        if self.image_data is not None:
-            return "image_data is not supported on /generate; send images to /v1/chat/completions"
-        if self.return_logprob:
-            return "logprobs are not supported"
-        sp = self.sampling_params
-        if sp.min_p or sp.repetition_penalty != 1.0:
-            return "min_p and repetition_penalty are not supported"
-        if not sp.skip_special_tokens:
-            return "skip_special_tokens=false is not supported"
-        return None
-
-
 # ---- OpenAI's (legacy) completions: a prompt in, text out, no chat template --------------------------------
 
 class CompletionRequest(BaseModel):
@@ -356,14 +251,14 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    prompt: str | list[_TokenId] | list[str] | list[list[_TokenId]]
-    max_tokens: int | None = Field(default=16, ge=1, le=_INT64_MAX)
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: MaxTokens | None = 16
     temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: _Int64 | None = None
+    top_k: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[_TokenId] | None = None
-    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
+    stop_token_ids: list[TokenId] | None = None
+    seed: Seed | None = None
     n: int = Field(default=1, ge=1)
     best_of: int | None = None
     stream: bool = False
@@ -373,9 +268,9 @@ class CompletionRequest(BaseModel):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    presence_penalty: float | None = _Penalty
-    frequency_penalty: float | None = _Penalty
-    logit_bias: _LogitBias = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias = None
     structured_outputs: StructuredOutputs | None = None
 
     def _prompts(self) -> list[str | list[int]]:
@@ -395,19 +290,10 @@ class CompletionRequest(BaseModel):
             return "echo and suffix are not supported"
         return None
 
-    def as_generate(self) -> GenerateRequest:
-        """The same request in ``/generate``'s terms (call after :meth:`unsupported` said None)."""
+    def one_prompt(self) -> tuple[str | None, list[int] | None]:
+        """``(text, input_ids)`` of the one prompt (call after :meth:`unsupported` said None)."""
         (prompt,) = self._prompts()
-        text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-        sampling = GenerateSamplingParams(
-            max_new_tokens=16 if self.max_tokens is None else self.max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
-            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, sampling_seed=self.seed,
-            frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
-            logit_bias=self.logit_bias, n=self.n)
-        return GenerateRequest(text=text, input_ids=ids, sampling_params=sampling, stream=self.stream,
-                               structured_outputs=self.structured_outputs)
+        return (prompt, None) if isinstance(prompt, str) else (None, prompt)
 
 
 class CompletionChoice(BaseModel):

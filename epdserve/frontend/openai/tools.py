@@ -3,7 +3,7 @@ renders, the grammar of a forced call, and the answer's ``tool_calls`` (whole or
 
 - ``tool_choice`` ``none``: the tools are still rendered (vLLM's default), the output is plain content.
 - ``auto`` (the default with tools): free generation; hermes ``<tool_call>`` blocks in the output become
-  ``tool_calls`` (:mod:`epdserve.frontend.tool_calls`), the text around them content.
+  ``tool_calls`` (:mod:`epdserve.frontend.openai.tool_calls`), the text around them content.
 - ``required``, or a named function: an xgrammar structural tag (one more ``GrammarSpec`` type,
   ``structural_tag``) allows only one or more blocks ``<tool_call>\\n{"name": <a tool>, "arguments": <its
   parameters>}\\n</tool_call>`` separated by newlines, then the end of the output: so the arguments always parse
@@ -25,11 +25,12 @@ from typing import Any
 
 from epdserve.engine.grammar import GrammarError, build_grammar
 from epdserve.frontend.errors import APIError
-from epdserve.frontend.structured import checked
-from epdserve.frontend.tool_calls import END, START, ParsedCall, ToolCallParser, parse_tool_calls
-from epdserve.frontend.tool_protocol import (
+from epdserve.frontend.openai.tool_calls import ParsedCall, ToolCallParser, parse_tool_calls
+from epdserve.frontend.openai.tool_protocol import (
     DeltaFunctionCall, DeltaToolCall, FunctionCall, FunctionDefinition, NamedToolChoice, Tool, ToolCall,
 )
+from epdserve.frontend.structured import checked
+from epdserve.frontend.tool_prompt import END, START
 from epdserve.wire.messages import MAX_GRAMMAR_CHARS, GrammarSpec
 
 

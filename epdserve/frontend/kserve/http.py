@@ -1,5 +1,5 @@
 """The Open Inference Protocol (v2) over HTTP/REST, as KServe and Triton serve it, over a server's
-:class:`~epdserve.frontend.serving.RequestPath` (tensors and their meaning: :mod:`epdserve.frontend.kserve`).
+:class:`~epdserve.frontend.serving.RequestPath` (tensors and their meaning: :mod:`epdserve.frontend.kserve.v2`).
 
 Routes: ``GET /v2`` (server metadata), ``GET /v2/health/live``, ``GET /v2/health/ready`` (200, else 503 with the
 reason), ``GET /v2/models/{name}`` (model metadata), ``GET /v2/models/{name}/ready``, ``POST
@@ -26,13 +26,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from epdserve.frontend.chat import ChatService, PreparedChat
 from epdserve.frontend.errors import APIError, GenerationFailed
 from epdserve.frontend.httputil import describe_validation_error
-from epdserve.frontend.kserve import (
+from epdserve.frontend.kserve.v2 import (
     INPUTS, Tensor, V2Output, V2Request, check_model, model_metadata, output_values, parse_v2, prepare, raw_bytes,
     raw_values, server_metadata, v2_collect, v2_stream,
 )
-from epdserve.frontend.openai import no_auth
 from epdserve.frontend import logger
-from epdserve.frontend.serving import Call, RequestPath
+from epdserve.frontend.serving import Call, RequestPath, no_auth
 
 HEADER_LENGTH = "Inference-Header-Content-Length"  # Triton's binary tensor data extension
 

@@ -1,12 +1,12 @@
 """The Open Inference Protocol (v2, KServe's and Triton's) for a chat model, the way Triton's vLLM backend maps an
-LLM onto tensors; shared by the HTTP routes (:mod:`epdserve.frontend.kserve_http`) and the gRPC service
+LLM onto tensors; shared by the HTTP routes (:mod:`epdserve.frontend.kserve.http`) and the gRPC service
 (``epdserve.gateway.kserve_grpc``).
 
 Inputs (one request, no batch dimension beyond 1):
 
 - ``text_input`` (BYTES, one element, UTF-8): the prompt. Chat-formatted with the checkpoint's template as one user
   turn (the images and videos first, then the text) unless the request parameter ``apply_chat_template`` is false;
-  then tokenized as is (SGLang's ``/generate``), which takes no image.
+  then tokenized as is (as SGLang's ``/generate`` does), which takes no image.
 - ``image`` / ``video`` (BYTES, one or more elements): encoded files (PNG, JPEG, ...; MP4, ...), raw or base64
   (JSON has no raw bytes).
 - ``stream`` (BOOL): one response per text delta (gRPC ``ModelStreamInfer``, HTTP ``generate_stream``).
@@ -36,26 +36,53 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import epdserve
 from epdserve.frontend.chat import ChatService, PreparedChat
 from epdserve.frontend.errors import APIError
 from epdserve.frontend.httputil import describe_validation_error
-from epdserve.frontend.protocol import ChatCompletionRequest, GenerateRequest
+from epdserve.frontend.request import ChatRequest, Int64, MaxTokens, Penalty, PromptRequest, Seed, TokenId, stop_list
+from epdserve.wire.messages import SamplingParams
 
 INPUTS = {"text_input": "BYTES", "image": "BYTES", "video": "BYTES", "stream": "BOOL",
           "sampling_parameters": "BYTES", "exclude_input_in_output": "BOOL", "return_finish_reason": "BOOL",
           "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL"}
 OUTPUTS = {"text_output": "BYTES", "finish_reason": "BYTES", "num_input_tokens": "UINT32",
            "num_output_tokens": "UINT32"}
-# vLLM's SamplingParams names (Triton's vLLM backend passes sampling_parameters to it) -> the OpenAI request field.
-SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_completion_tokens",
-            "seed": "seed", "stop": "stop", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-            "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty"}
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, so a Triton client gets what it got there
 EXTENSIONS = ["binary_tensor_data", "parameters", "generate"]
 _IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM", b"II*\x00", b"MM\x00*")
+
+
+class Sampling(BaseModel):
+    """``sampling_parameters`` with vLLM's ``SamplingParams`` names (Triton's vLLM backend passes them to it), and
+    the ranges epdserve's OpenAI route takes; unset: that route's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: Int64 | None = None
+    max_tokens: MaxTokens | None = DEFAULT_MAX_TOKENS
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+
+    def params(self) -> SamplingParams:
+        """The stages' sampling (``max_new_tokens`` is the front's to set)."""
+        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+                              top_p=1.0 if self.top_p is None else self.top_p,
+                              top_k=-1 if self.top_k is None else self.top_k, stop=stop_list(self.stop),
+                              stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                              seed=self.seed, frequency_penalty=self.frequency_penalty or 0.0,
+                              presence_penalty=self.presence_penalty or 0.0)
+
+
+SAMPLING = tuple(Sampling.model_fields)
 
 
 @dataclass
@@ -205,33 +232,31 @@ def _data_url(kind: str, data: bytes) -> str:
     return f"data:{kind}/unknown;base64,{base64.b64encode(data).decode()}"
 
 
-def as_chat_request(req: V2Request) -> ChatCompletionRequest | GenerateRequest:
-    """The OpenAI chat request (template) or the ``/generate`` request (no template) that ``req`` asks for.
+def as_request(req: V2Request) -> ChatRequest | PromptRequest:
+    """The chat request (one user turn: the images and videos, then the text) or, without the template, the
+    prompt that ``req`` asks for, in the core's terms.
 
     Raises:
-        APIError: 400 for a sampling value the request schema refuses (out of range, wrong type).
+        APIError: 400 for a sampling value out of range or of the wrong type.
     """
-    sp = {SAMPLING[k]: v for k, v in req.sampling.items()}
-    sp.setdefault("max_completion_tokens", DEFAULT_MAX_TOKENS)
     try:
-        if req.apply_chat_template:
-            content = [{"type": "image_url", "image_url": {"url": _data_url("image", b)}} for b in req.images]
-            content += [{"type": "video_url", "video_url": {"url": _data_url("video", b)}} for b in req.videos]
-            content.append({"type": "text", "text": req.text})
-            return ChatCompletionRequest.model_validate(
-                {"model": req.model, "messages": [{"role": "user", "content": content}], **sp})
-        names = {"max_completion_tokens": "max_new_tokens", "seed": "sampling_seed"}
-        return GenerateRequest.model_validate(
-            {"text": req.text, "sampling_params": {names.get(k, k): v for k, v in sp.items() if v is not None}})
+        sampling = Sampling.model_validate(req.sampling)
     except ValidationError as e:
         message = describe_validation_error(e).removeprefix("invalid request: ")
         raise APIError(400, f"invalid sampling_parameters: {message}", param="sampling_parameters") from None
+    if not req.apply_chat_template:
+        return PromptRequest(sampling.params(), text=req.text, max_tokens=sampling.max_tokens)
+    content = [{"type": "image"} for _ in req.images] + [{"type": "video"} for _ in req.videos]
+    content.append({"type": "text", "text": req.text})
+    return ChatRequest([{"role": "user", "content": content}], sampling.params(),
+                       [_data_url("image", b) for b in req.images], [_data_url("video", b) for b in req.videos],
+                       sampling.max_tokens)
 
 
 async def prepare(chat: ChatService, rid: str, req: V2Request, deadline: float | None) -> PreparedChat:
     """Prepare ``req`` on ``chat`` (as :meth:`ChatService.prepare` or :meth:`ChatService.prepare_ids`)."""
-    request = as_chat_request(req)
-    if isinstance(request, GenerateRequest):
+    request = as_request(req)
+    if isinstance(request, PromptRequest):
         return await chat.prepare_ids(rid, request, deadline)
     return await chat.prepare(rid, request, deadline)
 

@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from epdserve.frontend.errors import StageError
 from epdserve.frontend.prompt import EncodedImage
-from epdserve.frontend.sglang_requests import EncodeRoom
+from epdserve.frontend.scheduler_requests import EncodeRoom
 from epdserve.wire import room_messages
 from epdserve.wire.room_messages import EmbedClaim, EmbedClaimReply
 

@@ -22,7 +22,8 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
-START, END = "<tool_call>", "</tool_call>"
+from epdserve.frontend.tool_prompt import END, START
+
 _WS = " \t\r\n"
 # The block's opening up to its arguments value: a JSON object whose first key is "name", then "arguments".
 _HEAD = ["{", '"name"', ":", None, ",", '"arguments"', ":"]  # None: the name, a JSON string

@@ -3,22 +3,24 @@ requests of one PD leg: what smg sends a ``grpc://`` prefill or decode worker in
 TokenSpeed PD) mode, with every check a request must pass first.
 
 Like SGLang's request it carries token ids, never text, and the same sampling fields (checked by
-:func:`~epdserve.frontend.sglang_requests.sampling_params`; TokenSpeed's optional ``temperature`` defaults to 1).
+:func:`~epdserve.frontend.scheduler_requests.sampling_params`; TokenSpeed's optional ``temperature`` defaults to 1).
 Differences: the prefill↔decode rendezvous is ``kv_bootstrap_info`` (the prefill's bootstrap host, port and room,
 SGLang's ``disaggregated_params``), and an image arrives as a ``MultimodalItem`` without pixels whose embedding
 an encoder of smg's choosing computes; ``encode_bootstrap_info`` names, per item, that encoder's bootstrap host,
-port and room, from which the prefill front pulls it (:mod:`epdserve.frontend.room_client`). The image's span is
-checked against this checkpoint's processor (:mod:`epdserve.frontend.tokenspeed_items`) and hashed by smg's
-content hash, so a repeated image shares radix-cache pages as with epdserve's own gateway.
+port and room, from which the prefill front pulls it (:mod:`epdserve.frontend.tokenspeed.room_client`). The
+image's span is checked against this checkpoint's processor (:mod:`epdserve.frontend.tokenspeed.items`) and hashed
+by smg's content hash, so a repeated image shares radix-cache pages as with epdserve's own gateway.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from epdserve.frontend.sglang_requests import (EncodeRoom, GrpcLeg, InvalidRequest, check_image_runs, pd_bootstrap,
-                                              prompt_ids, sampling_params)
-from epdserve.frontend.tokenspeed_items import ProcessorLimits, image_item
+from epdserve.frontend.grpc_tensor import InvalidRequest
+from epdserve.frontend.scheduler_requests import (
+    EncodeRoom, GrpcLeg, check_image_runs, pd_bootstrap, prompt_ids, sampling_params,
+)
+from epdserve.frontend.tokenspeed.items import ProcessorLimits, image_item
 from epdserve.wire.messages import DecodeRequest, ImageSpan, PrefillRequest, input_ids_digest
 
 
@@ -55,8 +57,8 @@ async def build_leg(req: Any, rid: str, role: str, *, context_length: int, vocab
 
     Raises:
         InvalidRequest: no token ids, no ``kv_bootstrap_info``, a token id outside the vocabulary, bad items or
-            rooms (:func:`~epdserve.frontend.tokenspeed_items.image_item`, :func:`_rooms`), or as
-            :func:`~epdserve.frontend.sglang_requests.sampling_params`.
+            rooms (:func:`~epdserve.frontend.tokenspeed.items.image_item`, :func:`_rooms`), or as
+            :func:`~epdserve.frontend.scheduler_requests.sampling_params`.
     """
     ids = prompt_ids(req, vocab_size)
     kv = pd_bootstrap(req, "kv_bootstrap_info", role)

@@ -8,8 +8,8 @@ The request path is SGLang's (:mod:`epdserve.frontend.scheduler_grpc`): PD dual 
 What differs is where a prefill leg's image embeddings come from: smg has already sent each image's pixels to an
 encode worker it picked (``TokenSpeedEncoder/Encode``, one bootstrap room per image) and names that worker's
 bootstrap address and room in ``encode_bootstrap_info``; the front claims each room
-(:class:`~epdserve.frontend.room_client.RoomClient`), and the encoder pushes the embedding to this server's TP ranks
-exactly as it does for a request of epdserve's own gateway, under smg's content hash of the image.
+(:class:`~epdserve.frontend.tokenspeed.room_client.RoomClient`), and the encoder pushes the embedding to this
+server's TP ranks exactly as it does for a request of epdserve's own gateway, under smg's content hash of the image.
 
 RPCs: ``Generate``, ``Abort``, ``HealthCheck``, ``GetTokenizer`` (shared), ``GetModelInfo`` (TokenSpeed's fields,
 ``multimodal_encoder_dtype`` telling smg the pixel dtype to send), ``GetServerInfo``, ``GetLoads``;
@@ -24,11 +24,11 @@ from typing import Any
 
 from epdserve.frontend.grpc_service import GrpcService
 from epdserve.frontend.prompt import EncodedImage
-from epdserve.frontend.room_client import RoomClient
 from epdserve.frontend.scheduler_grpc import SchedulerServicerBase
-from epdserve.frontend.sglang_requests import GrpcLeg
-from epdserve.frontend.tokenspeed_items import ProcessorLimits
-from epdserve.frontend.tokenspeed_requests import build_leg
+from epdserve.frontend.scheduler_requests import GrpcLeg
+from epdserve.frontend.tokenspeed.items import ProcessorLimits
+from epdserve.frontend.tokenspeed.requests import build_leg
+from epdserve.frontend.tokenspeed.room_client import RoomClient
 
 _IMAGE = 1  # smg.grpc.common.Modality.IMAGE
 
