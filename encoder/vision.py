@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
+
 import torch
 from PIL import Image
 
@@ -137,6 +139,7 @@ class VisionEncoder:
         from transformers import AutoConfig, AutoProcessor
         from transformers.initialization import no_init_weights
 
+        t0 = time.monotonic()
         self.model_path = str(model_path)
         self.tower = None
         self.compiled = False
@@ -160,6 +163,7 @@ class VisionEncoder:
         self.num_deepstack: int = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
         self.embed_width: int = self.hidden_size * (1 + self.num_deepstack)
 
+        t1 = time.monotonic()
         # Every weight is overwritten from the checkpoint, so random initialization would be wasted time
         # (seconds for a real tower); the device context builds the tower in place, without a host copy.
         with no_init_weights(), torch.device(self.device):
@@ -167,7 +171,11 @@ class VisionEncoder:
         fast_path = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
         if fast_path:
             self._use_packed_attention(model, cuda_graphs)
+        t2 = time.monotonic()
         missing, unexpected = model.load_state_dict(load_vision_state_dict(self.model_path), strict=False)
+        # Seconds per part of the construction, for the server's ready line (issue 43): the tower part includes
+        # the device's context (CUDA's first call) and the packed-attention kernels' import.
+        self.startup_s = {"processor": t1 - t0, "tower": t2 - t1, "weights": time.monotonic() - t2}
         if missing or unexpected:
             raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
