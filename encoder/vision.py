@@ -182,16 +182,22 @@ class VisionEncoder:
         self.model = model.eval().requires_grad_(False)
         self.gpu_jpeg_decode = gpu_jpeg_decode and self.device.type == "cuda"
         if compile and fast_path:
-            from torch.utils._triton import has_triton
+            self.compiled = self._compile(model)
 
-            if has_triton():
-                # Per module, not the whole forward: transformers' forward also does host-side grid arithmetic
-                # that would only break the graph; every block shares one code object, so one compile serves all.
-                for module in (*model.blocks, model.merger, *getattr(model, "deepstack_merger_list", ())):
-                    module.compile(dynamic=True)
-                self.compiled = True
-            else:  # Inductor's GPU kernels are Triton: without it the first call would fail
-                log.warning("triton is not installed: the vision tower runs without torch.compile")
+    @staticmethod
+    def _compile(model: torch.nn.Module) -> bool:
+        """``torch.compile`` the tower's blocks and mergers (lazily: the first call compiles); False where
+        Triton is missing."""
+        from torch.utils._triton import has_triton
+
+        if not has_triton():  # Inductor's GPU kernels are Triton: without it the first call would fail
+            log.warning("triton is not installed: the vision tower runs without torch.compile")
+            return False
+        # Per module, not the whole forward: transformers' forward also does host-side grid arithmetic that would
+        # only break the graph; every block shares one code object, so one compile serves all.
+        for module in (*model.blocks, model.merger, *getattr(model, "deepstack_merger_list", ())):
+            module.compile(dynamic=True)
+        return True
 
     def _use_packed_attention(self, model: torch.nn.Module, cuda_graphs: int) -> None:
         """CUDA fp16/bf16: packed varlen attention in ``model``'s layers and, with ``cuda_graphs > 0`` (not for

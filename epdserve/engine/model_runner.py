@@ -86,6 +86,7 @@ class ModelRunner:
         self.busy: DeviceBusy | None = None  # a server's device_busy_seconds metric (track_device_busy)
         self.device, self.dtype, self.page_size = torch.device(device), dtype, page_size
         self.tp = tp or TPGroup.single(self.device)
+        t0 = self._create_context(t0)
         self.config = cfg = ModelConfig.load(model_path)
         self.heads = head_shard(cfg.num_heads, cfg.num_kv_heads, self.tp)
         # Built on the meta device so no memory is spent on random init; the weights fill it in place.
@@ -166,6 +167,15 @@ class ModelRunner:
         if pages < 1:
             raise ValueError(f"no room for a KV page: {free} bytes free, {per_page} bytes per page")
         return pages
+
+    def _create_context(self, t0: float) -> float:
+        """Create the device's CUDA context now, so the ready line shows its seconds (``startup_s["device"]``)
+        apart from reading the weights. Returns the time the next part starts (``time.monotonic()``)."""
+        if self.device.type != "cuda":
+            return t0
+        torch.zeros(1, device=self.device)
+        self.startup_s["device"] = time.monotonic() - t0
+        return time.monotonic()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run ``batch`` (tensors on any device; moved here) and return float32 logits ``[B, vocab]`` at each
