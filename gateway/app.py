@@ -8,9 +8,10 @@ v2 under ``/v2`` (:mod:`epdserve.frontend.kserve_http`; over gRPC on ``--kserve-
 (readiness: 200 once the processor is loaded, a prefill and a decode server have answered and are up, and at least
 one encoder serves, else 503 with the reason; ``?details=1`` adds a JSON body with every server's liveness and load,
 a list per role, ``&fresh=1`` asks the prefill and decode servers for their load now), ``GET /health/live``
-(liveness: 200 while the process answers at all), and ``GET /metrics``, ``/get_model_info``, ``/get_server_info`` (:mod:`epdserve.gateway.routes`). Every error is
-OpenAI error JSON; schema errors and malformed JSON are 400 (not FastAPI's 422). Overload and stage failures answer
-429/503 with ``Retry-After`` (see :mod:`epdserve.frontend.admission`), the request deadline 504.
+(liveness: 200 while the process answers at all), and ``GET /metrics``, ``/get_model_info``, ``/get_server_info``
+(:mod:`epdserve.gateway.routes`). Every error is OpenAI error JSON; schema errors and malformed JSON are 400 (not
+FastAPI's 422). Overload and stage failures answer 429/503 with ``Retry-After`` (see
+:mod:`epdserve.frontend.admission`), the request deadline 504.
 """
 
 from __future__ import annotations
