@@ -3,7 +3,8 @@
 :class:`Dispatcher` applies :mod:`epdserve.gateway.routing`'s rules over the servers that are up: prefill by smg's
 cache_aware rule over the prompt's radix key (:func:`prefill_key`: token ids, each image token as its image's hash
 id, exactly as the prefill server keys its radix cache), with each server's load the gateway's own count of
-requests it sent there and prefill has not finished; decode by the requests in flight there, then its free KV pages.
+requests it sent there and prefill has not finished; decode by the requests in flight there (the gateway's count),
+then its free KV pages (its last ``Load``).
 The result, a :class:`Placement`, carries the chosen prefill server's embedding endpoints (for the encoder, which
 pushes to every TP rank of that server) and its bootstrap address (for the ``DecodeRequest``).
 """
@@ -83,6 +84,11 @@ class Dispatcher:
         """Requests the gateway placed on prefill ``server`` that prefill has not finished."""
         return sum(1 for rid in server.rids if (r := self._routes.get(rid)) is not None and not r.started)
 
+    def decode_load(self, server: LMServer) -> int:
+        """Requests the gateway placed on decode ``server`` that have not finished (a finished one's last output
+        came: its route is gone, though the gateway may not have released it yet)."""
+        return sum(1 for rid in server.rids if rid in self._routes)
+
     def place(self, req: PrefillRequest, prefill: int | None = None) -> Placement:
         """Choose the servers of ``req`` and record its prompt as cached on the chosen prefill server.
 
@@ -107,7 +113,8 @@ class Dispatcher:
         dec_up = [s.up for s in self.decodes]
         if not any(dec_up):
             raise StageError(_none_up("decode", self.decodes), 503)
-        decode = choose_decode([len(s.rids) for s in self.decodes], [s.free_pages() for s in self.decodes], dec_up)
+        decode = choose_decode([self.decode_load(s) for s in self.decodes], [s.free_pages() for s in self.decodes],
+                               dec_up)
         return Placement.on(self.prefills[prefill], self.decodes[decode])
 
     def forget(self, prefill: int) -> None:
