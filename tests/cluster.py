@@ -191,8 +191,9 @@ def at_baseline(d: dict) -> list[str]:
     problems = []
     stages = d.get("stages", {})
     for role in ("prefill", "decode"):
-        for server in stages.get(role, []):
-            name = f"{role}{server['index']}"
+        servers = stages.get(role, [])
+        for server in servers:
+            name = role if len(servers) == 1 else f"{role}{server['index']}"  # as launch names them
             if server.get("inflight"):
                 problems.append(f"{name}: {server['inflight']} requests in flight at the gateway")
             load = server.get("load")
