@@ -272,6 +272,7 @@ class LaunchConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("prefill_tp", "decode_tp", "encoder_gpus", "prefill_gpus", "decode_gpus"):
             setattr(self, name, as_list(getattr(self, name), int, "--" + name.replace("_", "-")))
+            self.per_server(name)  # as many values as servers (or one), each in range: a clear error now
 
     def per_server(self, name: str) -> list[int]:
         """The list flag ``name`` (``prefill_tp``, ``decode_gpus``, ``encoder_gpus``..) with one value per server of
