@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 
 def _f(default, help: str):
+    if isinstance(default, list):  # a list flag: every instance gets its own copy of the default
+        return field(default_factory=lambda: list(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 
@@ -21,6 +23,23 @@ def _like(cls: type, name: str, help: str = ""):
     stage's flag cannot drift from it."""
     src = cls.__dataclass_fields__[name]
     return field(default=src.default, metadata={"help": help or src.metadata["help"]})
+
+
+def as_list(value, item: type, flag: str) -> list:
+    """A list flag's value as a list of ``item``: a list as is, or one value or a comma-separated string (what a
+    caller building a config by hand may pass), each item converted by ``item``.
+
+    Raises:
+        ValueError: an item ``item`` does not take, or no item at all (``flag`` names the flag).
+    """
+    parts = value.split(",") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [value]
+    try:
+        out = [item(p.strip()) if isinstance(p, str) else item(p) for p in parts if not isinstance(p, str) or p.strip()]
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag}: {value!r} is not a list of {item.__name__} (comma-separated)") from None
+    if not out:
+        raise ValueError(f"{flag} needs at least one value")
+    return out
 
 
 @dataclass
@@ -153,8 +172,22 @@ class GatewayConfig:
     port: int = _f(8000, "HTTP port")
     encoder_addr: str = _f("127.0.0.1:50051", "encoder gRPC address host:port, or several as host:port,host:port "
                                               "(each image goes to one, chosen by its content hash)")
-    prefill_addr: str = _f("tcp://127.0.0.1:30001", "prefill server ZMQ endpoint")
-    decode_addr: str = _f("tcp://127.0.0.1:30002", "decode server ZMQ endpoint")
+    prefill_addr: list[str] = _f(["tcp://127.0.0.1:30001"], "prefill server ZMQ endpoint; several: repeat the flag "
+                                                            "or comma-separate (each request goes to one, chosen "
+                                                            "cache-aware: see --cache-threshold)")
+    decode_addr: list[str] = _f(["tcp://127.0.0.1:30002"], "decode server ZMQ endpoint; several: repeat the flag or "
+                                                           "comma-separate (each request goes to the one with the "
+                                                           "fewest requests in flight, then the most free KV pages)")
+    cache_threshold: float = _f(0.3, "several prefill servers: a prompt goes to the server whose cache (as the "
+                                     "gateway recorded it) holds its longest prefix when that prefix is over this "
+                                     "share of the prompt, else to the server with the least cached (smg's "
+                                     "cache_aware rule)")
+    balance_abs_threshold: int = _f(64, "several prefill servers: they count as imbalanced, and the least loaded "
+                                        "takes the request whatever is cached, when the most and least loaded differ "
+                                        "by more than this many requests in flight ...")
+    balance_rel_threshold: float = _f(1.5, "... and the most loaded has more than this many times the least's")
+    routing_tree_pages: int = _f(1 << 16, "largest record of one prefill server's cache that the gateway keeps for "
+                                          "routing, in KV pages (least recently used parts dropped beyond it)")
     api_key: str = _f("", "require 'Authorization: Bearer KEY' when set")
     max_image_bytes: int = _f(20 * 1024 * 1024, "largest image accepted, in bytes (after base64 decoding)")
     max_video_bytes: int = _f(250 * 1024 * 1024, "largest video accepted, in bytes (after base64 decoding; under "
@@ -179,6 +212,16 @@ class GatewayConfig:
                                   "GRPCInferenceService, KServe's and Triton's; bound on --host); 0 = off. The v2 "
                                   "HTTP routes (/v2/...) are always on --port")
 
+    def __post_init__(self):
+        # A config built by hand may name one address or a comma-separated string, as the flag does.
+        for name in ("prefill_addr", "decode_addr"):
+            addrs = as_list(getattr(self, name), str, "--" + name.replace("_", "-"))
+            if len(set(addrs)) != len(addrs):
+                raise ValueError(f"--{name.replace('_', '-')} names a server twice: {addrs}")
+            setattr(self, name, addrs)
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"--cache-threshold must be within [0, 1], got {self.cache_threshold}")
+
 
 @dataclass
 class LaunchConfig:
@@ -202,11 +245,17 @@ class LaunchConfig:
     max_video_frames: int = _like(GatewayConfig, "max_video_frames")
     max_video_duration_s: float = _like(GatewayConfig, "max_video_duration_s")
     num_encoders: int = _f(1, "encoder processes to start; the gateway routes each image to one by content hash")
-    prefill_tp: int = _f(1, "tensor-parallel ranks of the prefill server (one GPU each)")
-    decode_tp: int = _f(1, "tensor-parallel ranks of the decode server (one GPU each)")
-    encoder_gpu: int = _f(0, "GPU of every encoder (cuda:N) when the device is cuda or auto")
-    prefill_base_gpu: int = _f(0, "prefill TP rank r runs on GPU prefill_base_gpu + r")
-    decode_base_gpu: int = _f(0, "decode TP rank r runs on GPU decode_base_gpu + r")
+    num_prefills: int = _f(1, "prefill servers to start; the gateway chooses one per request (cache-aware)")
+    num_decodes: int = _f(1, "decode servers to start; the gateway chooses one per request (by load)")
+    prefill_tp: list[int] = _f([1], "tensor-parallel ranks of each prefill server (one GPU each): one value for "
+                                    "every server, or one per server (comma-separated)")
+    decode_tp: list[int] = _f([1], "tensor-parallel ranks of each decode server: one value for every server, or "
+                                   "one per server")
+    encoder_gpus: list[int] = _f([0], "GPU index of each encoder (cuda:N) when the device is cuda or auto: one for "
+                                      "every encoder, or one per encoder")
+    prefill_gpus: list[int] = _f([0], "first GPU of each prefill server: TP rank r of server i runs on GPU "
+                                      "prefill_gpus[i] + r; one value for every server, or one per server")
+    decode_gpus: list[int] = _f([0], "first GPU of each decode server (as --prefill-gpus)")
     kv_transfer: str = _like(LMServerConfig, "kv_transfer")
     encoder_cuda_graphs: int = _like(EncoderConfig, "cuda_graphs")
     prefill_cuda_graph_max_tokens: int = _like(PrefillConfig, "cuda_graph_max_tokens")
@@ -216,6 +265,32 @@ class LaunchConfig:
     encoder_gpu_jpeg_decode: bool = _like(EncoderConfig, "gpu_jpeg_decode")
     mps: bool = _f(True, "run the stages that share a GPU under CUDA MPS (a daemon the launcher starts and stops; "
                          "kernels of several stages run at once); --no-mps: the GPU time-slices between them")
+
+    def __post_init__(self):
+        for name in ("num_encoders", "num_prefills", "num_decodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("prefill_tp", "decode_tp", "encoder_gpus", "prefill_gpus", "decode_gpus"):
+            setattr(self, name, as_list(getattr(self, name), int, "--" + name.replace("_", "-")))
+            self.per_server(name)  # as many values as servers (or one), each in range: a clear error now
+
+    def per_server(self, name: str) -> list[int]:
+        """The list flag ``name`` (``prefill_tp``, ``decode_gpus``, ``encoder_gpus``..) with one value per server of
+        its role: a single value repeats for every server.
+
+        Raises:
+            ValueError: as many values as neither 1 nor the servers of that role, or a value out of range (TP
+                below 1, a negative GPU index).
+        """
+        role = name.split("_")[0]
+        count = {"encoder": self.num_encoders, "prefill": self.num_prefills, "decode": self.num_decodes}[role]
+        values, flag = getattr(self, name), "--" + name.replace("_", "-")
+        if len(values) not in (1, count):
+            raise ValueError(f"{flag} has {len(values)} values for {count} {role} server(s): give one, or one each")
+        low = 1 if name.endswith("_tp") else 0
+        if min(values) < low:
+            raise ValueError(f"{flag} values must be at least {low}, got {values}")
+        return values * count if len(values) == 1 else list(values)
 
 
 def _base_type(tp):
@@ -235,8 +310,29 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
         help_ = f.metadata.get("help", "")
         if tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        elif typing.get_origin(tp) is list:
+            default = f.default_factory()
+            parser.add_argument(flag, action=_ListAction, item=typing.get_args(tp)[0], default=default,
+                                help=f"{help_} (default: {','.join(map(str, default))})")
         else:
             parser.add_argument(flag, type=tp, default=f.default, help=f"{help_} (default: {f.default!r})")
+
+
+class _ListAction(argparse.Action):
+    """A list flag: comma-separated values, the flag repeatable; the values given replace the default."""
+
+    def __init__(self, *args, item: type = str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.item = item
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            new = as_list(values, self.item, option_string)
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        seen = getattr(namespace, self.dest)
+        # The first use replaces the default; later ones add to it.
+        setattr(namespace, self.dest, new if seen is self.default else [*seen, *new])
 
 
 def config_from_args(cls: type, args: argparse.Namespace):

@@ -1,15 +1,17 @@
-"""The gateway: the OpenAI-compatible HTTP server in front of one encoder pool, one prefill and one decode server.
+"""The gateway: the OpenAI-compatible HTTP server in front of one encoder pool and one or more prefill and decode
+servers (:mod:`epdserve.gateway.stages`).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
 (:mod:`epdserve.frontend.openai`), ``POST /generate`` (:mod:`epdserve.frontend.native`), the Open Inference Protocol
 v2 under ``/v2`` (:mod:`epdserve.frontend.kserve.http`; over gRPC on ``--kserve-grpc-port``:
 :mod:`epdserve.gateway.kserve_grpc`), ``GET /health``
-(readiness: 200 once the processor is loaded, prefill and decode have answered and are up, and at least one encoder
-serves, else 503 with the reason; ``?details=1`` adds a JSON body with every stage's liveness and load, ``&fresh=1``
-asks prefill and decode for their load now), ``GET /health/live`` (liveness: 200 while the process answers at all),
-and ``GET /metrics``, ``/get_model_info``, ``/get_server_info`` (:mod:`epdserve.gateway.routes`). Every error is
-OpenAI error JSON; schema errors and malformed JSON are 400 (not FastAPI's 422). Overload and stage failures answer
-429/503 with ``Retry-After`` (see :mod:`epdserve.frontend.admission`), the request deadline 504.
+(readiness: 200 once the processor is loaded, a prefill and a decode server have answered and are up, and at least
+one encoder serves, else 503 with the reason; ``?details=1`` adds a JSON body with every server's liveness and load,
+a list per role, ``&fresh=1`` asks the prefill and decode servers for their load now), ``GET /health/live``
+(liveness: 200 while the process answers at all), and ``GET /metrics``, ``/get_model_info``, ``/get_server_info``
+(:mod:`epdserve.gateway.routes`). Every error is OpenAI error JSON; schema errors and malformed JSON are 400 (not
+FastAPI's 422). Overload and stage failures answer 429/503 with ``Retry-After`` (see
+:mod:`epdserve.frontend.admission`), the request deadline 504.
 """
 
 from __future__ import annotations

@@ -44,23 +44,27 @@ class StageLiveness:
         role: the stage's role, checked against its ``ServerInfo``.
         addr: its endpoint, for messages.
         sock: the gateway's DEALER socket connected to it.
-        info: the handshake answer (the stage starts up).
+        info: the handshake answer (the stage starts up), or None for a server that has not answered yet (it
+            starts down and comes up on its first ``ServerInfo``, as a restarted one does).
         interval_s: seconds between heartbeats.
         timeout_s: seconds of silence after which the stage is taken as down.
     """
 
-    def __init__(self, role: str, addr: str, sock: zmq.asyncio.Socket, info: ServerInfo, *, interval_s: float,
-                 timeout_s: float, on_down: Callable[[str, str], None], on_up: Callable[[ServerInfo], None]):
+    def __init__(self, role: str, addr: str, sock: zmq.asyncio.Socket, info: ServerInfo | None, *,
+                 interval_s: float, timeout_s: float, on_down: Callable[[str, str], None],
+                 on_up: Callable[[ServerInfo], None]):
         self.role, self.addr, self.sock = role, addr, sock
         self.info = info
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._on_down, self._on_up = on_down, on_up
-        self.up = True
-        self.reason = ""  # why it is down
+        self.up = info is not None
+        self.reason = "" if self.up else "has not answered yet"  # why it is down
         self.changed_at = time.monotonic()
         self.last_seen = time.monotonic()
         self.load: Load | None = None
         self._down = asyncio.get_running_loop().create_future()  # resolved when the stage goes down
+        if not self.up:
+            self._down.set_result(self.reason)
         self._load_waiters: list[asyncio.Future] = []
         self._tasks: list[asyncio.Task] = []
 

@@ -35,7 +35,7 @@ def gateway_router(gw: Gateway, authorize: Callable) -> APIRouter:
         body = {"status": "ok" if why is None else "unavailable", "reason": why,
                 "gateway": {"inflight": gw.admission.inflight, "queued": gw.admission.queued,
                             "at_stages": gw.stages.num_inflight if gw.ready else 0},
-                "stages": await gw.stages.health(fresh) if gw.stages.liveness else {}}
+                "stages": await gw.stages.health(fresh) if gw.stages.servers else {}}
         return JSONResponse(body, status_code=status)
 
     @router.get("/get_model_info", dependencies=[Depends(authorize)])
@@ -62,10 +62,16 @@ def not_ready(gw: Gateway) -> str | None:
 def model_info(gw: Gateway) -> dict[str, Any]:
     """SGLang's ``/get_model_info`` fields plus the stages' geometry (the gateway must be ready).
 
-    ``tp_size`` is the prefill server's TP ranks (one embedding endpoint each); ``kv_pool_tokens`` is each LM
-    server's KV pool in tokens (pages x page size).
+    With several servers of a role, the one with the smallest KV pool speaks for it (it bounds what a request may
+    take). ``tp_size`` is that prefill server's TP ranks (one embedding endpoint each); ``kv_pool_tokens`` is a KV
+    pool in tokens (pages x page size); ``num_servers`` counts the servers of each role.
     """
-    pre, dec = gw.stages.prefill_info, gw.stages.decode_info
+    infos = gw.stages.infos()
+
+    def smallest(role: str):
+        return min((i for i in infos if i.role == role), key=lambda i: i.num_pages * i.page_size)
+
+    pre, dec = smallest("prefill"), smallest("decode")
     return {
         "model_path": gw.model_path,
         "tokenizer_path": gw.model_path,
@@ -77,12 +83,14 @@ def model_info(gw: Gateway) -> dict[str, Any]:
         "page_size": {"prefill": pre.page_size, "decode": dec.page_size},
         "kv_pool_pages": {"prefill": pre.num_pages, "decode": dec.num_pages},
         "kv_pool_tokens": {"prefill": pre.num_pages * pre.page_size, "decode": dec.num_pages * dec.page_size},
+        "num_servers": {"prefill": len(gw.stages.prefills), "decode": len(gw.stages.decodes)},
     }
 
 
 async def server_info(gw: Gateway) -> dict[str, Any]:
-    """The gateway's flags (the API key masked), readiness, the stages' ``ServerInfo`` and every encoder's
-    ``GetServerInfo`` (or the error asking it)."""
+    """The gateway's flags (the API key masked), readiness, every prefill and decode server's ``ServerInfo`` (a list
+    per role, in flag order; null for one that never answered) and every encoder's ``GetServerInfo`` (or the error
+    asking it)."""
     flags = dataclasses.asdict(gw.config)
     if flags.get("api_key"):
         flags["api_key"] = "***"
@@ -93,8 +101,8 @@ async def server_info(gw: Gateway) -> dict[str, Any]:
         "startup_error": None if gw.startup_error is None else str(gw.startup_error),
         "flags": flags,
         "requests_in_flight": len(gw.requests),
-        "prefill": None if stages.prefill_info is None else dataclasses.asdict(stages.prefill_info),
-        "decode": None if stages.decode_info is None else dataclasses.asdict(stages.decode_info),
+        "prefill": [None if s.info is None else dataclasses.asdict(s.info) for s in stages.prefills],
+        "decode": [None if s.info is None else dataclasses.asdict(s.info) for s in stages.decodes],
         "encoders": await _encoder_infos(stages.encoder),
     }
 

@@ -61,7 +61,7 @@ class Gateway:
                 await service.start()
             builder = await asyncio.to_thread(PromptBuilder.from_pretrained, self.model_path)
             await self.stages.start(self.startup_timeout_s)
-            for info in (self.stages.prefill_info, self.stages.decode_info):
+            for info in self.stages.infos():
                 if info.model_path and info.model_path != self.model_path:
                     logger.warning("the %s server serves %s, the gateway tokenizes with %s", info.role,
                                    info.model_path, self.model_path)

@@ -10,14 +10,9 @@ import torch
 
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.engine.grammar import Constraint
+from epdserve.hashing import image_pad_id  # noqa: F401  (the scheduler's name for it)
 from epdserve.kvcache.page_pool import PagePool
 from epdserve.wire.messages import KVRegister, KVTransfer, PrefillRequest, TokenLogprob
-
-
-def image_pad_id(image_hash: str) -> int:
-    """Radix-cache key id for every token of an image: above any vocabulary id and unique per image hash
-    (60 bits of the SHA-256), so equal images at equal places share KV and different images never do."""
-    return (1 << 62) | int(image_hash[:15], 16)
 
 
 class RecordState(enum.Enum):

@@ -177,22 +177,34 @@ def details(base: str, fresh: bool = True) -> dict:
     return httpx.get(f"{base}/health", params={"details": 1, "fresh": int(fresh)}, timeout=5).json()
 
 
+def stage(d: dict, role: str, index: int = 0) -> dict:
+    """Server ``index``'s entry (``{"index", "addr", "up", "load"...}``) of ``role`` in a ``/health?details=1``
+    body; ``{}`` when there is none."""
+    servers = d.get("stages", {}).get(role, [])
+    return servers[index] if index < len(servers) else {}
+
+
 def at_baseline(d: dict) -> list[str]:
     """What in a ``/health?details=1`` body is not back at rest: requests, KV pages (other than the radix cache's),
-    rooms, embeddings or linear-attention state slots held by a stage, and Encode calls in flight. Empty when
-    everything is."""
+    rooms, embeddings or linear-attention state slots held by a prefill or decode server (each of them; one that is
+    down shows "no load"), and Encode calls in flight. Empty when everything is."""
     problems = []
     stages = d.get("stages", {})
     for role in ("prefill", "decode"):
-        load = stages.get(role, {}).get("load")
-        if load is None:
-            problems.append(f"{role}: no load")
-            continue
-        for key in ("num_running_reqs", "num_waiting_reqs", "rooms", "embeddings", "state_slots_used"):
-            if load.get(key):
-                problems.append(f"{role}.{key}={load[key]}")
-        if load["kv_pages_used"] != load["kv_pages_cached"]:
-            problems.append(f"{role}: {load['kv_pages_used']} pages used, {load['kv_pages_cached']} cached")
+        servers = stages.get(role, [])
+        for server in servers:
+            name = role if len(servers) == 1 else f"{role}{server['index']}"  # as launch names them
+            if server.get("inflight"):
+                problems.append(f"{name}: {server['inflight']} requests in flight at the gateway")
+            load = server.get("load")
+            if load is None:
+                problems.append(f"{name}: no load")
+                continue
+            for key in ("num_running_reqs", "num_waiting_reqs", "rooms", "embeddings", "state_slots_used"):
+                if load.get(key):
+                    problems.append(f"{name}.{key}={load[key]}")
+            if load["kv_pages_used"] != load["kv_pages_cached"]:
+                problems.append(f"{name}: {load['kv_pages_used']} pages used, {load['kv_pages_cached']} cached")
     for enc in stages.get("encoders", []):
         load = enc.get("load") or {}
         if load.get("num_requests") or load.get("num_images_encoding"):

@@ -126,8 +126,8 @@ def test_port_defaults_match_the_docs():
     """The HTTP ports of the fronts are ``--port``; the own gateway's defaults still reach the ZMQ sockets."""
     from epdserve.config import GatewayConfig
 
-    assert GatewayConfig().prefill_addr.endswith(f":{PrefillConfig().zmq_port}")
-    assert GatewayConfig().decode_addr.endswith(f":{DecodeConfig().zmq_port}")
+    assert GatewayConfig().prefill_addr == [f"tcp://127.0.0.1:{PrefillConfig().zmq_port}"]
+    assert GatewayConfig().decode_addr == [f"tcp://127.0.0.1:{DecodeConfig().zmq_port}"]
     ports = [PrefillConfig().port, PrefillConfig().zmq_port, PrefillConfig().embed_port, PrefillConfig().bootstrap_port,
              DecodeConfig().port, DecodeConfig().zmq_port, DecodeConfig().kv_port, EncoderConfig().port]
     assert len(set(ports)) == len(ports)  # every stage can run on one machine with its defaults

@@ -364,13 +364,15 @@ def test_launch_starts_num_encoders_and_gives_the_gateway_all_addresses():
     import argparse
 
     from epdserve.config import LaunchConfig, add_config_args, config_from_args
-    from epdserve.entry.launch import _commands, launch
+    from epdserve.entry.launch import launch
+    from epdserve.entry.launch_plan import plan_launch
 
     parser = argparse.ArgumentParser()
     add_config_args(parser, LaunchConfig)
     cfg = config_from_args(LaunchConfig, parser.parse_args(["--num-encoders", "3"]))
     assert cfg.num_encoders == 3 and LaunchConfig().num_encoders == 1
-    commands, addrs, _ = _commands(cfg, "/models/m")
+    plan = plan_launch(cfg, "/models/m", on_gpus=False)
+    commands, addrs = plan.commands, plan.encoders
     assert sorted(n for n in commands if n.startswith("encoder")) == ["encoder0", "encoder1", "encoder2"]
     assert len(set(addrs)) == 3
     for name, addr in zip(["encoder0", "encoder1", "encoder2"], addrs):
@@ -388,12 +390,13 @@ def test_launch_passes_the_encoder_flags_its_config_mirrors():
     import argparse
 
     from epdserve.config import EncoderConfig, LaunchConfig, add_config_args, config_from_args
-    from epdserve.entry.launch import _commands
+    from epdserve.entry.launch_plan import plan_launch
 
     def encoder_config(launch_flags: list[str]) -> EncoderConfig:
         parser = argparse.ArgumentParser()
         add_config_args(parser, LaunchConfig)
-        commands, _, _ = _commands(config_from_args(LaunchConfig, parser.parse_args(launch_flags)), "/models/m")
+        commands = plan_launch(config_from_args(LaunchConfig, parser.parse_args(launch_flags)), "/models/m",
+                               False).commands
         cmd = commands["encoder0"]
         enc_parser = argparse.ArgumentParser()
         add_config_args(enc_parser, EncoderConfig)
@@ -463,15 +466,15 @@ def test_launch_passes_the_prefill_batching_flags():
     import argparse
 
     from epdserve.config import LaunchConfig, PrefillConfig, add_config_args, config_from_args
-    from epdserve.entry.launch import _commands
+    from epdserve.entry.launch_plan import plan_launch
 
     parser = argparse.ArgumentParser()
     add_config_args(parser, LaunchConfig)
     flags = ["--prefill-max-prefill-tokens", "4096", "--prefill-chunked-prefill-size", "1024"]
-    cmd = _commands(config_from_args(LaunchConfig, parser.parse_args(flags)), "/models/m")[0]["prefill"]
+    cmd = plan_launch(config_from_args(LaunchConfig, parser.parse_args(flags)), "/models/m", False).commands["prefill"]
     pre_parser = argparse.ArgumentParser()
     add_config_args(pre_parser, PrefillConfig)
     got = config_from_args(PrefillConfig, pre_parser.parse_args(cmd[cmd.index("prefill") + 1:]))
     assert (got.max_prefill_tokens, got.chunked_prefill_size) == (4096, 1024)
-    default = _commands(LaunchConfig(), "/models/m")[0]["prefill"]
+    default = plan_launch(LaunchConfig(), "/models/m", False).commands["prefill"]
     assert default[default.index("--max-prefill-tokens") + 1] == str(PrefillConfig().max_prefill_tokens)

@@ -78,7 +78,7 @@ def test_health_details(gateway, reference):
     d = details(base)
     assert d["status"] == "ok"
     for role in ("prefill", "decode"):
-        assert d["stages"][role]["up"] and d["stages"][role]["load"]["kv_pages_total"] == 256
+        assert d["stages"][role][0]["up"] and d["stages"][role][0]["load"]["kv_pages_total"] == 256
     (enc,) = d["stages"]["encoders"]
     assert enc["up"] and enc["load"]["cached_embeddings"] >= 1  # the reference image
     assert httpx.get(f"{base}/health", timeout=5).status_code == 200
@@ -160,8 +160,8 @@ def test_load_past_the_kv_pool_all_succeed(gateway, model):
     def sample() -> None:
         while not sampling.is_set():
             d = details(base, fresh=True)
-            if "load" in d["stages"].get("decode", {}):
-                loads.append(d["stages"]["decode"]["load"])
+            if "load" in d["stages"]["decode"][0]:
+                loads.append(d["stages"]["decode"][0]["load"])
             time.sleep(0.3)
 
     sampler = threading.Thread(target=sample)

@@ -155,6 +155,8 @@ class FakeStage:
         self.port = port or free_port()
         self.addr = f"tcp://127.0.0.1:{self.port}"
         self.script = default_script
+        # What a fake prefill advertises (tests of several prefill servers give each its own).
+        self.embed_endpoints, self.bootstrap_port = EMBED_ENDPOINTS, 38998
         self.received: list = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -189,8 +191,8 @@ class FakeStage:
                     info = ServerInfo(role=self.role, model_path="", context_length=self.context_length,
                                       page_size=16, num_pages=256)
                     if self.role == "prefill":
-                        info.embed_endpoints = EMBED_ENDPOINTS
-                        info.bootstrap_host, info.bootstrap_port = "127.0.0.1", 38998
+                        info.embed_endpoints = self.embed_endpoints
+                        info.bootstrap_host, info.bootstrap_port = "127.0.0.1", self.bootstrap_port
                     sock.send_multipart([ident, *encode(info)])
                 elif isinstance(msg, LoadRequest):
                     # The gateway's heartbeat: a stage silent for stage_timeout_s (10 s) is taken as down, so a

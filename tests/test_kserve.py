@@ -312,12 +312,13 @@ def test_launch_passes_the_grpc_port_to_the_gateway():
     import argparse
 
     from epdserve.config import GatewayConfig, LaunchConfig, add_config_args, config_from_args
-    from epdserve.entry.launch import _commands
+    from epdserve.entry.launch_plan import plan_launch
 
     def gateway_config(launch_flags: list[str]) -> GatewayConfig:
         parser = argparse.ArgumentParser()
         add_config_args(parser, LaunchConfig)
-        commands, _, _ = _commands(config_from_args(LaunchConfig, parser.parse_args(launch_flags)), "/models/m")
+        commands = plan_launch(config_from_args(LaunchConfig, parser.parse_args(launch_flags)), "/models/m",
+                               False).commands
         cmd = commands["gateway"]
         gw_parser = argparse.ArgumentParser()
         add_config_args(gw_parser, GatewayConfig)

@@ -106,8 +106,8 @@ def test_the_pod_wires_the_gateway_to_its_stages():
     # The stages stay on the pod's loopback, where the gateway finds them.
     assert enc.host == pre.host == dec.host == "127.0.0.1"
     assert gw.encoder_addr == f"127.0.0.1:{enc.port}"
-    assert gw.prefill_addr == f"tcp://127.0.0.1:{pre.zmq_port}"
-    assert gw.decode_addr == f"tcp://127.0.0.1:{dec.zmq_port}"
+    assert gw.prefill_addr == [f"tcp://127.0.0.1:{pre.zmq_port}"]
+    assert gw.decode_addr == [f"tcp://127.0.0.1:{dec.zmq_port}"]
     assert pre.port == dec.port == 0 and pre.kv_transfer == dec.kv_transfer == "zmq"
     bound = [p for stage, cfg in configs.items() for p in _bound_ports(stage, cfg)]
     assert len(bound) == len(set(bound)), bound

@@ -24,7 +24,7 @@ import threading
 import pytest
 import torch
 
-from cluster import StageProcs, at_baseline, body, details, noise_png, serve_gateway, stream, wait_for
+from cluster import StageProcs, at_baseline, body, details, noise_png, serve_gateway, stage, stream, wait_for
 from conftest import hf_reference_model, launched
 from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve
 
@@ -127,7 +127,7 @@ def test_greedy_parity_through_the_engine(engine_server, hf, tiny_model_path, ph
 
 def _load(base: str, role: str) -> dict:
     """A stage's load as the gateway's last heartbeat saw it (another stage may be stopped: not fresh)."""
-    return details(base, fresh=False)["stages"].get(role, {}).get("load") or {}
+    return stage(details(base, fresh=False), role).get("load") or {}
 
 
 # NIXL's cases run both servers with TP 2: every rank's engine writes, and a dead decode fails every rank's write.

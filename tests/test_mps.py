@@ -55,18 +55,27 @@ def _calls(record: Path) -> list[dict]:
     return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
 
 
+def _gpus(encoder: int, prefill: tuple[int, int], decode: tuple[int, int], num_encoders: int = 1) -> dict:
+    """The launch plan's GPUs of one prefill and one decode server, each ``(first GPU, TP ranks)``."""
+    from epdserve.entry.launch_plan import plan_launch
+
+    cfg = LaunchConfig(num_encoders=num_encoders, encoder_gpus=[encoder], prefill_gpus=[prefill[0]],
+                       prefill_tp=[prefill[1]], decode_gpus=[decode[0]], decode_tp=[decode[1]])
+    return plan_launch(cfg, "/models/m", on_gpus=True).gpus
+
+
 def test_stage_gpus_and_the_shared_ones():
-    one_gpu = mps.stage_gpus(2, 0, (0, 1), (0, 1))
+    one_gpu = _gpus(0, (0, 1), (0, 1), num_encoders=2)
     assert one_gpu == {"encoder0": [0], "encoder1": [0], "prefill": [0], "decode": [0]}
     assert mps.shared(one_gpu) == {0}
-    apart = mps.stage_gpus(1, 0, (1, 2), (3, 1))
+    apart = _gpus(0, (1, 2), (3, 1))
     assert apart["prefill"] == [1, 2] and mps.shared(apart) == set()
-    assert mps.shared(mps.stage_gpus(1, 2, (0, 1), (2, 1))) == {2}  # encoder and decode on GPU 2
+    assert mps.shared(_gpus(2, (0, 1), (2, 1))) == {2}  # encoder and decode on GPU 2
 
 
 def test_daemon_started_for_the_stages_on_a_shared_gpu_and_quit_after(control, caplog):
     caplog.set_level(logging.INFO, "epdserve.entry.launch")
-    gpus = mps.stage_gpus(1, 1, (0, 1), (1, 1))  # encoder and decode share GPU 1; prefill alone on GPU 0
+    gpus = _gpus(1, (0, 1), (1, 1))  # encoder and decode share GPU 1; prefill alone on GPU 0
     daemon, env = mps.start_for(gpus, True, control[0])
     assert daemon is not None and sorted(env) == ["decode", "encoder0"]
     pipe = env["decode"]["CUDA_MPS_PIPE_DIRECTORY"]
@@ -81,15 +90,15 @@ def test_daemon_started_for_the_stages_on_a_shared_gpu_and_quit_after(control, c
 
 
 def test_nothing_started_when_no_gpu_is_shared_or_mps_is_off(control):
-    assert mps.start_for(mps.stage_gpus(1, 0, (1, 1), (2, 1)), True, control[0]) == (None, {})
-    assert mps.start_for(mps.stage_gpus(1, 0, (0, 1), (0, 1)), False, control[0]) == (None, {})
+    assert mps.start_for(_gpus(0, (1, 1), (2, 1)), True, control[0]) == (None, {})
+    assert mps.start_for(_gpus(0, (0, 1), (0, 1)), False, control[0]) == (None, {})
     assert _calls(control[1]) == []
 
 
 @pytest.mark.parametrize("case", ["refused", "missing", "tensor-parallel", "running"])
 def test_time_slicing_with_one_line_why_when_mps_cannot_be_used(case, control, monkeypatch, tmp_path, caplog):
     caplog.set_level(logging.INFO, "epdserve.entry.launch")
-    gpus = mps.stage_gpus(1, 0, (0, 1), (0, 1))
+    gpus = _gpus(0, (0, 1), (0, 1))
     name = control[0]
     if case == "refused":
         monkeypatch.setenv("FAKE_MPS_FAIL", "1")
@@ -98,7 +107,7 @@ def test_time_slicing_with_one_line_why_when_mps_cannot_be_used(case, control, m
         name = "no-such-mps-control"
         why = "CUDA MPS off (no-such-mps-control is not on PATH)"
     elif case == "tensor-parallel":
-        gpus = mps.stage_gpus(1, 0, (0, 2), (0, 1))
+        gpus = _gpus(0, (0, 2), (0, 1))
         why = "CUDA MPS off: prefill spans several GPUs"
     else:
         (tmp_path / "no-system-daemon").mkdir()
@@ -136,8 +145,8 @@ def test_launch_gives_the_pipe_to_the_stages_on_the_shared_gpu_and_stops_the_dae
 
     monkeypatch.setattr(launch_mod, "_has_cuda", lambda: True)
     monkeypatch.setattr(launch_mod.subprocess, "Popen", Exited)
-    cfg = LaunchConfig(model_path=tiny_model_path, device="cuda", encoder_gpu=1, prefill_base_gpu=0,
-                       decode_base_gpu=1)
+    cfg = LaunchConfig(model_path=tiny_model_path, device="cuda", encoder_gpus=[1], prefill_gpus=[0],
+                       decode_gpus=[1])
     assert launch_mod.launch(cfg, ready_timeout_s=5) == 1
     assert sorted(seen) == ["decode", "encoder0", "gateway", "prefill"]
     assert seen["prefill"] is None and seen["gateway"] is None  # alone on GPU 0; no GPU

@@ -239,7 +239,8 @@ def test_model_and_server_info(server, tiny_model_path):
     assert info["kv_pool_tokens"]["decode"] == info["kv_pool_pages"]["decode"] * 16
     srv = httpx.get(f"{url}/get_server_info", timeout=10).json()
     assert srv["ready"] and srv["flags"]["port"] == int(url.rsplit(":", 1)[1])
-    assert srv["prefill"]["role"] == "prefill" and srv["decode"]["role"] == "decode"
+    assert [s["role"] for s in srv["prefill"]] == ["prefill"] and [s["role"] for s in srv["decode"]] == ["decode"]
+    assert info["num_servers"] == {"prefill": 1, "decode": 1}
     assert len(srv["encoders"]) == 2
     for enc in srv["encoders"]:
         e = enc["info"]

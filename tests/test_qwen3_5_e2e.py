@@ -95,7 +95,7 @@ def _at_rest(url: str) -> list[str]:
     d = details(url)
     problems = at_baseline(d)
     for role in ("prefill", "decode"):
-        load = d["stages"][role].get("load") or {}
+        load = d["stages"][role][0].get("load") or {}
         if not load.get("state_slots_total"):
             problems.append(f"{role}: no state slots reported ({load})")
     return problems
@@ -141,7 +141,7 @@ def test_long_prompt_in_chunks_then_radix_hits_on_state_snapshots(server35, refe
     turn = _check(url, tiny_qwen3_5_path, NEXT_TURN, references["next_turn"])
     assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] >= (n - 1) // PAGE * PAGE
     assert wait_for(lambda: not _at_rest(url), 20, 0.3), _at_rest(url)
-    assert details(url)["stages"]["prefill"]["load"]["state_slots_cached"] > 0
+    assert details(url)["stages"]["prefill"][0]["load"]["state_slots_cached"] > 0
 
 
 def test_aborted_stream_returns_state_slots_and_pages(server35, references, tiny_qwen3_5_path):
@@ -156,7 +156,7 @@ def test_aborted_stream_returns_state_slots_and_pages(server35, references, tiny
             got += line.startswith("data: ")
             if got >= 3:
                 break
-    decode_load = details(url)["stages"]["decode"]["load"]
+    decode_load = details(url)["stages"]["decode"][0]["load"]
     assert decode_load["state_slots_total"] > 0
     assert wait_for(lambda: not _at_rest(url), 20, 0.3), _at_rest(url)
     ref_prompt, ref_ids, _ = references["text"]
@@ -253,7 +253,7 @@ def test_killed_decode_returns_state_slots_and_pages(stages35, references, tiny_
     assert all(r is not None and r.error is not None for r in results), [r and r.events[-2:] for r in results]
 
     def prefill_at_rest() -> bool:
-        load = details(base)["stages"]["prefill"].get("load") or {}
+        load = details(base)["stages"]["prefill"][0].get("load") or {}
         return load.get("state_slots_used") == 0 and load.get("kv_pages_used") == load.get("kv_pages_cached") \
             and load.get("state_slots_total", 0) > 0
 

@@ -78,11 +78,11 @@ def test_embedding_gate_waits_for_every_rank():
 
 def test_launch_places_stages_and_tp_ranks(tiny_model_path):
     from epdserve.config import LaunchConfig
-    from epdserve.entry.launch import _commands
+    from epdserve.entry.launch_plan import plan_launch
 
-    cfg = LaunchConfig(model_path=tiny_model_path, device="cpu", prefill_tp=2, decode_tp=4, prefill_base_gpu=1,
-                       decode_base_gpu=3)
-    cmds, _, _ = _commands(cfg, tiny_model_path)
+    cfg = LaunchConfig(model_path=tiny_model_path, device="cpu", prefill_tp=2, decode_tp=4, prefill_gpus=1,
+                       decode_gpus=3)
+    cmds = plan_launch(cfg, tiny_model_path, on_gpus=False).commands
 
     def flag(name, key):
         cmd = cmds[name]

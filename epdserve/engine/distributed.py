@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -101,10 +102,34 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
-    def close(self) -> None:
-        """Leave the process group (no-op for TP=1). Collectives fail afterwards."""
-        if self.size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self, timeout_s: float = 3.0) -> bool:
+        """Leave the process group (no-op for TP=1). Collectives fail afterwards.
+
+        Bounded: the teardown runs in a daemon thread and this returns after at most ``timeout_s`` seconds. Every
+        rank must call it at about the same time (an NCCL group's teardown flushes its collectives with the
+        peers), and a rank's CUDA graphs must be gone first (:meth:`ModelRunner.release_graphs`).
+
+        Returns:
+            False when the teardown had not finished in time (the process should exit without waiting for it;
+            its forced-exit timer, :mod:`epdserve.engine.shutdown`, ends it otherwise), else True.
+        """
+        if self.size == 1 or not dist.is_initialized():
+            return True
+        done = threading.Event()
+
+        def destroy() -> None:
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # a peer already gone: nothing left to tear down with it
+                log.warning("TP rank %d: leaving the process group failed: %s", self.rank, e)
+            finally:
+                done.set()
+
+        threading.Thread(target=destroy, name="tp-group-close", daemon=True).start()
+        if done.wait(timeout_s):
+            return True
+        log.error("TP rank %d: leaving the process group did not finish within %.0f s", self.rank, timeout_s)
+        return False
 
 
 def rank_device(device: str, base_gpu_id: int, rank: int) -> torch.device:

@@ -289,6 +289,22 @@ class ModelRunner:
         """Release what the runner holds outside this process (nothing for one rank; TP runners stop their
         ranks)."""
 
+    def release_graphs(self) -> None:
+        """Drop the decode and prefill CUDA graphs once the device has run every queued kernel (no-op without
+        graphs). A TP rank calls it before leaving its process group: an NCCL communicator is not destroyed while a
+        captured graph still references it (see :mod:`epdserve.engine.shutdown`). The runner runs eagerly after."""
+        if self.graphs is None and self.prefill_graphs is None:
+            return
+        import gc
+
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        self.graphs = self.prefill_graphs = None
+        gc.collect()  # the graphs' executables are freed now, not at some later collection
+        if cuda:
+            torch.cuda.synchronize(self.device)
+
     def kv_handle(self) -> KVPoolHandle | None:
         """The handle another process of this machine maps this KV pool with, or None without ``share_kv``."""
         return export_pool(self.kv_pool.buffer, self.kv_pool.shm_path) if self.share_kv else None

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import zmq
 
+from epdserve.engine.shutdown import arm_stop_deadline
 from epdserve.frontend.process import spawn_front
 from epdserve.kvcache.engine import KV_ENGINES, KVEngine, make_engine
 from epdserve.kvcache.kv_share import shares_kv
@@ -147,10 +148,18 @@ class StageServer:
     # ---- the loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
         """Serve until SIGINT/SIGTERM (returns 0) or until a TP rank is lost (returns 1, after
-        :meth:`on_rank_lost`); closes the runner, the sockets and the metrics server either way."""
+        :meth:`on_rank_lost`); closes the runner (a TP server's ranks too), the sockets and the metrics server
+        either way. After a signal the process exits within :data:`~epdserve.engine.shutdown.STOP_DEADLINE_S`
+        seconds, with exit code 1 and every thread's stack if its teardown hangs."""
         stopping = []
+
+        def stop(*_) -> None:
+            if not stopping:
+                arm_stop_deadline(f"{self.info.role} server")
+            stopping.append(True)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stopping.append(True))
+            signal.signal(sig, stop)
         self.log_ready()
         try:
             while not stopping and not self.runner.failed:

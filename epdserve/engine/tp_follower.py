@@ -20,7 +20,8 @@ slots are written into by the prefill ranks; a prefill rank writes its KV and De
 (:class:`~epdserve.kvcache.rank_writes.RankWrites`), gives them up on ``TPEngineCancel`` and reports each
 request's end with ``TPEngineWriteDone``.
 
-It exits 0 on ``TPShutdown``, 1 when a call fails or its parent (rank 0) is gone.
+It exits 0 on ``TPShutdown`` (within :data:`~epdserve.engine.shutdown.STOP_DEADLINE_S`, else 1 with every thread's
+stack), 1 when a call fails or its parent (rank 0) is gone.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from epdserve.config import DecodeConfig, PrefillConfig, add_config_args, config
 from epdserve.engine.distributed import TPGroup, rank_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.engine.server import register_kv_engine, start_kv_engine
+from epdserve.engine.shutdown import arm_stop_deadline
 from epdserve.kvcache.rank_writes import RankWrites
 from epdserve.wire.device_share import take_embeddings
 from epdserve.wire.messages import ImageEmbeddings
@@ -211,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
                     follower.add_embeddings(msg)
             while (msg := transport.recv(ctrl)) is not None:
                 if not follower.handle(msg):
-                    tp.close()  # leave the group before exiting (torch warns about, and may wait on, a live one)
+                    arm_stop_deadline(f"{args.role} TP rank {rank}")
+                    # Leave the group before exiting (torch warns about, and may wait on, a live one); the graphs
+                    # first, since NCCL does not destroy a communicator a captured graph still references.
+                    runner.release_graphs()
+                    tp.close()
                     return 0
     except Exception:
         log.exception("%s TP rank %d failed", args.role, rank)

@@ -200,27 +200,34 @@ class TPRunner:
             self._send(TPReleaseEmbeddings(rids=list(rids)))
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Tell the other ranks to exit, leave the process group alongside them, and wait for them (killing any
-        that do not exit within ``timeout_s``)."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Tell the other ranks to exit, drop this rank's CUDA graphs and leave the process group alongside them
+        (bounded: :meth:`TPGroup.close`), and wait for them, killing any that have not exited ``timeout_s`` seconds
+        after they were told (:mod:`epdserve.engine.shutdown`)."""
         if self._closing.is_set():
             return
         self._closing.set()
+        deadline = time.monotonic() + timeout_s
         if self.failed is None:
             try:
                 self._send(TPShutdown())
             except zmq.ZMQError:
                 pass
             # Every rank leaves the group at about the same time: the ranks leave it on TPShutdown, and an NCCL
-            # group's teardown may wait for its peers, so rank 0 must not first wait for them to exit.
-            self.tp.close()
-        deadline = time.monotonic() + timeout_s
-        for proc in self._procs.values():
+            # group's teardown may wait for its peers, so rank 0 must not first wait for them to exit. The graphs
+            # go first: a communicator that a captured graph references is never destroyed.
+            self.prefill_graphs = None
+            self.local.release_graphs()
+            self.tp.close(timeout_s=max(0.5, deadline - time.monotonic() - 1.0))
+        for rank, proc in self._procs.items():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.error("TP rank %d did not exit within %.0f s of being told; killed", rank, timeout_s)
                 proc.kill()
                 proc.wait()
+        log.debug("TP ranks 1..%d stopped %.1f s after being told", len(self._procs),
+                  time.monotonic() - deadline + timeout_s)
         self._ctx.destroy(linger=0)
 
     def _send(self, msg) -> None:

@@ -135,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
                                           size=args.size or "tiny"))
         return 0
     cls, _ = _SERVERS[args.command]
-    return _run_server(args.command, config_from_args(cls, args))
+    try:
+        config = config_from_args(cls, args)
+    except ValueError as e:  # flags that parse but do not fit together: one line and exit 2, as argparse does
+        sub.choices[args.command].error(str(e))
+    return _run_server(args.command, config)
 
 
 if __name__ == "__main__":

@@ -33,16 +33,6 @@ CONTROL = "nvidia-cuda-mps-control"
 DEFAULT_PIPE_DIR = Path("/tmp/nvidia-mps")
 
 
-def stage_gpus(num_encoders: int, encoder_gpu: int, prefill: tuple[int, int], decode: tuple[int, int]
-               ) -> dict[str, list[int]]:
-    """The GPUs of every stage process by name (``encoder0``.., ``prefill``, ``decode``); ``prefill`` and
-    ``decode`` are ``(base GPU, TP ranks)``: rank r on GPU base + r."""
-    gpus = {f"encoder{i}": [encoder_gpu] for i in range(num_encoders)}
-    gpus["prefill"] = list(range(prefill[0], prefill[0] + prefill[1]))
-    gpus["decode"] = list(range(decode[0], decode[0] + decode[1]))
-    return gpus
-
-
 def shared(gpus: dict[str, list[int]]) -> set[int]:
     """The GPUs that more than one stage process uses."""
     count = collections.Counter(g for used in gpus.values() for g in used)
@@ -112,7 +102,7 @@ def start_for(gpus: dict[str, list[int]], enabled: bool, control: str = CONTROL
     """Start MPS for the stage processes that share a GPU (see the module docstring for when it does not).
 
     Args:
-        gpus: every stage process's GPUs (:func:`stage_gpus`).
+        gpus: every stage process's GPUs by name (``LaunchPlan.gpus``).
         enabled: ``--mps``; with False nothing is started or logged.
         control: the control binary (a test passes its own).
 
