@@ -44,8 +44,8 @@ class Stages(Protocol):
 
     @property
     def bootstrap(self) -> tuple[str, int] | None:
-        """The prefill server's bootstrap (host, port) for a ``DecodeRequest``; None where the PD router names it
-        per request."""
+        """The prefill server's bootstrap (host, port) for a ``DecodeRequest``; None where each request's is named
+        when it is placed (a PD router, or the gateway choosing among several prefill servers)."""
         ...
 
     def not_ready(self) -> str | None:
