@@ -157,12 +157,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection; the intermediate features are
-    split over the TP ranks."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection; the intermediate features
+    (``intermediate``, default ``cfg.intermediate_size``; a shared expert's own size) are split over the TP ranks."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, intermediate: int | None = None):
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = cfg.intermediate_size if intermediate is None else intermediate
         start, local = split_evenly(inter, tp, "intermediate size")
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(inter, start, local)] * 2, bias=False)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
