@@ -144,7 +144,7 @@ def tiny_qwen3_vl_moe_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_moe_path(tmp_path_factory) -> str:
-    """The tiny Qwen3.5-MoE checkpoint (the tiny Qwen3.5's layers, every MLP 64 experts top-2 plus a shared expert,
+    """The tiny Qwen3.5-MoE checkpoint (the tiny Qwen3.5's layers, every MLP 16 experts top-2 plus a shared expert,
     experts fused as released), written through the command line (``--arch qwen3.5-moe``)."""
     from epdserve.entry.cli import main
 

@@ -91,7 +91,7 @@ def test_per_expert_checkpoint_loads_the_same_model(hf_moe, tmp_path, runner):
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         names = list(f.keys())
         assert any(".mlp.experts.0.gate_proj.weight" in n for n in names)  # per expert
-        fused = dict(fuse_per_expert(((n, f.get_tensor(n)) for n in names), 64))
+        fused = dict(fuse_per_expert(((n, f.get_tensor(n)) for n in names), runner.config.num_experts))
     hf_layer = hf_moe.model.language_model.layers[0].mlp.experts
     assert torch.equal(fused["model.language_model.layers.0.mlp.experts.gate_up_proj"], hf_layer.gate_up_proj)
     assert torch.equal(fused["model.language_model.layers.0.mlp.experts.down_proj"], hf_layer.down_proj)
