@@ -168,13 +168,14 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
         self.fused = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``."""
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]`` (``reduce`` False: this TP rank's partial sum, see
+        :meth:`RowParallelLinear.forward`)."""
         gate_up = self.gate_up_proj(x)
         if self.fused:
-            return self.down_proj(_flashinfer().activation.silu_and_mul(gate_up))
+            return self.down_proj(_flashinfer().activation.silu_and_mul(gate_up), reduce)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(nn.functional.silu(gate) * up, reduce)
 
 
 class DecoderLayer(nn.Module):

@@ -20,8 +20,8 @@ Reference: transformers 5 ``models/qwen3_5_moe/modeling_qwen3_5_moe.py`` (``Qwen
 
 Tensor parallelism: the routed experts as Qwen3-VL-MoE's (each expert's intermediate features split, router
 replicated), the shared expert as the dense MLP (column- then row-parallel), ``shared_expert_gate`` replicated.
-The shared expert's row-parallel down projection and the routed sum make two all-reduces per block (a single
-one after the gated add is possible: the gate is linear in the partial sums).
+Each rank adds its partial routed sum and its gated partial shared-expert output (the gate scales partial sums as it
+would the whole), and one all-reduce per block sums them.
 """
 
 from __future__ import annotations
@@ -57,11 +57,12 @@ class SharedExpertMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``; the sum in transformers' order (routed + gated shared)."""
+        """``[T, hidden]`` -> ``[T, hidden]``; the sum in transformers' order (routed + gated shared). Under TP both
+        parts are this rank's partial sums (the gate is replicated, so it scales a partial as it would the whole)
+        and one all-reduce sums them."""
         routed = self.experts(x, *route(x, self.gate.weight, self.top_k))
-        if self.tp.size > 1:
-            routed = self.tp.all_reduce(routed)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
+        return self.tp.all_reduce(out)
 
 
 # One expert's projection in transformers' per-expert checkpoint names (after any prefix: lm names, or the
