@@ -207,7 +207,7 @@ class VisionEncoder:
         # One packed kernel per layer, not one per window. Set after construction: at construction
         # transformers would look for a "flash" implementation on its kernel hub.
         model.config._attn_implementation = register()
-        if cuda_graphs > 0 and self.model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):
+        if cuda_graphs > 0 and self.model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
             log.info("vision-tower CUDA graphs do not cover Qwen3-VL's tower (nor Qwen3.5's) yet: it runs without "
                      "them")
         elif cuda_graphs > 0:

@@ -17,7 +17,7 @@ def vision_class(model_type: str) -> type:
     """transformers' vision tower class of ``model_type``.
 
     Raises:
-        ValueError: not ``qwen2_5_vl``, ``qwen2_vl``, ``qwen3_vl``, ``qwen3_vl_moe`` or ``qwen3_5``.
+        ValueError: not ``qwen2_5_vl``, ``qwen2_vl``, ``qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5`` or ``qwen3_5_moe``.
     """
     if model_type == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
@@ -39,8 +39,12 @@ def vision_class(model_type: str) -> type:
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
         return Qwen3_5VisionModel
+    if model_type == "qwen3_5_moe":  # the MoE LM's tower: Qwen3.5's
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+        return Qwen3_5MoeVisionModel
     raise ValueError(f"unsupported model_type {model_type!r}; expected 'qwen2_5_vl', 'qwen2_vl', 'qwen3_vl', "
-                     "'qwen3_vl_moe' or 'qwen3_5'")
+                     "'qwen3_vl_moe', 'qwen3_5' or 'qwen3_5_moe'")
 
 
 def _safetensors_files(model_path: Path) -> list[Path]:

@@ -131,6 +131,28 @@ def tiny_qwen3_5_path(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_moe_path(tmp_path_factory) -> str:
+    """The tiny Qwen3-VL-MoE checkpoint (every layer sparse, 32 experts top-2, the released transposed expert
+    layout), written through the command line (``--arch qwen3-vl-moe``)."""
+    from epdserve.entry.cli import main
+
+    path = tmp_path_factory.mktemp("tiny-qwen3-vl-moe")
+    assert main(["make-tiny-model", str(path), "--arch", "qwen3-vl-moe"]) == 0
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_path(tmp_path_factory) -> str:
+    """The tiny Qwen3.5-MoE checkpoint (the tiny Qwen3.5's layers, every MLP 16 experts top-2 plus a shared expert,
+    experts fused as released), written through the command line (``--arch qwen3.5-moe``)."""
+    from epdserve.entry.cli import main
+
+    path = tmp_path_factory.mktemp("tiny-qwen3.5-moe")
+    assert main(["make-tiny-model", str(path), "--arch", "qwen3.5-moe"]) == 0
+    return str(path)
+
+
 def hf_reference_model(path: str, expect: str | None = None):
     """transformers' ``(processor, model)`` of the checkpoint at ``path``, the model in float32 and eval mode: the
     reference the parity tests compare with. ``expect``: the model class name it must have."""

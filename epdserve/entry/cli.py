@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   "released model's shapes with --preset)")
     tiny.add_argument("dir")
     tiny.add_argument("--arch", choices=[*ARCH_ALIASES, *ARCHS],
-                      help="for --size: qwen2.5-vl (default), qwen2-vl, qwen3-vl or qwen3.5 (or the model types "
-                           "qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_5)")
+                      help="for --size: qwen2.5-vl (default), qwen2-vl, qwen3-vl, qwen3.5, or qwen3-vl-moe and "
+                           "qwen3.5-moe (tiny only) (or the model types qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_5, "
+                           "qwen3_vl_moe, qwen3_5_moe)")
     tiny.add_argument("--seed", type=int, default=0)
     shape = tiny.add_mutually_exclusive_group()
     shape.add_argument("--size", choices=sorted(SIZES), help="tiny for CPU tests, small for GPUs (default tiny)")

@@ -12,7 +12,8 @@ def language_model_class(cfg: ModelConfig) -> type:
     """The LM class serving ``cfg.model_type``: :class:`~epdserve.models.qwen2_vl_lm.Qwen2VLLanguageModel` for
     ``qwen2_vl`` and ``qwen2_5_vl``, :class:`~epdserve.models.qwen3_vl_lm.Qwen3VLLanguageModel` for ``qwen3_vl``,
     :class:`~epdserve.models.qwen3_vl_moe_lm.Qwen3VLMoeLanguageModel` for ``qwen3_vl_moe``,
-    :class:`~epdserve.models.qwen3_5_lm.Qwen3_5LanguageModel` for ``qwen3_5`` (hybrid: also takes a state pool).
+    :class:`~epdserve.models.qwen3_5_lm.Qwen3_5LanguageModel` for ``qwen3_5`` (hybrid: also takes a state pool),
+    :class:`~epdserve.models.qwen3_5_moe_lm.Qwen3_5MoeLanguageModel` for ``qwen3_5_moe`` (hybrid too).
     Every class takes ``(cfg, attn=None, tp=None)`` and has ``materialize``, ``use_fused_ops``, ``load_weights``
     and ``forward(batch, out=None)``.
 
@@ -35,4 +36,8 @@ def language_model_class(cfg: ModelConfig) -> type:
         from epdserve.models.qwen3_5_lm import Qwen3_5LanguageModel
 
         return Qwen3_5LanguageModel
+    if cfg.model_type == "qwen3_5_moe":
+        from epdserve.models.qwen3_5_moe_lm import Qwen3_5MoeLanguageModel
+
+        return Qwen3_5MoeLanguageModel
     raise ValueError(f"no language model for model_type {cfg.model_type!r}")

@@ -8,23 +8,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 # What transformers' config classes assume when a key is absent. Qwen3-VL (``Qwen3VLTextConfig``) has an explicit
 # ``head_dim`` defaulting to 128 and ``mrope_section`` [24, 20, 20] (``Qwen3VLTextRotaryEmbedding``); Qwen2-VL and
 # Qwen2.5-VL derive head_dim from hidden / heads and default to [16, 24, 24].
 # Qwen3.5 (``Qwen3_5TextConfig``, ``Qwen3_5TextRotaryEmbedding``): head_dim 256, [11, 11, 10] over the rotary quarter
 # of head_dim (``partial_rotary_factor`` 0.25), no DeepStack.
-# Qwen3-VL-MoE (``Qwen3VLMoeTextConfig``) shares Qwen3-VL's attention, RoPE and vision defaults.
-_DEFAULT_MROPE_SECTION = {"qwen3_vl": (24, 20, 20), "qwen3_vl_moe": (24, 20, 20), "qwen3_5": (11, 11, 10)}
-_DEFAULT_HEAD_DIM = {"qwen3_vl": 128, "qwen3_vl_moe": 128, "qwen3_5": 256}
-_DEFAULT_ROPE_THETA = {"qwen3_vl": 500000.0, "qwen3_vl_moe": 500000.0, "qwen3_5": 10000000.0}
+# Qwen3-VL-MoE (``Qwen3VLMoeTextConfig``) shares Qwen3-VL's attention, RoPE and vision defaults, Qwen3.5-MoE
+# (``Qwen3_5MoeTextConfig``) Qwen3.5's.
+_DEFAULT_MROPE_SECTION = {"qwen3_vl": (24, 20, 20), "qwen3_vl_moe": (24, 20, 20), "qwen3_5": (11, 11, 10),
+                          "qwen3_5_moe": (11, 11, 10)}
+_DEFAULT_HEAD_DIM = {"qwen3_vl": 128, "qwen3_vl_moe": 128, "qwen3_5": 256, "qwen3_5_moe": 256}
+_DEFAULT_ROPE_THETA = {"qwen3_vl": 500000.0, "qwen3_vl_moe": 500000.0, "qwen3_5": 10000000.0,
+                       "qwen3_5_moe": 10000000.0}
 # Qwen3VLVisionConfig.deepstack_visual_indexes (and Qwen3VLMoeVisionConfig's)
 _DEFAULT_DEEPSTACK = {"qwen3_vl": (8, 16, 24), "qwen3_vl_moe": (8, 16, 24)}
-_DEFAULT_PARTIAL_ROTARY = {"qwen3_5": 0.25}
+_DEFAULT_PARTIAL_ROTARY = {"qwen3_5": 0.25, "qwen3_5_moe": 0.25}
+_HYBRID = ("qwen3_5", "qwen3_5_moe")
+# Expert defaults of Qwen3VLMoeTextConfig and Qwen3_5MoeTextConfig: (experts, top-k, expert and shared-expert
+# intermediate sizes). Qwen3.5-MoE has no dense layers (no intermediate_size, decoder_sparse_step, mlp_only_layers).
+_MOE_DEFAULTS = {"qwen3_vl_moe": (60, 4, 1408, 0), "qwen3_5_moe": (256, 8, 512, 512)}
 # transformers' Qwen3VLTextRotaryEmbedding (and Qwen3_5TextRotaryEmbedding) always interleaves (the checkpoints'
 # ``mrope_interleaved: true`` is informative only); Qwen2/2.5-VL never do.
-_INTERLEAVED_MROPE = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+_INTERLEAVED_MROPE = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # Qwen3_5TextConfig's defaults for the Gated DeltaNet (linear-attention) layers.
 _LINEAR_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                     "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
@@ -91,12 +98,15 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
-    # Qwen3-VL-MoE (Qwen3VLMoeTextConfig; 0 experts: a dense model): see epdserve.models.qwen3_vl_moe_lm.
+    # Qwen3-VL-MoE and Qwen3.5-MoE (0 experts: a dense model): see epdserve.models.qwen3_vl_moe_lm and
+    # epdserve.models.qwen3_5_moe_lm; shared_expert_intermediate_size > 0: each sparse block adds a gated shared
+    # expert (Qwen3.5-MoE).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -196,7 +206,9 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            # Qwen3.5-MoE has no dense MLP, and no intermediate_size key.
+            intermediate_size=int(get("intermediate_size", 0) if model_type == "qwen3_5_moe"
+                                  else need("intermediate_size")),
             num_layers=int(need("num_hidden_layers")),
             num_heads=heads,
             num_kv_heads=int(get("num_key_value_heads", heads)),
@@ -239,15 +251,19 @@ def _rope_fields(model_type: str, get, head_dim: int) -> tuple[tuple[int, int, i
 
 
 def _moe_fields(model_type: str, get) -> dict[str, Any]:
-    """The routed-expert sizes of a Qwen3-VL-MoE text config with ``Qwen3VLMoeTextConfig``'s defaults (60 experts,
-    top-4, 1408, sparse step 1, no MLP-only layers); ``{}`` for other models. The expert count is ``num_experts``
-    in the released configs and ``num_local_experts`` in what transformers 5 writes (its ``attribute_map``)."""
-    if model_type != "qwen3_vl_moe":
+    """The expert sizes of a Qwen3-VL-MoE or Qwen3.5-MoE text config with their config classes' defaults
+    (``_MOE_DEFAULTS``; Qwen3-VL-MoE: sparse step 1, no MLP-only layers; Qwen3.5-MoE: every layer sparse, with a
+    shared expert); ``{}`` for other models. The expert count is ``num_experts`` in the released configs and
+    ``num_local_experts`` in what transformers 5 writes of Qwen3-VL-MoE (its ``attribute_map``)."""
+    if model_type not in _MOE_DEFAULTS:
         return {}
-    experts = get("num_experts", get("num_local_experts", 60))
-    return {"num_experts": int(experts), "num_experts_per_tok": int(get("num_experts_per_tok", 4)),
-            "moe_intermediate_size": int(get("moe_intermediate_size", 1408)),
-            "decoder_sparse_step": int(get("decoder_sparse_step", 1)),
+    experts, top_k, inter, shared = _MOE_DEFAULTS[model_type]
+    out = {"num_experts": int(get("num_experts", get("num_local_experts", experts))),
+           "num_experts_per_tok": int(get("num_experts_per_tok", top_k)),
+           "moe_intermediate_size": int(get("moe_intermediate_size", inter))}
+    if model_type == "qwen3_5_moe":
+        return {**out, "shared_expert_intermediate_size": int(get("shared_expert_intermediate_size", shared))}
+    return {**out, "decoder_sparse_step": int(get("decoder_sparse_step", 1)),
             "mlp_only_layers": tuple(int(i) for i in get("mlp_only_layers", ()) or ())}
 
 
@@ -258,7 +274,7 @@ def _hybrid_fields(model_type: str, get, num_layers: int) -> dict[str, Any]:
     Raises:
         ValueError: ``layer_types`` of the wrong length or with an unknown type.
     """
-    if model_type != "qwen3_5":
+    if model_type not in _HYBRID:
         return {}
     types = get("layer_types")
     if types is None:

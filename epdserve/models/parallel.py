@@ -116,9 +116,11 @@ class RowParallelLinear(nn.Module):
         self.start, local = split_evenly(in_features, tp, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, local))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, in / size]`` (this rank's features) -> ``[T, out]``, summed over the ranks."""
-        return self.tp.all_reduce(F.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``[T, in / size]`` (this rank's features) -> ``[T, out]``, summed over the ranks (``reduce`` False: this
+        rank's partial product, for a caller that sums it with others in one all-reduce)."""
+        y = F.linear(x, self.weight)
+        return self.tp.all_reduce(y) if reduce else y
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
         """Copy this rank's columns of checkpoint ``tensor`` ``[out, in]`` into ``param``. Raises ValueError on a

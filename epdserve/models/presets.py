@@ -85,6 +85,17 @@ PRESETS = {
                   num_attention_heads=32),
         vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
                     deepstack_visual_indexes=[8, 16, 24])),
+    # Qwen/Qwen3-VL-30B-A3B-Instruct (mixture of experts): the released config.json, sources and fields in
+    # epdserve.models.qwen3_vl_moe_checkpoint: every one of 48 layers routes 128 experts of 768, top-8 (no shared
+    # expert; the dense intermediate_size 6144 is never built), 32 Q / 4 KV heads of 128, untied; the 8B's tower
+    # with out 2048. ~61 GB of bf16 weights, experts written transposed as released.
+    "qwen3-vl-30b-a3b": dict(
+        arch="qwen3_vl_moe", tie_word_embeddings=False,
+        text=dict(_QWEN3_TEXT, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                  num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
+                  moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[]),
+        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                    deepstack_visual_indexes=[8, 16, 24])),
     # Qwen/Qwen3.5-9B: transformers 5's Qwen3_5TextConfig defaults; checked again 2026-11 against two public
     # copies of the released text_config (cpehle/tyr Tyr/Model/Qwen35/Config.lean `qwen35_9B`, and a Rust test
     # fixture found with find_string '"model_type": "qwen3_5_text",': 4096 x 32 layers, FFN 12288, 16 Q / 4 KV
@@ -159,6 +170,8 @@ def _init_kind(module, param_name: str) -> str:
         return "ones" if param_name == "dt_bias" else "a_log"
     if name == "Qwen3_5RMSNorm":  # applied as (1 + weight)
         return "zeros"
+    if name.endswith(("MoeTextExperts", "MoeTextTopKRouter")):  # fused experts and the router: normal
+        return "normal"
     if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)):
         return "zeros" if param_name == "bias" else "normal"
     if "LayerNorm" in name or "RMSNorm" in name:
@@ -177,6 +190,8 @@ def _tensor_plan(model) -> list[tuple[str, str, tuple[int, ...], str, int | None
     from torch import nn
     from transformers.core_model_loading import revert_weight_conversion
 
+    from epdserve.models.qwen3_vl_moe_checkpoint import is_fused_expert
+
     tied = set(model.all_tied_weights_keys)
     plan = []
     for module_name, module in model.named_modules():
@@ -188,7 +203,10 @@ def _tensor_plan(model) -> list[tuple[str, str, tuple[int, ...], str, int | None
             if len(saved) != 1:
                 raise ValueError(f"{name} saves as {saved}; expected one name")
             padding_idx = module.padding_idx if isinstance(module, nn.Embedding) else None
-            plan.append((saved[0], name, tuple(param.shape), _init_kind(module, param_name), padding_idx))
+            shape = tuple(param.shape)
+            if is_fused_expert(saved[0]):  # the released layout: [E, hidden, 2I] and [E, I, hidden]
+                shape = (shape[0], shape[2], shape[1])
+            plan.append((saved[0], name, shape, _init_kind(module, param_name), padding_idx))
     return plan
 
 
@@ -199,12 +217,14 @@ def _preset_config(spec: dict, tokenizer, overrides: dict):
     from epdserve.models import tiny
     from epdserve.models.qwen3_5_checkpoint import qwen3_5_config
     from epdserve.models.qwen3_vl_checkpoint import RELEASED_IMAGE_PIXELS, qwen3_vl_config, write_qwen3_vl_processor
+    from epdserve.models.qwen3_vl_moe_checkpoint import qwen3_vl_moe_config
 
     text = {**spec["text"], **overrides.get("text", {})}
     vision = {**spec["vision"], **overrides.get("vision", {})}
     tie = spec["tie_word_embeddings"]
-    if spec["arch"] in ("qwen3_vl", "qwen3_5"):
-        make = qwen3_vl_config if spec["arch"] == "qwen3_vl" else qwen3_5_config
+    if spec["arch"] in ("qwen3_vl", "qwen3_5", "qwen3_vl_moe"):
+        make = {"qwen3_vl": qwen3_vl_config, "qwen3_5": qwen3_5_config,
+                "qwen3_vl_moe": qwen3_vl_moe_config}[spec["arch"]]
         config, model_cls = make(tokenizer, text=text, vision=vision, tie_word_embeddings=tie)
         return config, model_cls, lambda out: write_qwen3_vl_processor(out, tokenizer,
                                                                        image_pixels=RELEASED_IMAGE_PIXELS)
@@ -296,12 +316,12 @@ def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device
     """Write a random-weight checkpoint with the shapes of a released Qwen-VL model and return its path.
 
     ``preset`` is one of ``PRESETS`` (``qwen2.5-vl-3b``, ``qwen2.5-vl-7b``, ``qwen2-vl-2b``, ``qwen3-vl-2b``,
-    ``qwen3-vl-4b``, ``qwen3-vl-8b``, ``qwen3.5-0.8b``, ``qwen3.5-4b``, ``qwen3.5-9b``, ``qwen3.5-27b``): the real text
-    and vision sizes and vocabulary size (151936 / 152064 / 248320 rows, more than the offline tokenizer's ~550 ids:
-    only the shapes matter), and the released image processor (Qwen2/2.5-VL: ``min_pixels`` 3136, ``max_pixels``
-    12845056, so a 1280x720 image gives 1196 image tokens; Qwen3-VL, and assumed for Qwen3.5: 65536 .. 16777216 pixels,
-    patch 16). Tokenizer, processor, chat template and generation config are those of
-    :func:`~epdserve.models.tiny.make_tiny_model` for the same architecture.
+    ``qwen3-vl-4b``, ``qwen3-vl-8b``, ``qwen3-vl-30b-a3b``, ``qwen3.5-0.8b``, ``qwen3.5-4b``, ``qwen3.5-9b``,
+    ``qwen3.5-27b``): the real text and vision sizes and vocabulary size (151936 / 152064 / 248320 rows, more than
+    the offline tokenizer's ~550 ids: only the shapes matter), and the released image processor (Qwen2/2.5-VL:
+    ``min_pixels`` 3136, ``max_pixels`` 12845056, so a 1280x720 image gives 1196 image tokens; Qwen3-VL, and
+    assumed for Qwen3.5: 65536 .. 16777216 pixels, patch 16). Tokenizer, processor, chat template and generation
+    config are those of :func:`~epdserve.models.tiny.make_tiny_model` for the same architecture.
 
     Weights: the HF model class is built on the ``meta`` device only for the tensor names and shapes; each
     tensor is then drawn directly in bfloat16 on ``device`` from its own generator, seeded by ``seed`` and a

@@ -157,24 +157,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection; the intermediate features are
-    split over the TP ranks."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection; the intermediate features
+    (``intermediate``, default ``cfg.intermediate_size``; a shared expert's own size) are split over the TP ranks."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, intermediate: int | None = None):
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = cfg.intermediate_size if intermediate is None else intermediate
         start, local = split_evenly(inter, tp, "intermediate size")
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(inter, start, local)] * 2, bias=False)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
         self.fused = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``."""
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]`` (``reduce`` False: this TP rank's partial sum, see
+        :meth:`RowParallelLinear.forward`)."""
         gate_up = self.gate_up_proj(x)
         if self.fused:
-            return self.down_proj(_flashinfer().activation.silu_and_mul(gate_up))
+            return self.down_proj(_flashinfer().activation.silu_and_mul(gate_up), reduce)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(nn.functional.silu(gate) * up, reduce)
 
 
 class DecoderLayer(nn.Module):

@@ -116,18 +116,19 @@ class GatedAttention(nn.Module):
 
 class HybridDecoderLayer(nn.Module):
     """``Qwen3_5DecoderLayer``: ``h = x + mixer(norm(x))``, ``out = h + mlp(norm(h))``; the mixer is
-    :class:`GatedDeltaNet` (``linear_attn``) or :class:`GatedAttention` (``self_attn``). The block's output is
+    :class:`GatedDeltaNet` (``linear_attn``) or :class:`GatedAttention` (``self_attn``); ``mlp`` (default the dense
+    :class:`~epdserve.models.qwen2_vl_lm.MLP`) any ``[T, hidden] -> [T, hidden]`` module. The block's output is
     kept as ``(x, residual)`` as in :class:`~epdserve.models.qwen2_vl_lm.DecoderLayer`, so the next norm can fuse
     the add."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, mlp: nn.Module | None = None):
         super().__init__()
         self.is_linear = cfg.layer_types[layer_id] == "linear_attention"
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(cfg, cfg.linear_layers.index(layer_id), tp)
         else:
             self.self_attn = GatedAttention(cfg, cfg.attention_layers.index(layer_id), tp)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, tp) if mlp is None else mlp
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -165,17 +166,23 @@ class Qwen3_5LanguageModel(nn.Module):
     def __init__(self, cfg: ModelConfig, attn=None, tp: TPGroup | None = None):
         super().__init__()
         if not cfg.layer_types:
-            raise ValueError("Qwen3_5LanguageModel needs a config with layer_types (model_type qwen3_5)")
+            raise ValueError(f"{type(self).__name__} needs a config with layer_types (model_type qwen3_5)")
         tp = tp or TPGroup.single()
         self.config, self.attn, self.states, self.fused_ops = cfg, attn, None, False
         self.deltanet_kernels = False  # see use_fused_ops
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, tp, self._mlp(cfg, i, tp))
+                                    for i in range(cfg.num_layers))
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", self._inv_freq(cfg), persistent=False)
+
+    @staticmethod
+    def _mlp(cfg: ModelConfig, layer_id: int, tp: TPGroup) -> nn.Module:
+        """Decoder layer ``layer_id``'s MLP: the dense one (a subclass may give another, e.g. a sparse block)."""
+        return MLP(cfg, tp)
 
     @staticmethod
     def _inv_freq(cfg: ModelConfig) -> torch.Tensor:

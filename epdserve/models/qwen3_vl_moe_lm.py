@@ -1,5 +1,6 @@
 """The sparse mixture-of-experts block of Qwen3-VL-MoE (``qwen3_vl_moe``, e.g. Qwen3-VL-30B-A3B): router and
-routed experts, torch reference path (CPU; exact against transformers in float32).
+routed experts (computed by :mod:`epdserve.models.moe_experts`: exact against transformers in float32 on the CPU,
+graph-capturable on CUDA).
 
 Reference: transformers 5 ``models/qwen3_vl_moe/modeling_qwen3_vl_moe.py`` (``Qwen3VLMoeTextTopKRouter``,
 ``Qwen3VLMoeTextExperts``, ``Qwen3VLMoeTextSparseMoeBlock``, ``Qwen3VLMoeTextDecoderLayer``) and
@@ -30,6 +31,7 @@ from torch.nn import functional as F
 from epdserve.engine.distributed import TPGroup
 from epdserve.attention.base import AttentionBackend
 from epdserve.models.config import ModelConfig
+from epdserve.models.moe_experts import run_experts
 from epdserve.models.parallel import split_evenly
 from epdserve.models.qwen3_vl_lm import Qwen3VLLanguageModel
 
@@ -57,25 +59,17 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate: int, tp: TPGroup):
         super().__init__()
         self.inter = intermediate
+        self.method: str | None = None  # see forward
         self.start, self.local = split_evenly(intermediate, tp, "moe intermediate size")
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.local))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, hidden]``, routing ``weights`` (x's dtype) and ``experts`` (int64) ``[T, top_k]`` -> this
-        rank's partial sum ``[T, hidden]`` of ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``.
-
-        The loop visits the experts the tokens hit in ascending id and adds each one's weighted output with
-        ``index_add_``, the order of transformers' ``Qwen3VLMoeTextExperts``, so float32 sums match bit for bit
-        on one rank.
-        """
-        out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():  # sorted ascending; one host sync per layer
-            tok, slot = torch.where(experts == e)
-            g, u = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, self.down_proj[e]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        rank's partial sum ``[T, hidden]`` of ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``, computed by
+        :func:`~epdserve.models.moe_experts.run_experts` with ``self.method`` (None: its default for the device:
+        the exact loop on the CPU, a graph-capturable path on CUDA)."""
+        return run_experts(x, self.gate_up_proj, self.down_proj, weights, experts, self.method)
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None = None) -> None:
         """Copy a checkpoint tensor into ``param``, keeping this rank's slice of the intermediate features.
@@ -105,8 +99,8 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router (``gate.weight`` ``[E, hidden]``, replicated) plus :class:`Experts`: ``[T, hidden]`` ->
-    ``[T, hidden]``, all-reduced over the TP group. No fused CUDA kernel yet: ``use_fused_ops`` leaves it on the
-    torch path everywhere.
+    ``[T, hidden]``, all-reduced over the TP group. No host sync on CUDA (routing is ``topk`` on the device, the
+    experts run :mod:`epdserve.models.moe_experts`' capturable path), so decode CUDA graphs capture it.
 
     Raises:
         ValueError: ``moe_intermediate_size`` cannot be split over ``tp.size`` ranks.

@@ -32,8 +32,9 @@ SIZES = {
 }
 
 # Command-line spellings of the architectures (the released models' names) -> transformers' model types.
-ARCH_ALIASES = {"qwen2.5-vl": "qwen2_5_vl", "qwen2-vl": "qwen2_vl", "qwen3-vl": "qwen3_vl", "qwen3.5": "qwen3_5"}
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5")
+ARCH_ALIASES = {"qwen2.5-vl": "qwen2_5_vl", "qwen2-vl": "qwen2_vl", "qwen3-vl": "qwen3_vl", "qwen3.5": "qwen3_5",
+                "qwen3-vl-moe": "qwen3_vl_moe", "qwen3.5-moe": "qwen3_5_moe"}
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
 
 
 def normalize_arch(arch: str) -> str:
@@ -110,7 +111,9 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
             ``"qwen3-vl"``), or ``"qwen3_5"`` (``"qwen3.5"``: the hybrid LM, sizes ``tiny`` and ``small``, see
             :mod:`epdserve.models.qwen3_5_checkpoint`). Qwen3-VL:
             :func:`epdserve.models.qwen3_vl_checkpoint.make_tiny_qwen3_vl` (its own sizes, patch 16, DeepStack from
-            two vision blocks; ``max_pixels`` defaults to ``512 * 32**2`` there).
+            two vision blocks; ``max_pixels`` defaults to ``512 * 32**2`` there). ``"qwen3_vl_moe"``
+            (``"qwen3-vl-moe"``, size ``tiny`` only): :mod:`epdserve.models.qwen3_vl_moe_checkpoint`;
+            ``"qwen3_5_moe"`` (``"qwen3.5-moe"``, tiny only): :mod:`epdserve.models.qwen3_5_checkpoint`.
         size: ``"tiny"`` or ``"small"`` (see ``SIZES``).
         seed: seed of the random weights.
         max_pixels: image processor ``longest_edge`` in pixels; bounds image tokens per image to
@@ -134,6 +137,16 @@ def make_tiny_model(out_dir: str | Path, *, arch: str = "qwen2_5_vl", seed: int 
 
         return make_tiny_qwen3_5(out_dir, seed=seed, size=size, readable=readable,
                                  **({} if max_pixels is None else {"max_pixels": max_pixels}))
+    if arch == "qwen3_5_moe":
+        from epdserve.models.qwen3_5_checkpoint import make_tiny_qwen3_5_moe
+
+        return make_tiny_qwen3_5_moe(out_dir, seed=seed, size=size, readable=readable,
+                                     **({} if max_pixels is None else {"max_pixels": max_pixels}))
+    if arch == "qwen3_vl_moe":
+        from epdserve.models.qwen3_vl_moe_checkpoint import make_tiny_qwen3_vl_moe
+
+        return make_tiny_qwen3_vl_moe(out_dir, seed=seed, size=size, readable=readable,
+                                      **({} if max_pixels is None else {"max_pixels": max_pixels}))
     max_pixels = 512 * 28 * 28 if max_pixels is None else max_pixels
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

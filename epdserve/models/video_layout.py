@@ -102,14 +102,14 @@ def video_placeholder(processor, layout: VideoLayout) -> str:
 
 # Model types whose processor writes a video as one run of pads per temporal patch between timestamp texts
 # (Qwen3VLProcessor; transformers maps qwen3_5 to it too, and Qwen3_5Model.get_rope_index splits the grid alike).
-_TIMESTAMPED_VIDEO = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+_TIMESTAMPED_VIDEO = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
 def video_mrope_entries(model_type: str, runs: list[int], layout: VideoLayout, tokens_per_second: float) -> list[tuple]:
     """:func:`epdserve.models.mrope.mrope_positions` entries of one video.
 
     Args:
-        model_type: ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe`` or ``qwen3_5``.
+        model_type: ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5`` or ``qwen3_5_moe``.
         runs: offsets in the prompt of the video's runs of ``<|video_pad|>`` tokens: one run (Qwen2/2.5-VL), or one
             per temporal patch (Qwen3-VL and Qwen3.5, whose timestamp text between them is ordinary text).
         tokens_per_second: the vision config's (Qwen2.5-VL's temporal scale).
