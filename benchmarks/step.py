@@ -66,9 +66,36 @@ def lm_weights(runner: ModelRunner) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p is not table]
 
 
-def lm_params(runner: ModelRunner) -> int:
-    """LM weights a token multiplies: :func:`lm_weights`' element count."""
-    return sum(p.numel() for p in lm_weights(runner))
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts one MoE layer reads for ``tokens`` tokens each routed to ``top_k`` of
+    ``num_experts``, routing uniform at random (random weights route about so; a trained router's skew reads
+    fewer): ``E * (1 - (1 - k / E) ** tokens)``, since a token leaves a given expert out with probability
+    ``1 - k / E``."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def _expert_params(runner: ModelRunner) -> set[int]:
+    """ids of the routed experts' fused weights (``[E, ...]`` tensors under a module named ``experts``)."""
+    return {id(p) for name, p in runner.model.named_parameters() if ".experts." in f".{name}"}
+
+
+def active_weights(runner: ModelRunner, tokens: int, per_token: bool = False
+                   ) -> list[tuple[torch.nn.Parameter, float]]:
+    """Each LM weight (:func:`lm_weights`) with the share of it that a forward of ``tokens`` tokens reads, or
+    with ``per_token`` that one token multiplies: 1 for a dense model's; an MoE model's routed experts in the
+    share the tokens reach (:func:`expected_experts`; per token ``top_k / E``)."""
+    cfg, experts, share = runner.config, _expert_params(runner), 1.0
+    if experts:
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        share = k / E if per_token else expected_experts(E, k, tokens) / E
+    return [(p, share if id(p) in experts else 1.0) for p in lm_weights(runner)]
+
+
+def lm_params(runner: ModelRunner) -> float:
+    """LM weights a token multiplies (an MoE model's active ones): :func:`active_weights` per token."""
+    return sum(p.numel() * share for p, share in active_weights(runner, 1, per_token=True))
 
 
 def prefill_batch(runner: ModelRunner, q_lens: list[int], slots: list[int] | None) -> ForwardBatch:
@@ -138,9 +165,12 @@ def profile_prefill(runner: ModelRunner, q_len: int, top: int = 25) -> dict:
 def step_bytes(runner: ModelRunner, kv_tokens: int, batch_size: int = 0) -> int:
     """Bytes a decode step must move: LM weights (the input embedding table aside) + ``kv_tokens`` tokens of KV
     (the attention layers' only: ``config.num_kv_layers``) read, + for hybrid models each of the ``batch_size``
-    requests' linear-attention state (conv and recurrent, every DeltaNet layer) read and written back."""
+    requests' linear-attention state (conv and recurrent, every DeltaNet layer) read and written back. MoE models:
+    the routed experts count in the share that ``batch_size`` tokens are expected to reach
+    (:func:`expected_experts`), the active experts' roofline."""
     cfg = runner.config
-    weights = sum(p.numel() * p.element_size() for p in lm_weights(runner))
+    weights = sum(p.numel() * p.element_size() * share
+                  for p, share in active_weights(runner, max(batch_size, 1)))
     kv = kv_tokens * cfg.num_kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * runner.kv_pool.buffer.element_size()
     state = 0 if runner.state_pool is None else 2 * batch_size * runner.state_pool.bytes_per_slot
     return weights + kv + state
