@@ -127,18 +127,28 @@ def test_cuda_kernels_equal_the_torch_reference_in_float32(small35, reference32)
     gpu = ModelRunner(small35, device=torch.device("cuda"), dtype=torch.float32, **KW)
     assert gpu.model.deltanet_kernels, "fla-core is not installed: pip install -e '.[hybrid-gpu]'"
     got, _ = _teacher_forced(gpu, prompts, fed, STEPS)
+    # float32 kernels (fla's chunked delta rule runs its matmuls in TF32 at most) stay far below the logits' own
+    # scale; a wrong state (slot, chunk carry, conv window) moves them by O(scale).
+    err, scale, ties = _assert_close_steps(want, got)
+    print(f"float32: max |logit difference| {err:.3g} (logit scale {scale:.3g}); argmax differs at {ties} near-ties")
+
+
+def _assert_close_steps(want: list[torch.Tensor], got: list[torch.Tensor], what: str = "") -> tuple[float, float, int]:
+    """Each step's logits ``[B, vocab]`` of ``got`` within 2 % of ``want``'s logit scale, and a different argmax
+    only where ``want``'s top-two margin is within twice that step's difference (a near-tie). Returns (largest
+    difference, scale, near-ties)."""
     scale = max(float(w.abs().max()) for w in want)
-    print(f"float32: max |logit difference| {max(float((w - g).abs().max()) for w, g in zip(want, got)):.3g} "
-          f"(logit scale {scale:.3g})")
-    for step, (w, g) in enumerate(zip(want, got)):
+    worst, ties = 0.0, 0
+    for step, (w, g) in enumerate(zip(want, got, strict=True)):
         err = float((w - g).abs().max())
-        # float32 kernels (fla's chunked delta rule runs its matmuls in TF32 at most) stay far below the logits'
-        # own scale; a wrong state (slot, chunk carry, conv window) moves them by O(scale).
-        assert err <= 0.02 * scale, f"step {step}: max |logit difference| {err:.4g} (logit scale {scale:.3g})"
+        worst = max(worst, err)
+        assert err <= 0.02 * scale, f"{what}step {step}: max |logit difference| {err:.4g} (logit scale {scale:.3g})"
         top2 = w.topk(2, dim=-1).values
         for row in (w.argmax(-1) != g.argmax(-1)).nonzero().flatten().tolist():
             margin = float(top2[row, 0] - top2[row, 1])
-            assert margin <= 2 * err, f"step {step}, prompt {row}: argmax differs at margin {margin:.4g} > 2*{err:.4g}"
+            assert margin <= 2 * err, f"{what}step {step}, prompt {row}: argmax differs at margin {margin:.4g}"
+            ties += 1
+    return worst, scale, ties
 
 
 @pytest.mark.gpu
@@ -151,11 +161,14 @@ def test_bf16_decode_graphs_equal_eager_steps(small35):
     assert eager.graphs is None and graphed.graphs is not None
     prompts = _prompts(eager.config.vocab_size)
     for batch in (prompts[:1], prompts):
-        _, fed = _teacher_forced(eager, batch, None, steps)
-        _, fed_graphed = _teacher_forced(graphed, batch, None, steps)
-        assert fed_graphed == fed, f"batch {len(batch)}: graph replays diverged from eager steps"
-    print(f"bf16: {steps} greedy tokens of graph replays equal eager steps at batch 1 and {len(prompts)} "
-          f"(prompts of {', '.join(map(str, LENGTHS))} tokens; graphs of 1, 2, 4, 8: batch 3 is padded to 4)")
+        # Teacher-forced on eager's greedy tokens: batch 3 replays the graph of 4, other GEMM shapes, and a
+        # bf16 near-tie of the random checkpoint may round the other way there.
+        want, fed = _teacher_forced(eager, batch, None, steps)
+        got, _ = _teacher_forced(graphed, batch, fed, steps)
+        err, scale, ties = _assert_close_steps(want, got, f"batch {len(batch)}, ")
+        print(f"bf16, batch {len(batch)}: {steps} decode steps of graph replays against eager steps: max |logit "
+              f"difference| {err:.3g} (scale {scale:.3g}), argmax differs at {ties} near-ties (prompts of "
+              f"{', '.join(map(str, LENGTHS))} tokens; graphs of 1, 2, 4, 8: batch 3 is padded to 4)")
 
 
 @pytest.mark.gpu
@@ -209,20 +222,9 @@ def test_bf16_prefill_graphs_equal_eager_extends(small35):
             finally:
                 req.close()
             runs.append(logits)
-        scale = max(float(w.abs().max()) for w in runs[0])
-        errs = [float((w - g).abs().max()) for w, g in zip(*runs)]
-        near_ties = 0
-        for step, (w, g, err) in enumerate(zip(*runs, errs)):
-            assert err <= 0.02 * scale, f"{len(ids)}-token prompt, step {step}: logits differ by {err:.4g} " \
-                                        f"(scale {scale:.3g})"
-            if int(g.argmax()) != int(w.argmax()):
-                top2 = w[0].topk(2).values
-                margin = float(top2[0] - top2[1])
-                assert margin <= 2 * err, f"{len(ids)}-token prompt, step {step}: greedy differs at margin " \
-                                          f"{margin:.3g} > 2 x {err:.3g}"
-                near_ties += 1
-        print(f"{len(ids)} tokens: max |graph - eager logit| {max(errs):.4g} (logit scale {scale:.3g}) over "
-              f"{len(errs)} forwards; greedy differs at {near_ties} near-ties")
+        err, scale, ties = _assert_close_steps(*runs, f"{len(ids)}-token prompt, ")
+        print(f"{len(ids)} tokens: max |graph - eager logit| {err:.4g} (logit scale {scale:.3g}) over "
+              f"{len(runs[0])} forwards; greedy differs at {ties} near-ties")
 
 
 @pytest.mark.gpu
