@@ -469,3 +469,17 @@ def stream_text(url: str, model: str, messages: list) -> tuple[str, int]:
     chunks = [json.loads(e) for e in events[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     return text, chunks[-1]["usage"]["completion_tokens"]
+
+
+def check_parity(url: str, model: str, turns, reference) -> dict:
+    """One request for ``turns`` (:func:`_openai_messages`' input) non-streaming and one streaming, both equal to
+    ``reference`` (transformers' ``(prompt ids, greedy ids, text)``, :func:`_hf_reference`); returns the
+    non-streaming answer."""
+    ref_prompt, ref_ids, ref_text = reference
+    messages = _openai_messages(turns)
+    resp = _chat(url, model, messages)
+    assert resp["prompt_token_ids"] == ref_prompt
+    assert resp["choices"][0]["token_ids"] == ref_ids
+    assert resp["choices"][0]["message"]["content"] == ref_text
+    assert stream_text(url, model, messages) == (ref_text, NEW_TOKENS)
+    return resp

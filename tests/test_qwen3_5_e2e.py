@@ -27,7 +27,7 @@ import pytest
 
 from cluster import at_baseline, body, details, serve_gateway, stream, wait_for
 from conftest import hf_reference_model, launch_metrics_urls, launched
-from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve, stream_text
+from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve, check_parity
 from test_kv_engines import needs
 from test_video_e2e import check_video_case
 
@@ -78,18 +78,6 @@ def server35(request, tiny_qwen3_5_path, tmp_path_factory):
         yield request.param, url, log_path
 
 
-def _check(url: str, model: str, turns, reference) -> dict:
-    """One request non-streaming and one streaming equal ``reference``; returns the non-streaming answer."""
-    ref_prompt, ref_ids, ref_text = reference
-    messages = _openai_messages(turns)
-    resp = _chat(url, model, messages)
-    assert resp["prompt_token_ids"] == ref_prompt
-    assert resp["choices"][0]["token_ids"] == ref_ids
-    assert resp["choices"][0]["message"]["content"] == ref_text
-    assert stream_text(url, model, messages) == (ref_text, NEW_TOKENS)
-    return resp
-
-
 def _at_rest(url: str) -> list[str]:
     """:func:`cluster.at_baseline` of the launch, and state pools present on both LM stages."""
     d = details(url)
@@ -104,7 +92,7 @@ def _at_rest(url: str) -> list[str]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_parity_with_transformers(server35, references, tiny_qwen3_5_path, photo_paths, case):
     _, url, _ = server35
-    _check(url, tiny_qwen3_5_path, _resolve(case, photo_paths), references[case])
+    check_parity(url, tiny_qwen3_5_path, _resolve(case, photo_paths), references[case])
 
 
 @pytest.mark.parametrize("case", ["video", "video_photo"])
@@ -131,14 +119,14 @@ def test_long_prompt_in_chunks_then_radix_hits_on_state_snapshots(server35, refe
     assert first["choices"][0]["token_ids"] == references["long"][1]
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert _prefill_forwards(log_path) - before >= math.ceil(n / CHUNK)  # chunk by chunk
-    again = _check(url, tiny_qwen3_5_path, LONG, references["long"])  # and its stream, both hits
+    again = check_parity(url, tiny_qwen3_5_path, LONG, references["long"])  # and its stream, both hits
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // PAGE * PAGE
-    other = _check(url, tiny_qwen3_5_path, OTHER_QUESTION, references["other_question"])
+    other = check_parity(url, tiny_qwen3_5_path, OTHER_QUESTION, references["other_question"])
     common = next(i for i, (a, b) in enumerate(zip(references["long"][0], references["other_question"][0]))
                   if a != b)
     hit = other["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert common // CHUNK * CHUNK <= hit <= common and hit > 0
-    turn = _check(url, tiny_qwen3_5_path, NEXT_TURN, references["next_turn"])
+    turn = check_parity(url, tiny_qwen3_5_path, NEXT_TURN, references["next_turn"])
     assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] >= (n - 1) // PAGE * PAGE
     assert wait_for(lambda: not _at_rest(url), 20, 0.3), _at_rest(url)
     assert details(url)["stages"]["prefill"][0]["load"]["state_slots_cached"] > 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import hf_reference_model, launched
-from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve, stream_text
+from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve, check_parity
 from test_qwen3_5_e2e import CHUNK, LONG, PAGE
 from test_video_e2e import check_video_case
 
@@ -40,18 +40,6 @@ def moe_server(tiny_qwen3_5_moe_path, tmp_path_factory):
         yield out
 
 
-def _check(url: str, model: str, turns, reference) -> dict:
-    """One request non-streaming and one streaming equal ``reference``; returns the non-streaming answer."""
-    ref_prompt, ref_ids, ref_text = reference
-    messages = _openai_messages(turns)
-    resp = _chat(url, model, messages)
-    assert resp["prompt_token_ids"] == ref_prompt
-    assert resp["choices"][0]["token_ids"] == ref_ids
-    assert resp["choices"][0]["message"]["content"] == ref_text
-    assert stream_text(url, model, messages) == (ref_text, NEW_TOKENS)
-    return resp
-
-
 def _chunked_then_radix_hit(url: str, model: str, reference) -> None:
     """The long prompt (over four chunks), then again: the second skips the prefix up to its last page boundary
     (restoring the DeltaNet state snapshot there); both equal transformers."""
@@ -59,13 +47,13 @@ def _chunked_then_radix_hit(url: str, model: str, reference) -> None:
     assert n > 4 * CHUNK
     first = _chat(url, model, _openai_messages(LONG))
     assert first["choices"][0]["token_ids"] == reference[1]
-    again = _check(url, model, LONG, reference)
+    again = check_parity(url, model, LONG, reference)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // PAGE * PAGE > 0
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_parity_with_transformers(moe_server, references, tiny_qwen3_5_moe_path, photo_paths, case):
-    _check(moe_server[0], tiny_qwen3_5_moe_path, _resolve(case, photo_paths), references[case])
+    check_parity(moe_server[0], tiny_qwen3_5_moe_path, _resolve(case, photo_paths), references[case])
 
 
 @pytest.mark.parametrize("case", ["video", "video_photo"])
@@ -90,6 +78,6 @@ def test_tp2_equals_transformers(references, hf_moe, tiny_qwen3_5_moe_path, phot
     model = tiny_qwen3_5_moe_path
     with launched(model, tmp_path_factory.mktemp("q35moe-tp2"), "--device", "cpu", "--prefill-tp", "2",
                   "--decode-tp", "2", *CHUNKED) as (url, _):
-        _check(url, model, _resolve("one_photo", photo_paths), references["one_photo"])
+        check_parity(url, model, _resolve("one_photo", photo_paths), references["one_photo"])
         check_video_case(url, model, hf_moe, "video_photo", photo_paths["rocket"].read_bytes())
         _chunked_then_radix_hit(url, model, references["long"])

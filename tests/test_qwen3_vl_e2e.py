@@ -14,7 +14,7 @@ import pytest
 
 from conftest import hf_reference_model, launched
 from smg_cluster import smg_executable, start_cluster
-from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve, stream_text
+from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve, check_parity
 from test_video_e2e import check_video_case
 
 
@@ -46,13 +46,7 @@ def q3_server(request, tiny_qwen3_vl_path, tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_parity_with_transformers(q3_server, references, tiny_qwen3_vl_path, photo_paths, case):
     url, _ = q3_server
-    ref_prompt, ref_ids, ref_text = references[case]
-    messages = _openai_messages(_resolve(case, photo_paths))
-    resp = _chat(url, tiny_qwen3_vl_path, messages)
-    assert resp["prompt_token_ids"] == ref_prompt
-    assert resp["choices"][0]["token_ids"] == ref_ids
-    assert resp["choices"][0]["message"]["content"] == ref_text
-    assert stream_text(url, tiny_qwen3_vl_path, messages) == (ref_text, NEW_TOKENS)
+    check_parity(url, tiny_qwen3_vl_path, _resolve(case, photo_paths), references[case])
 
 
 @pytest.mark.parametrize("case", ["video", "video_photo"])

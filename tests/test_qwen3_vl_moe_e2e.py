@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import hf_reference_model, launched
-from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve, stream_text
+from test_e2e import CASES, NEW_TOKENS, _chat, _hf_reference, _openai_messages, _resolve, check_parity
 from test_video_e2e import check_video_case
 
 
@@ -55,13 +55,7 @@ def test_the_checkpoint_is_sparse_everywhere(hf_moe):
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_parity_with_transformers(moe_server, references, tiny_qwen3_vl_moe_path, photo_paths, case):
     url, _ = moe_server
-    ref_prompt, ref_ids, ref_text = references[case]
-    messages = _openai_messages(_resolve(case, photo_paths))
-    resp = _chat(url, tiny_qwen3_vl_moe_path, messages)
-    assert resp["prompt_token_ids"] == ref_prompt
-    assert resp["choices"][0]["token_ids"] == ref_ids
-    assert resp["choices"][0]["message"]["content"] == ref_text
-    assert stream_text(url, tiny_qwen3_vl_moe_path, messages) == (ref_text, NEW_TOKENS)
+    check_parity(url, tiny_qwen3_vl_moe_path, _resolve(case, photo_paths), references[case])
 
 
 @pytest.mark.parametrize("case", ["video", "video_photo"])
