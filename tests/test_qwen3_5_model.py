@@ -190,23 +190,29 @@ def test_chunked_prefill_equals_one_extend(runner35, prompts, cut):
         split.close()
 
 
-def test_two_requests_in_one_batch_equal_each_alone(runner35, prompts):
+def assert_batch_equals_each_alone(runner: ModelRunner, prompts: list[list[int]]) -> None:
+    """``prompts`` prefilled and greedy-decoded 10 steps in one batch (each on its own state slot) give each
+    one's tokens alone."""
     pages = Pages(256, seed=2)
     alone = []
     for ids in prompts:
-        req = Req(runner35, ids, pages)
+        req = Req(runner, ids, pages)
         try:
-            alone.append(greedy(runner35, [req], run(runner35, [req], [req.seq.extend_part(len(ids))]), 10)[0])
+            alone.append(greedy(runner, [req], run(runner, [req], [req.seq.extend_part(len(ids))]), 10)[0])
         finally:
             req.close()
-    reqs = [Req(runner35, ids, pages) for ids in prompts]
+    reqs = [Req(runner, ids, pages) for ids in prompts]
     try:
-        first = run(runner35, reqs, [r.seq.extend_part(len(ids)) for r, ids in zip(reqs, prompts)])
+        first = run(runner, reqs, [r.seq.extend_part(len(ids)) for r, ids in zip(reqs, prompts)])
         assert reqs[0].slot != reqs[1].slot
-        assert greedy(runner35, reqs, first, 10) == alone
+        assert greedy(runner, reqs, first, 10) == alone
     finally:
         for r in reqs:
             r.close()
+
+
+def test_two_requests_in_one_batch_equal_each_alone(runner35, prompts):
+    assert_batch_equals_each_alone(runner35, prompts)
 
 
 def test_a_reused_slot_starts_from_zeros(runner35, prompts):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_model_runtime import Pages
-from test_qwen3_5_model import Req, greedy, hf_generate, run
+from test_qwen3_5_model import Req, assert_batch_equals_each_alone, greedy, hf_generate, run
 
 from epdserve.engine.distributed import TPGroup
 from epdserve.engine.model_runner import ModelRunner
@@ -127,18 +127,4 @@ def test_prefill_logits_and_greedy_decode_equal_transformers(hf_moe, runner, pro
 
 
 def test_two_requests_in_one_batch_equal_each_alone(runner, prompts):
-    pages = Pages(256, seed=2)
-    alone = []
-    for ids in prompts:
-        req = Req(runner, ids, pages)
-        try:
-            alone.append(greedy(runner, [req], run(runner, [req], [req.seq.extend_part(len(ids))]), 10)[0])
-        finally:
-            req.close()
-    reqs = [Req(runner, ids, pages) for ids in prompts]
-    try:
-        first = run(runner, reqs, [r.seq.extend_part(len(ids)) for r, ids in zip(reqs, prompts)])
-        assert greedy(runner, reqs, first, 10) == alone
-    finally:
-        for r in reqs:
-            r.close()
+    assert_batch_equals_each_alone(runner, prompts)
