@@ -172,14 +172,20 @@ def qwen3_vl_config(tokenizer, *, text: dict, vision: dict, tie_word_embeddings:
     """
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+    return qwen3_vl_family_config(Qwen3VLConfig, tokenizer, text=text, vision=vision,
+                                  tie_word_embeddings=tie_word_embeddings), Qwen3VLForConditionalGeneration
+
+
+def qwen3_vl_family_config(config_cls: type, tokenizer, *, text: dict, vision: dict, tie_word_embeddings: bool):
+    """A ``config_cls`` (``Qwen3VLConfig`` or ``Qwen3VLMoeConfig``) completed as :func:`qwen3_vl_config` says;
+    ``text`` may hold the MoE keys, which the MoE text config takes as they are."""
     text = dict(text)
     rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_interleaved": True,
             "mrope_section": text.pop("mrope_section", [24, 20, 20])}
     text_config, vision_config, ids = qwen3_family_parts(tokenizer, dict(text, attention_bias=False), vision,
                                                          rope, tie_word_embeddings)
-    config = Qwen3VLConfig(text_config=text_config, vision_config=vision_config,
-                           tie_word_embeddings=tie_word_embeddings, **ids)
-    return config, Qwen3VLForConditionalGeneration
+    return config_cls(text_config=text_config, vision_config=vision_config,
+                      tie_word_embeddings=tie_word_embeddings, **ids)
 
 
 def qwen3_family_parts(tokenizer, text: dict, vision: dict, rope: dict,

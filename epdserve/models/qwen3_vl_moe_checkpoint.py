@@ -41,16 +41,10 @@ def qwen3_vl_moe_config(tokenizer, *, text: dict, vision: dict, tie_word_embeddi
     tower's patch 16 etc.)."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-    from epdserve.models.qwen3_vl_checkpoint import qwen3_family_parts
+    from epdserve.models.qwen3_vl_checkpoint import qwen3_vl_family_config
 
-    text = dict(text)
-    rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_interleaved": True,
-            "mrope_section": text.pop("mrope_section", [24, 20, 20])}
-    text_config, vision_config, ids = qwen3_family_parts(tokenizer, dict(text, attention_bias=False), vision,
-                                                         rope, tie_word_embeddings)
-    config = Qwen3VLMoeConfig(text_config=text_config, vision_config=vision_config,
-                              tie_word_embeddings=tie_word_embeddings, **ids)
-    return config, Qwen3VLMoeForConditionalGeneration
+    return qwen3_vl_family_config(Qwen3VLMoeConfig, tokenizer, text=text, vision=vision,
+                                  tie_word_embeddings=tie_word_embeddings), Qwen3VLMoeForConditionalGeneration
 
 
 def is_fused_expert(name: str) -> bool:
