@@ -239,12 +239,24 @@ class Qwen2VLLanguageModel(nn.Module):
 
     @staticmethod
     def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
-        return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        # On the CPU even inside the meta-device build: a meta arange imports torch's Python reference ops.
+        steps = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device="cpu")
+        return 1.0 / (cfg.rope_theta ** (steps / cfg.head_dim))
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> Qwen2VLLanguageModel:
         """Give a model built on the meta device real (uninitialised) ``dtype`` storage on ``device``, re-tie
-        lm_head to embed_tokens (``to_empty`` unties them) and rebuild the float32 RoPE table. Returns self."""
-        self.to(dtype).to_empty(device=device)
+        lm_head to embed_tokens (new storage unties them) and rebuild the float32 RoPE table. Floating tensors take
+        ``dtype``, the others keep theirs. Returns self."""
+        # One torch.empty per tensor rather than Module.to_empty: the latter's empty_like on meta tensors runs
+        # torch's Python reference ops, whose first use imports torch._refs and torch._prims (0.5-1.5 s of every
+        # start-up, measured on the CPU).
+        for module in self.modules():
+            for slots in (module._parameters, module._buffers):
+                for name, t in slots.items():
+                    if t is None:
+                        continue
+                    empty = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                    slots[name] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.inv_freq = self._inv_freq(self.config).to(device)

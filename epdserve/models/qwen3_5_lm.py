@@ -188,7 +188,7 @@ class Qwen3_5LanguageModel(nn.Module):
     def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
         """float32 ``[rotary_dim / 2]`` (``Qwen3_5TextRotaryEmbedding.compute_default_rope_parameters``)."""
         dim = cfg.rotary_dim
-        return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
 
     # Same code as Qwen2's: tied re-binding and the RoPE table (materialize); fused parts (``fused_parts``), shape
     # checks and the completeness check (load_weights, names of :func:`~epdserve.models.weights.iter_lm_weights`).
