@@ -218,9 +218,10 @@ def test_default_model_answers_a_photo_in_readable_text(tmp_path, monkeypatch, p
     assert all(c.isprintable() or c.isspace() for c in text), repr(text)
 
 
-def _prefill_equals_transformers(path):
-    """transformers loads the Qwen3.5 checkpoint at ``path`` whole, and epdserve's float32 prefill of 37 tokens
-    gives its last logits within 1e-4. Returns epdserve's :class:`ModelRunner`."""
+def _prefill_equals_transformers(path, model_cls=None):
+    """transformers (``model_cls``, default ``Qwen3_5ForConditionalGeneration``) loads the Qwen3.5 checkpoint at
+    ``path`` whole, and epdserve's float32 prefill of 37 tokens gives its last logits within 1e-4. Returns
+    epdserve's :class:`ModelRunner`."""
     import dataclasses
 
     from test_model_runtime import Seq, make_batch
@@ -228,8 +229,8 @@ def _prefill_equals_transformers(path):
 
     from epdserve.engine.model_runner import ModelRunner
 
-    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
-                                                                   output_loading_info=True)
+    model, info = (model_cls or Qwen3_5ForConditionalGeneration).from_pretrained(path, dtype=torch.float32,
+                                                                                  output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     runner = ModelRunner(str(path), device=torch.device("cpu"), dtype=torch.float32, num_pages=64, page_size=16,
                          attention_backend="sdpa", num_state_slots=2)

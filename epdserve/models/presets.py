@@ -17,7 +17,8 @@ of the fetched file; 27B: THUDM/slime's launch script plus a full ``Qwen3_5Confi
 its text sizes are public (model card: 24 layers of 2048, 16 K / 16 V DeltaNet heads, 8 Q / 2 KV heads of 256, FFN
 6144, tied) but only the depth (24) and width (1024) of its tower were found, not its MLP width or head count.
 The released DeltaNet grouping is not one ratio: value heads = key heads (16) in 0.8B and 2B, twice in 4B and 9B,
-three times in 27B.
+three times in 27B. Qwen3.5-MoE: only ``qwen3.5-35b-a3b``, the smallest (transformers' ``qwen3_5_moe`` model page
+lists 35B-A3B, 122B-A10B and 397B-A17B, and Qwen3.6-35B-A3B of the same architecture); sources at its entry.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def _qwen35_layers(groups: int) -> list[str]:
 _QWEN35_TEXT = dict(vocab_size=248320, head_dim=256, max_position_embeddings=262144, linear_num_key_heads=16,
                     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
                     mrope_section=[11, 11, 10])
-# The 27-block tower of 1152 (Qwen3.5-9B and -27B; out_hidden_size is the text width, set by qwen3_5_config).
+# The 27-block tower of 1152 (Qwen3.5-9B, -27B and -35B-A3B; out_hidden_size is the text width, set by
+# qwen3_5_config).
 _QWEN35_VISION_LARGE = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16)
 _QWEN35_9B_LAYERS = _qwen35_layers(8)
 PRESETS = {
@@ -142,6 +144,25 @@ PRESETS = {
                   num_attention_heads=24, num_key_value_heads=4, layer_types=_qwen35_layers(16),
                   linear_num_value_heads=48),
         vision=dict(_QWEN35_VISION_LARGE)),
+    # Qwen/Qwen3.5-35B-A3B (mixture of experts, 35B total / 3B active): the text sizes are transformers 5's
+    # Qwen3_5MoeTextConfig defaults (its docstring's checkpoint; but for 262144 positions: the default is 32768), and
+    # agree with THUDM/slime scripts/models/qwen3.5-35B-A3B.sh (40 layers of 2048, 16 Q heads in 2 KV groups of 256,
+    # rotary 25 %, base 1e7, untied, vocabulary 248320, 256 experts top-8 of 512, a gated shared expert of 512,
+    # DeltaNet every layer but each 4th: 16 K / 32 V heads of 128, kernel 4) and with a public research note listing
+    # the fetched config.json field by field (find_string 'Qwen3.5-35B-A3B/resolve/main/config.json': also 262144
+    # positions, mrope_section [11, 11, 10] interleaved, partial rotary 0.25). Every layer sparse, no dense MLP. The
+    # tower (27 blocks of 1152, MLP 4304, 16 heads, patch 16, merge 2, out 2048) is Qwen3_5MoeVisionConfig's defaults
+    # but for out_hidden_size (default 3584), as quoted in public copies of the config.json of Qwen3.6-35B-A3B (same
+    # architecture; find_string '"shared_expert_intermediate_size": 512,') and of a 35B qwen3_5_moe fine-tune
+    # (find_string '"model_type": "qwen3_5_moe_vision"'); no copy of Qwen3.5-35B-A3B's own vision_config was found.
+    # ~70 GB of bf16 weights, experts fused [E, 2I, hidden] / [E, hidden, I] as released.
+    "qwen3.5-35b-a3b": dict(
+        arch="qwen3_5_moe", tie_word_embeddings=False,
+        text=dict(_QWEN35_TEXT, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                  num_key_value_heads=2, layer_types=_qwen35_layers(10), linear_num_value_heads=32,
+                  num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                  shared_expert_intermediate_size=512),
+        vision=dict(_QWEN35_VISION_LARGE)),
 }
 # The image processor of the released Qwen2-VL / Qwen2.5-VL checkpoints (preprocessor_config.json).
 PRESET_MIN_PIXELS, PRESET_MAX_PIXELS = 56 * 56, 12845056
@@ -157,8 +178,8 @@ def _tensor_seed(seed: int, name: str) -> int:
 def _init_kind(module, param_name: str) -> str:
     """``"normal"``, ``"zeros"``, ``"ones"`` or ``"a_log"``: what transformers' ``_init_weights`` does to one
     parameter of ``module`` (linear/conv weights and embeddings normal, their biases 0, norm weights 1 and
-    norm biases 0; Qwen3.5's zero-centred ``Qwen3_5RMSNorm`` weights 0, a DeltaNet's ``dt_bias`` 1 and ``A_log``
-    the log of U(0.01, 16)).
+    norm biases 0; Qwen3.5's zero-centred ``Qwen3_5RMSNorm`` (and Qwen3.5-MoE's ``Qwen3_5MoeRMSNorm``) weights 0, a
+    DeltaNet's ``dt_bias`` 1 and ``A_log`` the log of U(0.01, 16); fused experts and routers normal).
 
     Raises:
         ValueError: a module kind ``_init_weights`` treats otherwise (so a new layer type is not silently wrong).
@@ -166,11 +187,12 @@ def _init_kind(module, param_name: str) -> str:
     from torch import nn
 
     name = type(module).__name__
-    if name == "Qwen3_5GatedDeltaNet" and param_name in ("dt_bias", "A_log"):
+    if name in ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet") and param_name in ("dt_bias", "A_log"):
         return "ones" if param_name == "dt_bias" else "a_log"
-    if name == "Qwen3_5RMSNorm":  # applied as (1 + weight)
+    if name in ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm"):  # applied as (1 + weight)
         return "zeros"
-    if name.endswith(("MoeTextExperts", "MoeTextTopKRouter")):  # fused experts and the router: normal
+    # fused experts and the router (Qwen3-VL-MoE's MoeText*, Qwen3.5-MoE's Moe*): normal
+    if name.endswith(("MoeTextExperts", "MoeTextTopKRouter", "MoeExperts", "MoeTopKRouter")):
         return "normal"
     if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)):
         return "zeros" if param_name == "bias" else "normal"
@@ -182,7 +204,9 @@ def _init_kind(module, param_name: str) -> str:
 def _tensor_plan(model) -> list[tuple[str, str, tuple[int, ...], str, int | None]]:
     """``(saved name, in-memory name, shape, init kind, embedding padding_idx)`` of every tensor that
     ``save_pretrained`` would write for ``model`` (a meta-device model): tied copies left out, names in the
-    checkpoint layout that transformers writes (``model.layers.*``, ``visual.*``, ``lm_head.weight``).
+    checkpoint layout that transformers writes (``model.layers.*``, ``visual.*``, ``lm_head.weight``), fused experts
+    in the released layouts: Qwen3-VL-MoE's transposed, Qwen3.5-MoE's as held in memory under the in-memory name
+    (``save_pretrained`` would split those per expert).
 
     Raises:
         ValueError: see :func:`_init_kind`; a name that transformers' reverse renaming maps to != 1 name.
@@ -200,31 +224,33 @@ def _tensor_plan(model) -> list[tuple[str, str, tuple[int, ...], str, int | None
             if name in tied:
                 continue
             saved = list(revert_weight_conversion(model, {name: param}))
+            shape = tuple(param.shape)
+            if is_fused_expert(name) and len(saved) > 1:  # Qwen3.5-MoE: [E, 2I, hidden] / [E, hidden, I]
+                saved = [name]
+            elif is_fused_expert(saved[0]):  # Qwen3-VL-MoE, released as [E, hidden, 2I] and [E, I, hidden]
+                shape = (shape[0], shape[2], shape[1])
             if len(saved) != 1:
                 raise ValueError(f"{name} saves as {saved}; expected one name")
             padding_idx = module.padding_idx if isinstance(module, nn.Embedding) else None
-            shape = tuple(param.shape)
-            if is_fused_expert(saved[0]):  # the released layout: [E, hidden, 2I] and [E, I, hidden]
-                shape = (shape[0], shape[2], shape[1])
             plan.append((saved[0], name, shape, _init_kind(module, param_name), padding_idx))
     return plan
 
 
 def _preset_config(spec: dict, tokenizer, overrides: dict):
     """``(config, model class, write_processor(out))`` of a preset with ``overrides`` merged into its sizes:
-    Qwen3-VL through :mod:`epdserve.models.qwen3_vl_checkpoint` (released processor bounds), the others through
-    :mod:`epdserve.models.tiny` (``PRESET_MIN_PIXELS`` .. ``PRESET_MAX_PIXELS``)."""
+    Qwen3-VL, Qwen3.5 and their MoE with :mod:`epdserve.models.qwen3_vl_checkpoint`'s processor (released bounds),
+    the others through :mod:`epdserve.models.tiny` (``PRESET_MIN_PIXELS`` .. ``PRESET_MAX_PIXELS``)."""
     from epdserve.models import tiny
-    from epdserve.models.qwen3_5_checkpoint import qwen3_5_config
+    from epdserve.models.qwen3_5_checkpoint import qwen3_5_config, qwen3_5_moe_config
     from epdserve.models.qwen3_vl_checkpoint import RELEASED_IMAGE_PIXELS, qwen3_vl_config, write_qwen3_vl_processor
     from epdserve.models.qwen3_vl_moe_checkpoint import qwen3_vl_moe_config
 
     text = {**spec["text"], **overrides.get("text", {})}
     vision = {**spec["vision"], **overrides.get("vision", {})}
     tie = spec["tie_word_embeddings"]
-    if spec["arch"] in ("qwen3_vl", "qwen3_5", "qwen3_vl_moe"):
-        make = {"qwen3_vl": qwen3_vl_config, "qwen3_5": qwen3_5_config,
-                "qwen3_vl_moe": qwen3_vl_moe_config}[spec["arch"]]
+    make = {"qwen3_vl": qwen3_vl_config, "qwen3_5": qwen3_5_config, "qwen3_vl_moe": qwen3_vl_moe_config,
+            "qwen3_5_moe": qwen3_5_moe_config}.get(spec["arch"])
+    if make is not None:
         config, model_cls = make(tokenizer, text=text, vision=vision, tie_word_embeddings=tie)
         return config, model_cls, lambda out: write_qwen3_vl_processor(out, tokenizer,
                                                                        image_pixels=RELEASED_IMAGE_PIXELS)
@@ -317,11 +343,12 @@ def make_preset_model(out_dir: str | Path, preset: str, *, seed: int = 0, device
 
     ``preset`` is one of ``PRESETS`` (``qwen2.5-vl-3b``, ``qwen2.5-vl-7b``, ``qwen2-vl-2b``, ``qwen3-vl-2b``,
     ``qwen3-vl-4b``, ``qwen3-vl-8b``, ``qwen3-vl-30b-a3b``, ``qwen3.5-0.8b``, ``qwen3.5-4b``, ``qwen3.5-9b``,
-    ``qwen3.5-27b``): the real text and vision sizes and vocabulary size (151936 / 152064 / 248320 rows, more than
-    the offline tokenizer's ~550 ids: only the shapes matter), and the released image processor (Qwen2/2.5-VL:
-    ``min_pixels`` 3136, ``max_pixels`` 12845056, so a 1280x720 image gives 1196 image tokens; Qwen3-VL, and
-    assumed for Qwen3.5: 65536 .. 16777216 pixels, patch 16). Tokenizer, processor, chat template and generation
-    config are those of :func:`~epdserve.models.tiny.make_tiny_model` for the same architecture.
+    ``qwen3.5-27b``, ``qwen3.5-35b-a3b``): the real text and vision sizes and vocabulary size (151936 / 152064 /
+    248320 rows, more than the offline tokenizer's ~550 ids: only the shapes matter), and the released image
+    processor (Qwen2/2.5-VL: ``min_pixels`` 3136, ``max_pixels`` 12845056, so a 1280x720 image gives 1196 image
+    tokens; Qwen3-VL, and assumed for Qwen3.5: 65536 .. 16777216 pixels, patch 16). Tokenizer, processor, chat
+    template and generation config are those of :func:`~epdserve.models.tiny.make_tiny_model` for the same
+    architecture.
 
     Weights: the HF model class is built on the ``meta`` device only for the tensor names and shapes; each
     tensor is then drawn directly in bfloat16 on ``device`` from its own generator, seeded by ``seed`` and a

@@ -1,5 +1,6 @@
 """The Qwen3.5 parts of epdserve's random-weight checkpoints: configs and tiny models (``make-tiny-model --arch
-qwen3.5``, and Qwen3.5-MoE's ``--arch qwen3.5-moe``).
+qwen3.5``, and Qwen3.5-MoE's ``--arch qwen3.5-moe``); :mod:`epdserve.models.presets` uses :func:`qwen3_5_config` for
+the ``qwen3.5-*`` presets and :func:`qwen3_5_moe_config` for ``qwen3.5-35b-a3b``.
 
 The architecture is transformers 5's ``Qwen3_5ForConditionalGeneration`` (``configuration_qwen3_5.py``): a hybrid
 text model whose ``layer_types`` mix Gated DeltaNet (``linear_attention``) and gated full-attention layers, and a
