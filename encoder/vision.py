@@ -32,6 +32,7 @@ from PIL import Image
 
 from epdserve.device import resolve_device, resolve_dtype
 from epdserve.encoder.vision_weights import load_vision_state_dict, vision_class
+from epdserve.logging_setup import process_age_s
 
 log = logging.getLogger("epdserve.encoder")
 
@@ -140,6 +141,7 @@ class VisionEncoder:
         from transformers.initialization import no_init_weights
 
         t0 = time.monotonic()
+        age = process_age_s()  # the interpreter, the imports and the gRPC server's set-up before the model
         self.model_path = str(model_path)
         self.tower = None
         self.compiled = False
@@ -175,7 +177,8 @@ class VisionEncoder:
         missing, unexpected = model.load_state_dict(load_vision_state_dict(self.model_path), strict=False)
         # Seconds per part of the construction, for the server's ready line (issue 43): the tower part includes
         # the device's context (CUDA's first call) and the packed-attention kernels' import.
-        self.startup_s = {"processor": t1 - t0, "tower": t2 - t1, "weights": time.monotonic() - t2}
+        self.startup_s = {} if age is None else {"process": age}
+        self.startup_s.update(processor=t1 - t0, tower=t2 - t1, weights=time.monotonic() - t2)
         if missing or unexpected:
             raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")

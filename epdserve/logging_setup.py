@@ -18,6 +18,7 @@ import contextvars
 import datetime
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -156,6 +157,22 @@ def active_format() -> str:
     """``json`` when the root logger writes JSON (so ``epdserve launch`` passes the same format to its
     children), else ``text``."""
     return "json" if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers) else "text"
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started, or None where ``/proc`` does not tell (not Linux).
+
+    The interpreter's start and the imports run before any timer inside the process can; a start-up breakdown
+    takes them from here: ``/proc/self/stat``'s start time (field 22, clock ticks after boot, proc(5)) against
+    ``/proc/uptime``."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # the command name may hold spaces: split after it
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def startup_summary(startup_s: dict[str, float]) -> str:

@@ -272,7 +272,7 @@ def test_main_logs_one_ready_line_and_stops_on_sigterm(tiny_model_path, photos):
     try:
         first = proc.stdout.readline()
         assert f"encoder ready on 127.0.0.1:{port}" in first and tiny_model_path in first, first
-        parts = r"processor [\d.]+ s, tower [\d.]+ s, weights [\d.]+ s, warm-up [\d.]+ s"
+        parts = r"process [\d.]+ s, processor [\d.]+ s, tower [\d.]+ s, weights [\d.]+ s, warm-up [\d.]+ s"
         assert re.search(rf"; started in [\d.]+ s \({parts}\)$", first.strip()), first
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=_CHANNEL_OPTIONS) as ch:
             ok = encoder_pb2_grpc.EncoderStub(ch).Encode(_request("sub", [photos["chelsea"]]), timeout=30)

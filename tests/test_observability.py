@@ -12,6 +12,8 @@ import io
 import json
 import logging
 import re
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -189,8 +191,9 @@ def test_dashboard_queries_use_only_exported_names():
 
 
 def test_ready_lines_say_how_long_each_part_of_the_start_took(server):
-    """Prefill's and decode's ready lines end with the start-up's parts (issue 43): weights and warm-up always
-    (CPU: no graphs), each in seconds, and a total equal to their sum."""
+    """Prefill's and decode's ready lines end with the start-up's parts (issue 43): the process's own start
+    (interpreter, imports), weights and warm-up always (CPU: no graphs), each in seconds, and a total equal to their
+    sum."""
     _, log_path = server
     messages = [json.loads(x)["message"] for x in log_path.read_text().splitlines() if x.startswith("{")]
     for stage in ("prefill", "decode"):
@@ -198,9 +201,23 @@ def test_ready_lines_say_how_long_each_part_of_the_start_took(server):
         m = re.search(r"started in ([\d.]+) s \((.*)\)$", line)
         assert m, line
         parts = dict((name, float(sec)) for name, sec in re.findall(r"([\w-]+) ([\d.]+) s", m.group(2)))
-        assert {"weights", "warm-up"} <= parts.keys(), line
+        assert {"process", "weights", "warm-up"} <= parts.keys(), line
+        assert list(parts)[0] == "process" and parts["process"] > 0, line  # the imports came first, and took time
         # Each figure is rounded to 0.1 s: the parts' sum and the total differ by at most half of that each.
         assert abs(sum(parts.values()) - float(m.group(1))) <= 0.05 * (len(parts) + 1) + 1e-9, line
+
+
+def test_process_age_counts_from_the_process_start():
+    """A child that sleeps 1 s after its imports reports an age of at least that, and not much more than the
+    child's whole life as the parent timed it: the part of a ready line no timer inside the process can see."""
+    code = ("import time; t = time.monotonic(); time.sleep(1.0); from epdserve.logging_setup import process_age_s;"
+            " print(process_age_s(), time.monotonic() - t)")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    life = time.monotonic() - t0
+    age, slept = (float(x) for x in out.stdout.split())
+    # /proc's start time is in clock ticks (10 ms): allow one tick either way.
+    assert slept + 0.0 <= age + 0.011 and age <= life + 0.011, (age, slept, life)
 
 
 def test_request_id_reaches_every_process_log(server, model):

@@ -16,6 +16,7 @@ from epdserve.kvcache.kv_pool import KVPool
 from epdserve.kvcache.kv_share import export_pool, new_shm_path
 from epdserve.engine import state_io
 from epdserve.kvcache.state_pool import StatePool
+from epdserve.logging_setup import process_age_s
 from epdserve.wire.messages import KVPoolHandle
 from epdserve.models import language_model_class
 from epdserve.models.config import ModelConfig
@@ -81,8 +82,11 @@ class ModelRunner:
             ValueError: unsupported model, bad weights, bad backend name, or no room for one page.
         """
         t0 = time.monotonic()
-        # Seconds each part of the start-up took (the servers' ready lines print them; issue 43).
+        # Seconds each part of the start-up took (the servers' ready lines print them; issue 43), from the
+        # process's start: "process" is the interpreter, the imports and the server's set-up before the model.
         self.startup_s: dict[str, float] = {}
+        if (age := process_age_s()) is not None:
+            self.startup_s["process"] = age
         self.busy: DeviceBusy | None = None  # a server's device_busy_seconds metric (track_device_busy)
         self.device, self.dtype, self.page_size = torch.device(device), dtype, page_size
         self.tp = tp or TPGroup.single(self.device)
