@@ -114,6 +114,8 @@ def server_figures(before: Samples, after: Samples, seconds: float | None = None
                   "cache_misses": d.total(P + "embedding_cache_misses_total", stage=stage),
                   "batch_size_mean": d.mean(P + "batch_size", stage=stage),
                   "encode_latency_ms_mean": d.mean(P + "encode_latency_seconds", ms, stage=stage),
+                  "image_decode_ms_mean": d.mean(P + "image_decode_seconds", ms, stage=stage),
+                  "embedding_push_ms_mean": d.mean(P + "embedding_push_seconds", ms, stage=stage),
                   "bytes_sent": d.total(P + "embedding_bytes_sent_total", stage=stage)}
         if stage == "prefill":
             g |= {"prompt_tokens": d.total(P + "prompt_tokens_total", stage=stage),

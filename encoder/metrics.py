@@ -34,6 +34,11 @@ class EncoderMetrics(StageMetrics):
                                           "seconds", LATENCY_BUCKETS)
         self.stage_latency = self._histogram("stage_latency_seconds", "Duration of one Encode request, seconds",
                                              LATENCY_BUCKETS)
+        # The parts of a request around the tower call, so a slow stage says which part is slow (issue 45).
+        self.decode_time = self._histogram("image_decode_seconds", "Decoding one image off the event loop (the "
+                                           "wait for a worker thread included), seconds", LATENCY_BUCKETS)
+        self.push_time = self._histogram("embedding_push_seconds", "Handing one request's embeddings to its "
+                                         "prefill ranks (written to every connection), seconds", LATENCY_BUCKETS)
         self.bytes_sent = self._counter("embedding_bytes_sent", "Embedding bytes pushed to prefill ranks (each "
                                         "target counted)")
         self.running = self._gauge("num_running_reqs", "Encode requests in progress", mode="livesum")

@@ -207,7 +207,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         results = await self._embeddings(keys, labels, out, pending)
         embeddings = [results[h][0] for h in keys]
         if targets:
+            t0 = time.monotonic()
             on_host = await self._outbox.push(encoder.device, rid, request.share_host_id, keys, embeddings, targets)
+            self.metrics.push_time.observe(time.monotonic() - t0)
         else:
             on_host = await asyncio.to_thread(self._outbox.on_host, embeddings)
         self._outbox.keep(keys, results, on_host)
@@ -296,7 +298,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                                                    self._video_limits, self._max_pixels)
                     job, patches = VideoJob(encoder), item.patches
                 else:
+                    t0 = time.monotonic()
                     item, patches = await asyncio.to_thread(_decode_one, encoder, source, self._max_pixels)
+                    self.metrics.decode_time.observe(time.monotonic() - t0)
                     job = encoder
             except BaseException:
                 if not video:

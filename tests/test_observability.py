@@ -126,6 +126,11 @@ def test_counters_move_by_exactly_what_was_sent(server, metrics_urls, model):
     assert d("embedding_cache_hits_total", "encoder") == 2
     assert d("embedding_cache_misses_total", "encoder") == 2
     assert d("embedding_bytes_sent_total", "encoder") > 0
+    # Each encoded image's decode timed once; each Encode request (all have targets here) pushed once, in time.
+    assert d("image_decode_seconds_count", "encoder") == 2 and d("image_decode_seconds_sum", "encoder") > 0
+    pushes = d("embedding_push_seconds_count", "encoder")
+    assert pushes == d("num_requests_total", "encoder", outcome="ok") >= 3
+    assert d("embedding_push_seconds_sum", "encoder") > 0
     # One observation per request where one is due.
     n = len(bodies)
     assert d("num_requests_total", "gateway", outcome="length") == n
