@@ -352,6 +352,29 @@ def test_kv_read_write_roundtrip(hf25, runner25):
 # ---------------------------------------------------------------- sampling
 
 
+@pytest.mark.parametrize("n, hq, hkv, d", [(1, 4, 2, 8), (5, 16, 2, 16), (3, 8, 8, 4)])
+def test_kv_write_of_a_fused_qkv_row_equals_two_writes(n, hq, hkv, d):
+    """K and V as the attention layers pass them (column blocks of one qkv output row) go in with one indexed
+    copy; the pool ends up exactly as with K and V written apart. Copies of K and V (not adjacent) and V before K
+    take the two-write path."""
+    from epdserve.kvcache.kv_pool import KVPool, _adjacent_kv
+
+    torch.manual_seed(n)
+    q, k, v = torch.randn(n, (hq + 2 * hkv) * d, dtype=torch.bfloat16).split([hq * d, hkv * d, hkv * d], dim=-1)
+    k, v = k.view(-1, hkv, d), v.view(-1, hkv, d)
+    pools = [KVPool(num_layers=2, num_pages=4, page_size=4, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
+                    device="cpu") for _ in range(2)]
+    slots = torch.randperm(16)[:n]
+    assert _adjacent_kv(k, v, torch.bfloat16) is not None
+    pools[0].write(1, slots, k, v)
+    pools[1].write(1, slots, k.clone(), v.clone())
+    assert torch.equal(pools[0].buffer, pools[1].buffer) and pools[0].buffer[1].abs().sum() > 0
+    assert pools[0].buffer[0].abs().sum() == 0  # the other layer untouched
+    assert _adjacent_kv(k.clone(), v.clone(), torch.bfloat16) is None
+    assert _adjacent_kv(v, k, torch.bfloat16) is None
+    assert _adjacent_kv(k, v, torch.float32) is None  # a cast is due: two writes
+
+
 def test_sampling():
     torch.manual_seed(0)
     logits = torch.randn(6, 50)

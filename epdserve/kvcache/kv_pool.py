@@ -63,7 +63,14 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new ``k``, ``v`` (``[n, H, D]``, cast to the pool dtype) of layer ``layer`` at ``slots`` (``[n]``
-        int64 on the pool device)."""
+        int64 on the pool device).
+
+        When ``v`` follows ``k`` in each row of one buffer (the K and V column blocks of a fused qkv projection's
+        output, as the models pass them), both are written by one indexed copy instead of two: a decode step
+        launches one kernel fewer per layer."""
+        if (kv := _adjacent_kv(k, v, self.dtype)) is not None:
+            self._flat[layer].transpose(0, 1)[slots] = kv
+            return
         self._flat[layer, 0, slots] = k.to(self.dtype)
         self._flat[layer, 1, slots] = v.to(self.dtype)
 
@@ -81,3 +88,18 @@ class KVPool:
         if tuple(kv.shape) != expected:
             raise ValueError(f"kv shape {tuple(kv.shape)} != expected {expected}")
         self._flat[:, :, slots.to(self.device)] = kv.to(self.device, self.dtype)
+
+
+def _adjacent_kv(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``[n, 2, H, D]`` view over ``k`` and ``v`` (``[n, H, D]`` each) when ``v``'s row starts where ``k``'s ends in
+    the same storage with the same strides and ``dtype`` (nothing to cast), else None."""
+    if k.dtype != dtype or v.dtype != dtype or k.shape != v.shape or k.dim() != 3 or k.stride() != v.stride():
+        return None
+    n, h, d = k.shape
+    if k.stride(2) != 1 or k.stride(1) != d or v.device != k.device:
+        return None
+    if v.data_ptr() != k.data_ptr() + h * d * k.element_size():
+        return None
+    if v.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        return None
+    return k.as_strided((n, 2, h, d), (k.stride(0), h * d, d, 1))
