@@ -84,9 +84,7 @@ class ModelRunner:
         t0 = time.monotonic()
         # Seconds each part of the start-up took (the servers' ready lines print them; issue 43), from the
         # process's start: "process" is the interpreter, the imports and the server's set-up before the model.
-        self.startup_s: dict[str, float] = {}
-        if (age := process_age_s()) is not None:
-            self.startup_s["process"] = age
+        self.startup_s: dict[str, float] = {} if (age := process_age_s()) is None else {"process": age}
         self.busy: DeviceBusy | None = None  # a server's device_busy_seconds metric (track_device_busy)
         self.device, self.dtype, self.page_size = torch.device(device), dtype, page_size
         self.tp = tp or TPGroup.single(self.device)
