@@ -159,18 +159,24 @@ def test_model_refuses_unsplittable_heads_and_batches_without_slots(runner35, ti
 # ---------------------------------------------------------------- against transformers
 
 
-def test_prefill_logits_and_greedy_decode_equal_transformers(hf35, runner35, prompts):
+def assert_prefill_and_greedy_equal_transformers(hf, runner: ModelRunner, prompts: list[torch.Tensor]) -> None:
+    """Each prompt alone: the prefill's last logits equal ``hf``'s (atol 1e-4) and 12 greedy decode steps equal
+    ``hf.generate``'s tokens (the Qwen3.5 and Qwen3.5-MoE model tests)."""
     pages = Pages(256)
     for ids in prompts:
         with torch.no_grad():
-            want = hf35(input_ids=ids[None]).logits[0, -1]
-        req = Req(runner35, ids, pages)
+            want = hf(input_ids=ids[None]).logits[0, -1]
+        req = Req(runner, ids, pages)
         try:
-            logits = run(runner35, [req], [req.seq.extend_part(len(ids))])
+            logits = run(runner, [req], [req.seq.extend_part(len(ids))])
             torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=0)
-            assert greedy(runner35, [req], logits, 12)[0] == hf_generate(hf35, ids, 12)
+            assert greedy(runner, [req], logits, 12)[0] == hf_generate(hf, ids, 12)
         finally:
             req.close()
+
+
+def test_prefill_logits_and_greedy_decode_equal_transformers(hf35, runner35, prompts):
+    assert_prefill_and_greedy_equal_transformers(hf35, runner35, prompts)
 
 
 @pytest.mark.parametrize("cut", [5, 66, -1])  # inside the conv window, past one delta-rule chunk, a 1-token tail

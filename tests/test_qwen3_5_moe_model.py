@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model_runtime import Pages
-from test_qwen3_5_model import Req, assert_batch_equals_each_alone, greedy, hf_generate, run
+from test_qwen3_5_model import assert_batch_equals_each_alone, assert_prefill_and_greedy_equal_transformers
 
 from epdserve.engine.distributed import TPGroup
 from epdserve.engine.model_runner import ModelRunner
@@ -113,17 +112,7 @@ def test_fuse_per_expert_rejects_missing_and_foreign_experts():
 
 
 def test_prefill_logits_and_greedy_decode_equal_transformers(hf_moe, runner, prompts):
-    pages = Pages(256)
-    for ids in prompts:
-        with torch.no_grad():
-            want = hf_moe(input_ids=ids[None]).logits[0, -1]
-        req = Req(runner, ids, pages)
-        try:
-            logits = run(runner, [req], [req.seq.extend_part(len(ids))])
-            torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=0)
-            assert greedy(runner, [req], logits, 12)[0] == hf_generate(hf_moe, ids, 12)
-        finally:
-            req.close()
+    assert_prefill_and_greedy_equal_transformers(hf_moe, runner, prompts)
 
 
 def test_two_requests_in_one_batch_equal_each_alone(runner, prompts):
