@@ -235,3 +235,27 @@ def test_launch_plan_gives_each_server_its_ports_and_gpus():
     on_cpu = plan_launch(LaunchConfig(device="cpu", num_prefills=2), "/models/m", on_gpus=False)
     assert on_cpu.gpus == {} and list(on_cpu.commands)[1:3] == ["prefill0", "prefill1"]
     assert on_cpu.commands["encoder0"][on_cpu.commands["encoder0"].index("--device") + 1] == "cpu"
+
+
+def test_launch_never_draws_the_gateways_own_ports(monkeypatch):
+    """The gateway binds ``--port`` and ``--kserve-grpc-port`` after the stages' ports are drawn, so the draw skips
+    them even when they are free at that moment (CI: a decode's metrics port drawn equal to the gateway's, its
+    /metrics lost). The random draw is scripted to offer both first; the fallback to ephemeral ports skips them too."""
+    from epdserve.entry.launch_plan import plan_launch
+    from epdserve.wire import transport
+
+    gateway, kserve = transport.free_ports(2)  # free now: the draw would take them if it did not skip them
+    offered = iter([gateway, kserve] * 3 + list(range(10_000, 30_000)))
+
+    class Scripted:
+        def randrange(self, lo: int, hi: int) -> int:
+            return next(p for p in offered if lo <= p < hi)
+
+    monkeypatch.setattr(transport.random, "SystemRandom", Scripted)
+    plan = plan_launch(LaunchConfig(device="cpu", port=gateway, kserve_grpc_port=kserve), "/models/m", on_gpus=False)
+    drawn = {int(c[c.index(k) + 1]) for n, c in plan.commands.items() if n != "gateway"
+             for k in ("--port", "--zmq-port", "--embed-port", "--bootstrap-port", "--kv-port", "--metrics-port")
+             if k in c}
+    assert gateway not in drawn and kserve not in drawn and len(drawn - {0}) == 2 + 4 + 3
+    monkeypatch.setattr(transport, "_ephemeral_low", lambda: 10_000)  # no range below: ephemeral ports only
+    assert not {gateway, kserve} & set(transport.free_ports(50, exclude={gateway, kserve}))

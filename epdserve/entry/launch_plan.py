@@ -65,7 +65,9 @@ def plan_launch(cfg: LaunchConfig, model_path: str, on_gpus: bool) -> LaunchPlan
     enc_gpus = cfg.per_server("encoder_gpus")
     pre_tp, pre_gpus = cfg.per_server("prefill_tp"), cfg.per_server("prefill_gpus")
     dec_tp, dec_gpus = cfg.per_server("decode_tp"), cfg.per_server("decode_gpus")
-    ports = iter(free_ports(2 * cfg.num_encoders + 4 * cfg.num_prefills + 3 * cfg.num_decodes))
+    # The gateway binds its own ports later: none of the drawn ones may be one of them.
+    ports = iter(free_ports(2 * cfg.num_encoders + 4 * cfg.num_prefills + 3 * cfg.num_decodes,
+                            exclude={cfg.port, cfg.kserve_grpc_port}))
     plan = LaunchPlan()
     level = logging.getLevelName(logging.getLogger("epdserve").getEffectiveLevel())
     exe = [sys.executable, "-m", "epdserve", "--log-level", level, "--log-format", active_format()]

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import random
 import socket
+from collections.abc import Collection
 from typing import Any
 
 import zmq
@@ -30,13 +31,15 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now, below the kernel's ephemeral range. All are held until
-    the last is chosen: ports picked one at a time can repeat once released (a launch on an H100 failed with two
-    servers given one port). Below that range, since a port chosen now is bound later, by another process: in
-    between, an ephemeral port (any socket bound to port 0, any outgoing connection's local end) could take one
-    from inside the range (CI: a decode server's "Address already in use" on a port its launch had chosen). Falls
-    back to ephemeral ports when the range below is too small or taken."""
+def free_ports(n: int, exclude: Collection[int] = ()) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 right now, below the kernel's ephemeral range, none of
+    ``exclude`` (ports the caller has promised elsewhere but not bound yet, such as a launch's gateway port: CI saw a
+    decode server's metrics port drawn equal to it). All are held until the last is chosen: ports picked one at a
+    time can repeat once released (a launch on an H100 failed with two servers given one port). Below that range,
+    since a port chosen now is bound later, by another process: in between, an ephemeral port (any socket bound to
+    port 0, any outgoing connection's local end) could take one from inside the range (CI: a decode server's
+    "Address already in use" on a port its launch had chosen). Falls back to ephemeral ports when the range below
+    is too small or taken."""
     low, rng = _ephemeral_low(), random.SystemRandom()
     with contextlib.ExitStack() as stack:
         ports: list[int] = []
@@ -44,7 +47,7 @@ def free_ports(n: int) -> list[int]:
             if len(ports) == n or low <= 10_000:
                 break
             port = rng.randrange(10_000, low)
-            if port in ports:
+            if port in ports or port in exclude:
                 continue
             s = stack.enter_context(socket.socket())
             try:
@@ -53,9 +56,10 @@ def free_ports(n: int) -> list[int]:
                 continue
             ports.append(port)
         while len(ports) < n:
-            s = stack.enter_context(socket.socket())
+            s = stack.enter_context(socket.socket())  # held open: the kernel hands out another port next time
             s.bind((LOCAL, 0))
-            ports.append(s.getsockname()[1])
+            if (port := s.getsockname()[1]) not in exclude:
+                ports.append(port)
         return ports
 
 
