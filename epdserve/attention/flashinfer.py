@@ -21,6 +21,7 @@ import flashinfer
 import torch
 
 from epdserve.attention.base import AttentionBackend
+from epdserve.attention.flashinfer_kernels import KernelBuild, tensor_core_decode
 from epdserve.device import to_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
@@ -32,7 +33,7 @@ def decode_kernel_kwargs(num_qo_heads: int, num_kv_heads: int) -> dict:
     """``BatchDecodeWithPagedKVCacheWrapper`` arguments choosing its kernel for a head layout: the tensor-core
     kernel on flashinfer's FA2 backend from 4 query heads per KV head up (SGLang's threshold), else the
     CUDA-core decode kernel."""
-    if num_qo_heads // num_kv_heads >= 4:
+    if tensor_core_decode(num_qo_heads, num_kv_heads):
         return {"use_tensor_cores": True, "backend": "fa2"}
     return {}
 
@@ -50,8 +51,12 @@ class FlashInferBackend(AttentionBackend):
 
     uses_flashinfer = True
 
-    def __init__(self, kv_pool: KVPool, num_qo_heads: int):
+    def __init__(self, kv_pool: KVPool, num_qo_heads: int, kernels: KernelBuild | None = None):
         """Allocate the shared float workspace and both wrappers on the pool's CUDA device.
+
+        ``kernels``: the runner's flashinfer module build; its ``prefill_backend`` is the prefill wrappers' backend
+        (FA2 on a machine where FA3 is not built yet), and once its ``fa3_ready`` is set eager prefills move to
+        FA3. None: flashinfer's "auto" choice (FA3 on Hopper), built on first use.
 
         Raises:
             ValueError: the pool is not on CUDA, or the head counts are not GQA-compatible.
@@ -61,7 +66,12 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError("FlashInferBackend needs a CUDA KV pool")
         # Prefill and decode never run at the same time, so they can share one float workspace.
         self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        self.kernels = kernels
+        self._prefill_backend = "auto" if kernels is None else kernels.prefill_backend
+        self._fa3_ready = None if kernels is None else kernels.fa3_ready
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
+                                                                       backend=self._prefill_backend)
+        self._retired: list = []  # wrappers replaced while serving: their last plan's copy may still be queued
         self._decode_kwargs = decode_kernel_kwargs(num_qo_heads, kv_pool.num_kv_heads)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
                                                                      **self._decode_kwargs)
@@ -93,7 +103,8 @@ class FlashInferBackend(AttentionBackend):
         last = torch.zeros(1, dtype=torch.int32, device=dev)
         for n in token_counts:
             self._graph_prefill[n] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=qo_indptr,
+                self._workspace, kv_layout="NHD", backend=self._prefill_backend, use_cuda_graph=True,
+                qo_indptr_buf=qo_indptr,
                 paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last)
 
     def _wait_previous_plan(self, wrapper) -> None:
@@ -138,6 +149,8 @@ class FlashInferBackend(AttentionBackend):
                          pool.num_kv_heads, pool.head_dim, ps, q_data_type=dtype, kv_data_type=dtype,
                          sm_scale=self.scale, non_blocking=True)
         else:
+            if not cuda_graph and self._fa3_ready is not None and self._fa3_ready.is_set():
+                self._use_fa3_prefill()
             wrapper = self._graph_prefill[int(batch.input_ids.shape[0])] if cuda_graph else self._prefill
             self._wait_previous_plan(wrapper)
             qo_indptr = torch.tensor([0] + list(batch.q_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -146,6 +159,13 @@ class FlashInferBackend(AttentionBackend):
         self._planned_now(wrapper)
         self._wrapper = wrapper
         self._out_slots = batch.out_slots.to(dev)
+
+    def _use_fa3_prefill(self) -> None:
+        """Eager prefills from now on on the FA3 module the runner's background build loaded."""
+        self._retired.append(self._prefill)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
+                                                                       backend="fa3")
+        self._prefill_backend, self._fa3_ready = "fa3", None
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. Raises RuntimeError when :meth:`prepare` was not called."""

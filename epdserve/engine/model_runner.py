@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from epdserve.attention.select import make_backend
+from epdserve.attention.select import choose_backend, make_backend
 from epdserve.engine.busy import DeviceBusy
 from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
@@ -91,6 +91,7 @@ class ModelRunner:
         t0 = self._create_context(t0)
         self.config = cfg = ModelConfig.load(model_path)
         self.heads = head_shard(cfg.num_heads, cfg.num_kv_heads, self.tp)
+        attention_backend, kernels = self._kernel_build(attention_backend)
         # Built on the meta device so no memory is spent on random init; the weights fill it in place.
         with torch.device("meta"):
             model = language_model_class(cfg)(cfg, tp=self.tp)
@@ -99,6 +100,8 @@ class ModelRunner:
         model.load_weights((name, t.to(dtype)) for name, t in weights)
         self.model = model.eval().requires_grad_(False)
         self.startup_s["weights"] = time.monotonic() - t0
+        if kernels is not None:  # what the build needed beyond the weights' time
+            self.startup_s["kernels"] = kernels.wait()
         if num_pages <= 0:
             num_pages = self.tp.min_int(self._auto_pages(mem_fraction))
         self.num_pages = num_pages
@@ -107,7 +110,7 @@ class ModelRunner:
                               num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
                               device=self.device,
                               shm_path=new_shm_path() if share_kv and self.device.type == "cpu" else "")
-        self.backend = make_backend(attention_backend, self.kv_pool, self.heads.num_heads)
+        self.backend = make_backend(attention_backend, self.kv_pool, self.heads.num_heads, kernels)
         self.model.attn = self.backend
         self.model.use_fused_ops(self.backend.uses_flashinfer)
         self.state_pool = self._state_pool(num_state_slots) if cfg.is_hybrid else None
@@ -115,6 +118,12 @@ class ModelRunner:
             self.model.states = self.state_pool
             if not self.model.deltanet_kernels:  # the torch references loop over requests: not capturable
                 prefill_graph_max_tokens = 0
+        self._capture_graphs(cuda_graph_max_bs, prefill_graph_max_tokens)
+        if kernels is not None:
+            kernels.start_background()
+
+    def _capture_graphs(self, cuda_graph_max_bs: int, prefill_graph_max_tokens: int) -> None:
+        """Capture the decode and prefill CUDA graphs (flashinfer backend only; their seconds: ``graphs``)."""
         self.graphs = None
         t0 = time.monotonic()
         if cuda_graph_max_bs > 0 and self.backend.uses_flashinfer:
@@ -123,12 +132,25 @@ class ModelRunner:
         if prefill_graph_max_tokens > 0 and self.backend.uses_flashinfer:
             from epdserve.engine.prefill_graph import PrefillGraphRunner
 
+            cfg = self.config
             self.prefill_graphs = PrefillGraphRunner(
                 self.model, self.backend, hidden_size=cfg.embed_width, vocab_size=cfg.vocab_size,
-                max_tokens=prefill_graph_max_tokens, scratch_page=num_pages, page_size=page_size, dtype=dtype,
-                states=self.state_pool)
+                max_tokens=prefill_graph_max_tokens, scratch_page=self.num_pages, page_size=self.page_size,
+                dtype=self.dtype, states=self.state_pool)
         if self.graphs is not None or self.prefill_graphs is not None:
             self.startup_s["graphs"] = time.monotonic() - t0
+
+    def _kernel_build(self, attention_backend: str):
+        """``(backend name, build)``: the attention backend ``attention_backend`` resolves to and, for flashinfer, the
+        build of its kernel modules (:mod:`epdserve.attention.flashinfer_kernels`), started now so that it runs while
+        the weights load; else None."""
+        name = choose_backend(attention_backend, self.device, self.config.head_dim, self.dtype)
+        if name != "flashinfer":
+            return name, None
+        from epdserve.attention.flashinfer_kernels import start_kernel_build
+
+        return name, start_kernel_build(self.config.head_dim, self.heads.num_heads, self.heads.num_kv_heads,
+                                        self.dtype, self.device)
 
     def _decode_graphs(self, max_bs: int):
         """The decode CUDA graphs. A hybrid model's take each row's state slot from a static buffer (padding rows:
