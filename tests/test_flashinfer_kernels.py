@@ -58,10 +58,11 @@ class FakeSpec:
 
     def __init__(self, name: str, jit: "FakeFlashinfer"):
         self.name, self.jit = name, jit
+        self.is_aot = name in jit.aot  # in flashinfer's prebuilt package (flashinfer-jit-cache)
 
     @property
     def is_compiled(self) -> bool:
-        return self.name in self.jit.compiled
+        return self.name in self.jit.compiled or self.is_aot
 
     def build(self, verbose: bool) -> None:
         nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -74,8 +75,8 @@ class FakeSpec:
 class FakeFlashinfer:
     """Installs ``flashinfer``'s JIT entry points into ``sys.modules`` and records what the prebuild asks of them."""
 
-    def __init__(self, monkeypatch, *, has_fa3: bool, compiled=(), fail=()):
-        self.has_fa3, self.compiled, self.fail = has_fa3, set(compiled), set(fail)
+    def __init__(self, monkeypatch, *, has_fa3: bool, compiled=(), fail=(), aot=()):
+        self.has_fa3, self.compiled, self.fail, self.aot = has_fa3, set(compiled), set(fail), set(aot)
         self.builds: list[tuple[str, str, int]] = []  # (module, thread, nice)
         self.loaded: list[str] = []
         attention = types.SimpleNamespace(
@@ -135,6 +136,15 @@ def test_warm_machine_uses_fa3_from_the_start_and_checks_every_module(monkeypatc
     # Built ones are still handed to ninja (it finds them up to date, or rebuilds stale ones now, all at once).
     assert fi.built("flashinfer-build") == set(every)
     assert fi.loaded == [] and all(t.name != "flashinfer-fa3" for t in threading.enumerate())
+
+
+def test_modules_of_flashinfers_prebuilt_package_are_not_compiled(monkeypatch):
+    every = ["prefill_fa2_128", "prefill_fa3_128", "norm", "silu_and_mul", "rope"]
+    fi = FakeFlashinfer(monkeypatch, has_fa3=True, aot=every[:2])
+    build = start_kernel_build(128, 16, 2, BF16, CUDA)
+    build.wait()
+    assert build.prefill_backend == "fa3" and build.fa3_ready is None  # FA3 is there from the package
+    assert fi.built("flashinfer-build") == set(every[2:])
 
 
 def test_gpu_without_fa3_builds_fa2_only(monkeypatch):

@@ -155,8 +155,11 @@ class KernelBuild:
             # Each module with its own ninja run (what its first use runs again, and finds up to date: a module
             # built by one ninja run over several, flashinfer's build_jit_specs, has its objects logged elsewhere,
             # so first use would compile it all over again), all at once; already built ones are only checked.
-            with ThreadPoolExecutor(len(self.foreground), thread_name_prefix="flashinfer-build") as pool:
-                for done in [pool.submit(self.specs[m].build, False) for m in self.foreground]:
+            # Modules of flashinfer's prebuilt package (flashinfer-jit-cache) load from there: build() would
+            # compile them anyway.
+            todo = [self.specs[m] for m in self.foreground if not getattr(self.specs[m], "is_aot", False)]
+            with ThreadPoolExecutor(max(1, len(todo)), thread_name_prefix="flashinfer-build") as pool:
+                for done in [pool.submit(spec.build, False) for spec in todo]:
                     done.result()
             if missing:
                 log.info("flashinfer: built %d kernel modules in %.1f s", len(missing), time.monotonic() - t0)
