@@ -3,8 +3,10 @@
 ``python -m epdserve.bench.step --model-path DIR --batch-sizes 1 32 128 --context 512``
 
 Per batch size it fills B requests' KV pages with random values at ``--context`` tokens each, then times
-``--steps`` decode steps the way the decode server runs them (inputs built on the host from Python lists,
-``runner.forward``, ``argmax``, one ``.tolist()``), wall clock per step. The roofline is the bytes one step must
+``--steps`` greedy decode steps, wall clock per step, twice: one after the other ("step ms": inputs built on the
+host from Python lists, ``runner.forward``, ``argmax``, one ``.tolist()``, so host work and GPU time add up), and
+overlapped as the decode server runs them ("overlapped": the next step's host work while the previous one is on
+the GPU, its input ids taken on the device; see :func:`time_steps`). The roofline is the bytes one step must
 read (every LM weight once, the embedding table aside, plus every request's KV; hybrid models' states read and
 written) over the device-to-device copy
 bandwidth measured in the same run (bytes read + written). "GPU ms" is the replayed graph alone (no host work):
@@ -176,8 +178,9 @@ def step_bytes(runner: ModelRunner, kv_tokens: int, batch_size: int = 0) -> int:
     return weights + kv + state
 
 
-def time_steps(runner: ModelRunner, batch_size: int, context: int, steps: int) -> list[float]:
-    """Wall seconds of each of ``steps`` decode steps of ``batch_size`` requests starting at ``context`` tokens."""
+def _decode_setup(runner: ModelRunner, batch_size: int, context: int, steps: int):
+    """Pages (random KV) and state slots (random states) for ``batch_size`` requests at ``context`` tokens, room for
+    ``steps`` more, and random first input ids. Returns ``(pages, tokens, slots)``."""
     ps = runner.page_size
     per_req = -(-(context + steps + 1) // ps)
     if per_req * batch_size > runner.num_pages:
@@ -191,20 +194,58 @@ def time_steps(runner: ModelRunner, batch_size: int, context: int, steps: int) -
         slots = [runner.state_pool.alloc() for _ in range(batch_size)]
         for buf in (runner.state_pool.conv_buffer, runner.state_pool.recurrent_buffer):
             buf.normal_()
-    out = []
+    return pages, tokens, slots
+
+
+def _decode_batch(runner: ModelRunner, tokens, pages: list[list[int]], index: int, slots) -> ForwardBatch:
+    """One decode step's batch: every request's input at sequence ``index``; ``tokens`` a list or a device tensor."""
+    n, ps = len(pages), runner.page_size
+    ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.int64)
+    return ForwardBatch(
+        True, ids, decode_positions(torch.full((n,), index), torch.zeros(n, dtype=torch.int64)),
+        torch.tensor([p[index // ps] * ps + index % ps for p in pages], dtype=torch.int64),
+        [1] * n, [index + 1] * n, pages, state_slots=slots)
+
+
+def time_steps(runner: ModelRunner, batch_size: int, context: int, steps: int,
+               overlap: bool = False) -> tuple[list[float], list[int]]:
+    """Wall seconds of each of ``steps`` greedy decode steps of ``batch_size`` requests starting at ``context``
+    tokens, and the last step's tokens.
+
+    ``overlap=False``: one step after the other, each ending in ``.tolist()`` (host work and GPU time add up).
+    ``overlap=True``: as the decode server's overlap scheduling runs them: a step's input ids are the previous
+    step's argmax, still on the device, its host work (batch, plan, launch) runs while the previous step is on the
+    GPU, and the host waits for a step only once the next one is launched; in the steady state a step's wall time
+    is then the larger of its host time and its GPU time (issue 44's "step wall time within 10 % of its GPU
+    time")."""
+    pages, tokens, slots = _decode_setup(runner, batch_size, context, steps)
+    cuda = runner.device.type == "cuda"
+    out, last = [], time.perf_counter()
+    pending = None  # overlap: (tokens on the device, event recorded after them) of the step in flight
+    if overlap:
+        tokens = torch.tensor(tokens, dtype=torch.int64, device=runner.device)
     for step in range(steps):
         t0 = time.perf_counter()
-        idx = [context + step] * batch_size
-        batch = ForwardBatch(
-            True, torch.tensor(tokens, dtype=torch.int64),
-            decode_positions(torch.tensor(idx), torch.zeros(batch_size, dtype=torch.int64)),
-            torch.tensor([p[i // ps] * ps + i % ps for p, i in zip(pages, idx)], dtype=torch.int64),
-            [1] * batch_size, [i + 1 for i in idx], pages, state_slots=slots)
-        tokens = runner.forward(batch).argmax(-1).tolist()
-        out.append(time.perf_counter() - t0)
+        batch = _decode_batch(runner, tokens, pages, context + step, slots)
+        if not overlap:
+            tokens = runner.forward(batch).argmax(-1).tolist()
+            out.append(time.perf_counter() - t0)
+            continue
+        tokens = runner.forward(batch).argmax(-1)
+        done = torch.cuda.Event() if cuda else None
+        if done is not None:
+            done.record()
+        if pending is not None and pending[1] is not None:
+            pending[1].synchronize()  # the previous step: its tokens would go to the clients now
+        pending = (tokens, done)
+        now = time.perf_counter()
+        out.append(now - last)
+        last = now
+    if overlap:
+        tokens = tokens.tolist()
     for slot in slots or ():
         runner.state_pool.free(slot)
-    return out
+    return out, tokens
 
 
 def graph_gpu_time(runner: ModelRunner, batch_size: int, reps: int = 30) -> float | None:
@@ -314,23 +355,25 @@ def main(argv: list[str] | None = None) -> int:
     prefills = run_prefills(runner, args) if args.prefill_lens else {}
     rows = []
     for bs in args.batch_sizes:
-        times = time_steps(runner, bs, args.context, args.steps)[4:]  # the first steps warm caches up
+        times = time_steps(runner, bs, args.context, args.steps)[0][4:]  # the first steps warm caches up
         median = statistics.median(times)
+        overlapped = statistics.median(time_steps(runner, bs, args.context, args.steps, overlap=True)[0][4:])
         gpu = graph_gpu_time(runner, bs)
         kv_tokens = bs * (args.context + args.steps // 2)
         roof = step_bytes(runner, kv_tokens, bs) / bw
         kernels = profile_replays(runner, bs) if args.profile else []
-        rows.append(dict(batch_size=bs, context=args.context, step_ms=median * 1e3,
+        rows.append(dict(batch_size=bs, context=args.context, step_ms=median * 1e3, overlapped_step_ms=overlapped * 1e3,
                          graph_gpu_ms=None if gpu is None else gpu * 1e3, roofline_ms=roof * 1e3,
                          roofline_fraction=roof / median, tokens_per_s=bs / median,
                          cuda_graph=runner.graphs is not None, kernels=kernels))
     print(f"device: {torch.cuda.get_device_name(dev)}; copy bandwidth {bw / 1e12:.2f} TB/s (read + write); "
           f"CUDA graphs: {'on' if runner.graphs is not None else 'off'}")
-    print(f"{'batch':>6} {'step ms':>9} {'GPU ms':>8} {'roofline ms':>12} {'of roofline':>12} {'tok/s':>10}")
+    print(f"{'batch':>6} {'step ms':>9} {'overlapped':>11} {'GPU ms':>8} {'roofline ms':>12} {'of roofline':>12} "
+          f"{'tok/s':>10}")
     for r in rows:
         gpu = "-" if r["graph_gpu_ms"] is None else f"{r['graph_gpu_ms']:.3f}"
-        print(f"{r['batch_size']:>6} {r['step_ms']:>9.3f} {gpu:>8} {r['roofline_ms']:>12.3f} "
-              f"{100 * r['roofline_fraction']:>11.1f}% {r['tokens_per_s']:>10.0f}")
+        print(f"{r['batch_size']:>6} {r['step_ms']:>9.3f} {r['overlapped_step_ms']:>11.3f} {gpu:>8} "
+              f"{r['roofline_ms']:>12.3f} {100 * r['roofline_fraction']:>11.1f}% {r['tokens_per_s']:>10.0f}")
     for r in rows:
         if r["kernels"]:
             print(f"batch {r['batch_size']}: top GPU kernels per step (us, calls)")

@@ -1,5 +1,5 @@
-"""The step bench's memory roofline for MoE models (benchmarks/step.py): routed experts count in the share a
-step's tokens reach, the rest of the LM in full; dense models unchanged."""
+"""The step bench (benchmarks/step.py): its memory roofline for MoE models (routed experts count in the share a
+step's tokens reach, the rest of the LM in full; dense models unchanged), and its overlapped decode loop."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from epdserve.bench.step import active_weights, expected_experts, lm_params, lm_weights, step_bytes
+from epdserve.bench.step import active_weights, expected_experts, lm_params, lm_weights, step_bytes, time_steps
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.tiny import make_tiny_model
 
@@ -52,3 +52,19 @@ def test_dense_roofline_counts_every_weight(tiny_model_path):
                          page_size=16)
     assert all(share == 1.0 for _, share in active_weights(runner, 32))
     assert step_bytes(runner, 0, 32) == sum(p.numel() * p.element_size() for p in lm_weights(runner))
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_overlapped_steps_decode_what_serial_steps_decode(tiny_model_path, batch_size):
+    # The overlapped loop feeds each step the previous step's tokens on the device, never through the host: the
+    # same greedy tokens as the serial loop (same random KV and first ids), step by step to the last.
+    runner = ModelRunner(tiny_model_path, device=torch.device("cpu"), dtype=torch.float32, num_pages=64,
+                         page_size=16)
+    torch.manual_seed(0)
+    serial_walls, serial = time_steps(runner, batch_size, 20, 6)
+    torch.manual_seed(0)
+    walls, overlapped = time_steps(runner, batch_size, 20, 6, overlap=True)
+    assert overlapped == serial and len(serial) == batch_size
+    assert len(walls) == len(serial_walls) == 6 and min(walls) > 0
+    torch.manual_seed(1)
+    assert time_steps(runner, batch_size, 20, 6, overlap=True)[1] != serial  # other first ids, other tokens
