@@ -7,6 +7,7 @@ through real servers (`epdserve launch` with two of each, TP=2 on one of each) i
 from __future__ import annotations
 
 import argparse
+import subprocess
 import threading
 import time
 
@@ -259,3 +260,47 @@ def test_launch_never_draws_the_gateways_own_ports(monkeypatch):
     assert gateway not in drawn and kserve not in drawn and len(drawn - {0}) == 2 + 4 + 3
     monkeypatch.setattr(transport, "_ephemeral_low", lambda: 10_000)  # no range below: ephemeral ports only
     assert not {gateway, kserve} & set(transport.free_ports(50, exclude={gateway, kserve}))
+
+
+def test_launch_stops_the_gateway_before_the_stages():
+    """On Ctrl-C the launcher stops the gateway alone first (so it neither sends new work nor logs the stages'
+    going away as failures), then the stages; a stage that ignores SIGTERM is killed at the grace deadline."""
+    from epdserve.entry.launch import _stop
+    from epdserve.entry.launch_plan import plan_launch
+
+    plan = plan_launch(LaunchConfig(device="cpu"), "/models/m", on_gpus=False)
+    events: list[str] = []
+
+    class Proc:
+        def __init__(self, name: str, obeys: bool = True, exit_after_s: float = 0.0):
+            self.name, self.obeys, self.exit_after_s, self.stopped_at = name, obeys, exit_after_s, None
+
+        def poll(self):
+            done = self.stopped_at is not None and time.monotonic() >= self.stopped_at
+            return 0 if done else None
+
+        def send_signal(self, sig):
+            events.append(f"TERM {self.name}")
+            if self.obeys:
+                self.stopped_at = time.monotonic() + self.exit_after_s
+
+        def wait(self, timeout=None):
+            if self.stopped_at is None:
+                time.sleep(timeout)
+                raise subprocess.TimeoutExpired(self.name, timeout)
+            time.sleep(max(0.0, self.stopped_at - time.monotonic()))
+            events.append(f"exit {self.name}")
+            return 0
+
+        def kill(self):
+            events.append(f"KILL {self.name}")
+            self.stopped_at = time.monotonic()
+
+    procs = {name: Proc(name, exit_after_s=0.2 if name == "gateway" else 0.0) for name in plan.commands}
+    stages = [*plan.names("encoder"), *plan.names("prefill"), *plan.names("decode")]
+    decode = plan.names("decode")[0]
+    procs[decode] = Proc(decode, obeys=False)
+    _stop(procs, plan, grace_s=1.0)
+    assert events[:2] == ["TERM gateway", "exit gateway"]  # the stages hear nothing until the gateway is gone
+    assert events[2:5] == [f"TERM {name}" for name in stages] and len(stages) == 3
+    assert [e for e in events if e.startswith("KILL")] == [f"KILL {decode}"]  # at the deadline, the others exited

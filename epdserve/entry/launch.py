@@ -16,6 +16,7 @@ with its last log lines. Stages that share a GPU run under a CUDA MPS daemon of 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -157,12 +158,18 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
 
 
 def _stop(procs: dict[str, subprocess.Popen], plan: LaunchPlan, grace_s: float = 10.0) -> None:
-    # Gateway first, so no new work reaches the stages while they stop.
-    order = ["gateway", *plan.names("encoder"), *plan.names("prefill"), *plan.names("decode")]
-    for name in order:
+    """SIGTERM every server, the gateway first and alone (up to 5 s of ``grace_s``): once it has stopped, no new work
+    reaches the stages and it does not log their going away as failures; then the others, in start order. Whatever
+    is still running after ``grace_s`` is killed."""
+    deadline = time.monotonic() + grace_s
+    gateway = procs.get("gateway")
+    if gateway is not None and gateway.poll() is None:
+        gateway.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            gateway.wait(timeout=min(5.0, grace_s))
+    for name in [*plan.names("encoder"), *plan.names("prefill"), *plan.names("decode")]:
         if name in procs and procs[name].poll() is None:
             procs[name].send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
     for proc in procs.values():
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
