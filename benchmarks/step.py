@@ -221,23 +221,21 @@ def time_steps(runner: ModelRunner, batch_size: int, context: int, steps: int,
     pages, tokens, slots = _decode_setup(runner, batch_size, context, steps)
     cuda = runner.device.type == "cuda"
     out, last = [], time.perf_counter()
-    pending = None  # overlap: (tokens on the device, event recorded after them) of the step in flight
+    previous = None  # overlap on CUDA: the event recorded after the step in flight
     if overlap:
         tokens = torch.tensor(tokens, dtype=torch.int64, device=runner.device)
     for step in range(steps):
-        t0 = time.perf_counter()
         batch = _decode_batch(runner, tokens, pages, context + step, slots)
         if not overlap:
             tokens = runner.forward(batch).argmax(-1).tolist()
-            out.append(time.perf_counter() - t0)
-            continue
-        tokens = runner.forward(batch).argmax(-1)
-        done = torch.cuda.Event() if cuda else None
-        if done is not None:
-            done.record()
-        if pending is not None and pending[1] is not None:
-            pending[1].synchronize()  # the previous step: its tokens would go to the clients now
-        pending = (tokens, done)
+        else:
+            tokens = runner.forward(batch).argmax(-1)
+            if cuda:
+                done = torch.cuda.Event()
+                done.record()
+                if previous is not None:
+                    previous.synchronize()  # the previous step: its tokens would go to the clients now
+                previous = done
         now = time.perf_counter()
         out.append(now - last)
         last = now

@@ -54,8 +54,8 @@ def describe(mod: KernelModule) -> str:
     """``"prefill fa2 (head_dim 128, bfloat16)"``, ``"norm"``: a module for the logs."""
     if mod.dtype is None:
         return mod.kind
-    return f"{mod.kind} {mod.backend} (head_dim {mod.head_dim}, {str(mod.dtype).removeprefix('torch.')})".replace(
-        "  ", " ")
+    name = " ".join(filter(None, (mod.kind, mod.backend)))
+    return f"{name} (head_dim {mod.head_dim}, {str(mod.dtype).removeprefix('torch.')})"
 
 
 def tensor_core_decode(num_qo_heads: int, num_kv_heads: int) -> bool:
@@ -85,15 +85,20 @@ def foreground_and_background(mods: list[KernelModule], built: set[KernelModule]
     return [m for m in mods if m not in late], late
 
 
+def prefill_module_args(mod: KernelModule) -> tuple:
+    """The arguments after the backend that the prefill wrappers' ``plan`` passes to flashinfer's prefill module
+    getters for ``mod``: q, KV and output dtype, int32 page indices, head sizes, no position encoding in the
+    kernel, no sliding window, no logits soft cap, no fp16 QK reduction."""
+    d = mod.dtype
+    return d, d, d, torch.int32, mod.head_dim, mod.head_dim, 0, False, False, False
+
+
 def jit_spec(mod: KernelModule):
-    """flashinfer's ``JitSpec`` of ``mod``, made with the arguments its wrappers pass (no position encoding in the
-    kernel, no sliding window, no logits soft cap, no fp16 QK reduction, int32 page indices)."""
+    """flashinfer's ``JitSpec`` of ``mod``, made with the arguments its wrappers pass."""
     if mod.kind == "prefill":
         from flashinfer.jit.attention.modules import gen_batch_prefill_module
 
-        d = mod.dtype
-        return gen_batch_prefill_module(mod.backend, d, d, d, torch.int32, mod.head_dim, mod.head_dim, 0, False,
-                                        False, False)
+        return gen_batch_prefill_module(mod.backend, *prefill_module_args(mod))
     if mod.kind == "decode":
         from flashinfer.jit.attention.modules import gen_batch_decode_module
 
@@ -199,9 +204,8 @@ class KernelBuild:
                 log.info("flashinfer: building the FA3 prefill module in the background (prefill runs FA2 until "
                          "then)")
                 self.specs[m].build(verbose=False)
-                d = m.dtype  # load it here, so the serving thread's first FA3 plan finds it cached
-                get_batch_prefill_module("fa3", d, d, d, torch.int32, m.head_dim, m.head_dim, 0, False, False,
-                                         False)
+                # Loaded here, so the serving thread's first FA3 plan finds it in the getter's cache.
+                get_batch_prefill_module("fa3", *prefill_module_args(m))
         except Exception as e:  # serving goes on with FA2
             log.warning("flashinfer: the FA3 prefill module did not build (%s); prefill stays on FA2", e)
             return
