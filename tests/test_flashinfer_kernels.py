@@ -38,7 +38,7 @@ def test_modules_of_the_presets(preset, cuda_core_decode, head_dim):
     kinds = [(m.kind, m.backend) for m in mods]
     assert kinds[:2] == [("prefill", "fa2"), ("prefill", "fa3")]
     assert (("decode", "") in kinds) == cuda_core_decode
-    assert kinds[-3:] == [("norm", ""), ("activation", ""), ("rope", "")]
+    assert kinds[-2:] == [("norm", ""), ("activation", "")] and ("rope", "") not in kinds  # RoPE is Triton's
     assert all(m.head_dim == head_dim and m.dtype == BF16 for m in mods if m.kind in ("prefill", "decode"))
     # A GPU without FA3 (flashinfer's "auto" picks FA2 there): no FA3 module at all.
     assert all(m.backend != "fa3" for m in kernel_modules(head_dim, 16, 2, BF16, fa3=False))
@@ -93,7 +93,6 @@ class FakeFlashinfer:
             "flashinfer.jit.norm": types.SimpleNamespace(gen_norm_module=lambda: self.spec("norm")),
             "flashinfer.jit.activation": types.SimpleNamespace(
                 gen_act_and_mul_module=lambda act: self.spec(f"{act}_and_mul")),
-            "flashinfer.jit.rope": types.SimpleNamespace(gen_rope_module=lambda: self.spec("rope")),
             "flashinfer.prefill": types.SimpleNamespace(
                 get_batch_prefill_module=lambda backend, *a: self.loaded.append(f"prefill_{backend}_{a[4]}")),
         }
@@ -116,7 +115,7 @@ def test_fresh_hopper_machine_starts_on_fa2_and_moves_to_fa3(monkeypatch):
     assert build.prefill_backend == "fa2" and not build.fa3_ready.is_set()
     build.wait()
     # Every module its own build (its own ninja run), on the build's threads, at the process's priority.
-    assert fi.built("flashinfer-build") == {"prefill_fa2_128", "norm", "silu_and_mul", "rope"}
+    assert fi.built("flashinfer-build") == {"prefill_fa2_128", "norm", "silu_and_mul"}
     base = os.getpriority(os.PRIO_PROCESS, 0)
     assert {nice for *_, nice in fi.builds} == {base}
     assert "prefill_fa3_128" not in fi.compiled  # not until the runner says its graphs are captured
@@ -127,7 +126,7 @@ def test_fresh_hopper_machine_starts_on_fa2_and_moves_to_fa3(monkeypatch):
 
 
 def test_warm_machine_uses_fa3_from_the_start_and_checks_every_module(monkeypatch):
-    every = ["prefill_fa2_128", "prefill_fa3_128", "decode_128", "norm", "silu_and_mul", "rope"]
+    every = ["prefill_fa2_128", "prefill_fa3_128", "decode_128", "norm", "silu_and_mul"]
     fi = FakeFlashinfer(monkeypatch, has_fa3=True, compiled=every)
     build = start_kernel_build(128, 16, 8, BF16, CUDA)
     assert build.prefill_backend == "fa3" and build.fa3_ready is None
@@ -139,7 +138,7 @@ def test_warm_machine_uses_fa3_from_the_start_and_checks_every_module(monkeypatc
 
 
 def test_modules_of_flashinfers_prebuilt_package_are_not_compiled(monkeypatch):
-    every = ["prefill_fa2_128", "prefill_fa3_128", "norm", "silu_and_mul", "rope"]
+    every = ["prefill_fa2_128", "prefill_fa3_128", "norm", "silu_and_mul"]
     fi = FakeFlashinfer(monkeypatch, has_fa3=True, aot=every[:2])
     build = start_kernel_build(128, 16, 2, BF16, CUDA)
     build.wait()
@@ -152,13 +151,13 @@ def test_gpu_without_fa3_builds_fa2_only(monkeypatch):
     build = start_kernel_build(256, 16, 4, BF16, CUDA)
     build.wait()
     assert build.prefill_backend == "fa2" and build.fa3_ready is None
-    assert fi.built("flashinfer-build") == {"prefill_fa2_256", "norm", "silu_and_mul", "rope"}
+    assert fi.built("flashinfer-build") == {"prefill_fa2_256", "norm", "silu_and_mul"}
 
 
 def test_a_failed_build_fails_the_start_with_ninjas_message(monkeypatch):
-    FakeFlashinfer(monkeypatch, has_fa3=True, fail=["rope"])
+    FakeFlashinfer(monkeypatch, has_fa3=True, fail=["norm"])
     build = start_kernel_build(128, 16, 2, BF16, CUDA)
-    with pytest.raises(RuntimeError, match="flashinfer kernel build failed: Ninja build failed: nvcc died on rope"):
+    with pytest.raises(RuntimeError, match="flashinfer kernel build failed: Ninja build failed: nvcc died on norm"):
         build.wait()
 
 

@@ -1,5 +1,6 @@
-"""The fused Qwen3 q/k RMSNorm + RoPE kernel (CUDA, Triton) against the unfused flashinfer pair it replaces, and
-both against a float32 reference: the fused one is never further from float32 than the pair."""
+"""The fused Qwen3 q/k RMSNorm + RoPE kernel (CUDA, Triton) against the unfused pair it replaces (flashinfer's
+rmsnorm, then the in-place RoPE kernel), and both against a float32 reference: the fused one is never further from
+float32 than the pair."""
 
 from __future__ import annotations
 
@@ -33,11 +34,12 @@ def _float32(qkv, hq, hkv, d, qw, kw, eps, table):
 def _flashinfer_pair(qkv, hq, hkv, d, qw, kw, eps, table):
     import flashinfer
 
+    from epdserve.models.rope_inplace import rope_inplace
+
     q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q = flashinfer.norm.rmsnorm(q.reshape(-1, d), qw, eps).view(-1, hq * d)
     k = flashinfer.norm.rmsnorm(k.reshape(-1, d), kw, eps).view(-1, hkv * d)
-    flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(torch.arange(qkv.shape[0], device="cuda"), q, k, d,
-                                                          table, True)
+    rope_inplace(q, k, d, table)
     return q.view(-1, hq, d), k.view(-1, hkv, d)
 
 

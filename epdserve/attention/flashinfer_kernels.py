@@ -16,7 +16,7 @@ tokens on an H100, docs/performance.md), the prefill CUDA graphs captured on FA2
 which finds FA3 built and uses it everywhere, as every start on a warm machine does.
 
 Only the module names and arguments are epdserve's; they mirror what the wrappers' ``plan`` and the fused ops ask
-for (``flashinfer/prefill.py``, ``decode.py``, ``norm.py``, ``activation.py``, ``rope.py`` of flashinfer 0.6).
+for (``flashinfer/prefill.py``, ``decode.py``, ``norm.py`` and ``activation.py`` of flashinfer 0.6).
 A flashinfer whose JIT API differs keeps its own lazy builds (one warning).
 """
 
@@ -40,7 +40,7 @@ class KernelModule:
     """One flashinfer JIT module a model's forwards load.
 
     ``kind``: ``"prefill"`` (paged prefill, also flashinfer's tensor-core decode on the FA2 backend),
-    ``"decode"`` (the CUDA-core decode kernel), ``"norm"``, ``"activation"`` (SiLU-and-mul) or ``"rope"``;
+    ``"decode"`` (the CUDA-core decode kernel), ``"norm"`` or ``"activation"`` (SiLU-and-mul);
     ``backend``: ``"fa2"`` or ``"fa3"`` for prefill; ``head_dim`` and ``dtype`` (16-bit) for the attention modules.
     """
 
@@ -69,13 +69,14 @@ def kernel_modules(head_dim: int, num_qo_heads: int, num_kv_heads: int, dtype: t
                    fa3: bool) -> list[KernelModule]:
     """The flashinfer modules a runner of these attention shapes (this rank's heads) loads: the FA2 prefill module
     always (prefill before FA3 is built, and tensor-core decode), FA3's where ``fa3`` (the GPU has it), the
-    CUDA-core decode module below 4 query heads per KV head, and the fused norm, SiLU-and-mul and RoPE ops."""
+    CUDA-core decode module below 4 query heads per KV head, and the fused norm and SiLU-and-mul ops (RoPE is
+    :mod:`epdserve.models.rope_inplace`'s Triton kernel: flashinfer's takes ~27 s to compile)."""
     mods = [KernelModule("prefill", "fa2", head_dim, dtype)]
     if fa3:
         mods.append(KernelModule("prefill", "fa3", head_dim, dtype))
     if not tensor_core_decode(num_qo_heads, num_kv_heads):
         mods.append(KernelModule("decode", "", head_dim, dtype))
-    return mods + [KernelModule("norm"), KernelModule("activation"), KernelModule("rope")]
+    return mods + [KernelModule("norm"), KernelModule("activation")]
 
 
 def foreground_and_background(mods: list[KernelModule], built: set[KernelModule]) -> tuple[list, list]:
@@ -112,10 +113,6 @@ def jit_spec(mod: KernelModule):
         from flashinfer.jit.activation import gen_act_and_mul_module
 
         return gen_act_and_mul_module("silu")
-    if mod.kind == "rope":
-        from flashinfer.jit.rope import gen_rope_module
-
-        return gen_rope_module()
     raise ValueError(f"unknown flashinfer module kind {mod.kind!r}")
 
 

@@ -8,8 +8,10 @@ Architecture: Qwen2 (RMSNorm pre-norm blocks, GQA attention with q/k/v bias, SiL
 Two implementations of the small operations (norms, residual adds, RoPE, SiLU-and-mul), chosen per model:
 - torch (``fused_ops=False``, CPU and the reference): the exact arithmetic of transformers, so CPU outputs match
   ``generate()`` token for token.
-- flashinfer's fused kernels (``fused_ops=True``, CUDA): ``fused_add_rmsnorm`` (residual add + RMSNorm in one
-  pass), ``silu_and_mul`` and ``apply_rope_with_cos_sin_cache_inplace``, as SGLang's Qwen2 uses them. A decode
+- fused kernels (``fused_ops=True``, CUDA): flashinfer's ``fused_add_rmsnorm`` (residual add + RMSNorm in one
+  pass) and ``silu_and_mul``, as SGLang's Qwen2 uses them, and RoPE in place (:mod:`epdserve.models.rope_inplace`,
+  flashinfer's ``apply_rope_with_cos_sin_cache_inplace`` arithmetic in a Triton kernel that compiles in a second
+  where flashinfer's takes ~27 s on a fresh machine). A decode
   step of a 36-layer model launched ~39 kernels per layer with torch ops, ~2-3 us each on the GPU even inside a
   CUDA graph; fused, it launches ~11. They round differently from transformers (RMSNorm multiplies by the weight
   in float32), so GPU outputs are close to, not bit-equal with, the CPU reference.
@@ -18,9 +20,8 @@ Tensor parallelism (:mod:`epdserve.models.parallel`): attention heads and the ML
 over the TP ranks of ``tp`` (q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel with one
 all-reduce each), the embedding and the LM head over the vocabulary. With one rank the layers are the plain ones.
 
-M-RoPE through flashinfer's RoPE kernel: the kernel looks up ``cos_sin_cache[pos_ids[t]]``; we pass this
-forward's own per-token M-RoPE cos|sin table (``[T, head_dim]`` float32) with ``pos_ids = arange(T)``, so one
-kernel serves text and image positions alike.
+M-RoPE through the fused RoPE kernel: it reads this forward's own per-token M-RoPE cos|sin table (``[T, head_dim]``
+float32), so one kernel serves text and image positions alike.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                       VocabParallelEmbedding, head_shard, split_evenly)
+from epdserve.models.rope_inplace import rope_inplace
 
 
 def _flashinfer():
@@ -106,7 +108,7 @@ def _mrope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, section: tupl
 def mrope_cos_sin_table(positions: torch.Tensor, inv_freq: torch.Tensor,
                         section: tuple[int, int, int], interleaved: bool = False) -> torch.Tensor:
     """The same angles as :func:`mrope_cos_sin` as one float32 ``[T, head_dim]`` table, ``cos`` of the
-    ``head_dim / 2`` frequencies then their ``sin``: the ``cos_sin_cache`` layout of flashinfer's RoPE kernel."""
+    ``head_dim / 2`` frequencies then their ``sin``: the table :func:`~epdserve.models.rope_inplace.rope_inplace` reads."""
     freqs = _mrope_angles(positions, inv_freq, section, interleaved)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
@@ -119,13 +121,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 @dataclass
 class _Rope:
-    """One forward's rotary angles: ``cos``/``sin`` ``[T, 1, D]`` (torch ops) or ``table`` ``[T, D]`` float32 with
-    ``pos_ids`` ``arange(T)`` (flashinfer)."""
+    """One forward's rotary angles: ``cos``/``sin`` ``[T, 1, D]`` (torch ops) or ``table`` ``[T, D]`` float32, cos
+    in the first half and sin in the second (the fused kernels)."""
 
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     table: torch.Tensor | None = None
-    pos_ids: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -147,7 +148,7 @@ class Attention(nn.Module):
         """``[T, hidden]`` -> ``[T, hidden]``."""
         q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         if rope.table is not None:  # in place on the strided views of the qkv output: no copies
-            _flashinfer().rope.apply_rope_with_cos_sin_cache_inplace(rope.pos_ids, q, k, self.d, rope.table, True)
+            rope_inplace(q, k, self.d, rope.table)
             q, k = q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d)
         else:
             q = _rotate(q.view(-1, self.hq, self.d), rope.cos, rope.sin)
@@ -354,8 +355,7 @@ class Qwen2VLLanguageModel(nn.Module):
         """This forward's rotary angles for ``batch.positions``, in the form the attention implementation takes."""
         section, interleaved = self.config.mrope_section, self.config.mrope_interleaved
         if self.fused_ops:
-            table = mrope_cos_sin_table(batch.positions, self.inv_freq, section, interleaved)
-            return _Rope(table=table, pos_ids=torch.arange(table.shape[0], device=x.device))
+            return _Rope(table=mrope_cos_sin_table(batch.positions, self.inv_freq, section, interleaved))
         return _Rope(*mrope_cos_sin(batch.positions, self.inv_freq, section, x.dtype, interleaved))
 
     def _logits(self, batch: ForwardBatch, x: torch.Tensor, residual: torch.Tensor | None,

@@ -34,7 +34,8 @@ from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.models.config import ModelConfig
 from epdserve.models.qk_norm_rope import qk_norm_rope
-from epdserve.models.qwen2_vl_lm import Attention, Qwen2VLLanguageModel, RMSNorm, _flashinfer, _Rope, _rotate
+from epdserve.models.qwen2_vl_lm import Attention, Qwen2VLLanguageModel, RMSNorm, _Rope, _rotate
+from epdserve.models.rope_inplace import rope_inplace
 
 
 class Qwen3Attention(Attention):
@@ -60,7 +61,7 @@ class Qwen3Attention(Attention):
         q = self.q_norm(q.reshape(-1, self.d)).view(-1, self.hq * self.d)
         k = self.k_norm(k.reshape(-1, self.d)).view(-1, self.hkv * self.d)
         if rope.table is not None:  # q and k are fresh contiguous tensors here: rotate them in place
-            _flashinfer().rope.apply_rope_with_cos_sin_cache_inplace(rope.pos_ids, q, k, self.d, rope.table, True)
+            rope_inplace(q, k, self.d, rope.table)
             q, k = q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d)
         else:
             q = _rotate(q.view(-1, self.hq, self.d), rope.cos, rope.sin)
