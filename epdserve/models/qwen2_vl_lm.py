@@ -108,7 +108,8 @@ def _mrope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, section: tupl
 def mrope_cos_sin_table(positions: torch.Tensor, inv_freq: torch.Tensor,
                         section: tuple[int, int, int], interleaved: bool = False) -> torch.Tensor:
     """The same angles as :func:`mrope_cos_sin` as one float32 ``[T, head_dim]`` table, ``cos`` of the
-    ``head_dim / 2`` frequencies then their ``sin``: the table :func:`~epdserve.models.rope_inplace.rope_inplace` reads."""
+    ``head_dim / 2`` frequencies then their ``sin``: the table :func:`~epdserve.models.rope_inplace.rope_inplace`
+    reads."""
     freqs = _mrope_angles(positions, inv_freq, section, interleaved)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
