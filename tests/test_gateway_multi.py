@@ -243,23 +243,23 @@ def test_launch_never_draws_the_gateways_own_ports(monkeypatch):
     them even when they are free at that moment (CI: a decode's metrics port drawn equal to the gateway's, its
     /metrics lost). The random draw is scripted to offer both first; the fallback to ephemeral ports skips them too."""
     from epdserve.entry.launch_plan import plan_launch
-    from epdserve.wire import transport
+    from epdserve.wire import ports
 
-    gateway, kserve = transport.free_ports(2)  # free now: the draw would take them if it did not skip them
+    gateway, kserve = ports.free_ports(2)  # free now: the draw would take them if it did not skip them
     offered = iter([gateway, kserve] * 3 + list(range(10_000, 30_000)))
 
     class Scripted:
         def randrange(self, lo: int, hi: int) -> int:
             return next(p for p in offered if lo <= p < hi)
 
-    monkeypatch.setattr(transport.random, "SystemRandom", Scripted)
+    monkeypatch.setattr(ports.random, "SystemRandom", Scripted)
     plan = plan_launch(LaunchConfig(device="cpu", port=gateway, kserve_grpc_port=kserve), "/models/m", on_gpus=False)
     drawn = {int(c[c.index(k) + 1]) for n, c in plan.commands.items() if n != "gateway"
              for k in ("--port", "--zmq-port", "--embed-port", "--bootstrap-port", "--kv-port", "--metrics-port")
              if k in c}
     assert gateway not in drawn and kserve not in drawn and len(drawn - {0}) == 2 + 4 + 3
-    monkeypatch.setattr(transport, "_ephemeral_low", lambda: 10_000)  # no range below: ephemeral ports only
-    assert not {gateway, kserve} & set(transport.free_ports(50, exclude={gateway, kserve}))
+    monkeypatch.setattr(ports, "_ephemeral_low", lambda: 10_000)  # no range below: ephemeral ports only
+    assert not {gateway, kserve} & set(ports.free_ports(50, exclude={gateway, kserve}))
 
 
 def test_launch_stops_the_gateway_before_the_stages():

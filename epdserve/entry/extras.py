@@ -16,10 +16,11 @@ of a ``ModuleNotFoundError`` after the model has loaded. What is checked, per se
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from epdserve.config import EncoderConfig, LaunchConfig, LMServerConfig
-from epdserve.kvcache.engine import KV_ENGINES
+from epdserve.kvcache.engine_names import KV_ENGINES
 
 
 class MissingExtra(Exception):
@@ -27,17 +28,27 @@ class MissingExtra(Exception):
     import error, and the install command."""
 
 
-def require(module: str, feature: str, install: str) -> None:
+def require(module: str, feature: str, install: str, load: bool = True) -> None:
     """Import ``module`` (discarded) or raise :class:`MissingExtra` saying that ``feature`` needs it.
 
     Args:
         module: the module to import, e.g. ``"smg_grpc_proto"``.
         feature: what asks for it, flag first, e.g. ``"--grpc-port (SGLang's scheduler gRPC)"``.
         install: how to get it, e.g. ``"pip install 'epdserve[smg-grpc]'"``.
+        load: False only checks that the module is installed, without importing it (the launcher: flashinfer's
+            import brings torch's, seconds before any stage starts; each stage then imports it for real).
 
     Raises:
         MissingExtra: the import failed (not installed, or a build whose shared libraries this machine lacks).
     """
+    if not load:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ValueError:  # in sys.modules without a spec: imported already
+            found = True
+        if not found:
+            raise MissingExtra(f"{feature} needs {module.split('.')[0]}, which is not installed: {install}")
+        return
     try:
         importlib.import_module(module)
     except ImportError as e:
@@ -49,9 +60,9 @@ def _on_cuda(device: str) -> bool:
         return True
     if device != "auto":
         return False
-    import torch
+    from epdserve.cuda_probe import cuda_available
 
-    return torch.cuda.is_available()
+    return cuda_available()
 
 
 def _is_hybrid(model_path: str) -> bool:
@@ -83,8 +94,9 @@ def check_extras(config: Any) -> None:
     backend = getattr(config, "attention_backend", "auto")  # launch's stages take auto
     if not isinstance(config, (LMServerConfig, LaunchConfig)) or backend == "sdpa" or not _on_cuda(config.device):
         return  # only the LM servers attend, and only on CUDA are the kernels needed
+    load = not isinstance(config, LaunchConfig)
     require("flashinfer", "attention on CUDA (--attention-backend auto or flashinfer)",
-            "pip install 'epdserve[gpu]', or --attention-backend sdpa for PyTorch's attention")
+            "pip install 'epdserve[gpu]', or --attention-backend sdpa for PyTorch's attention", load)
     if _is_hybrid(config.model_path):
         require("fla", "a hybrid model (Qwen3.5) on CUDA", "pip install 'epdserve[hybrid-gpu]', or "
-                "--attention-backend sdpa for the PyTorch path throughout")
+                "--attention-backend sdpa for the PyTorch path throughout", load)

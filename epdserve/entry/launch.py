@@ -30,16 +30,17 @@ import urllib.request
 from epdserve.config import LaunchConfig
 from epdserve.entry import mps
 from epdserve.entry.launch_plan import LaunchPlan, plan_launch
+from epdserve.logging_setup import process_age_s
 from epdserve.models.paths import resolve_model_path
-from epdserve.wire.transport import LOCAL as _LOCAL
+from epdserve.wire.ports import LOCAL as _LOCAL
 
 log = logging.getLogger("epdserve.entry.launch")
 
 
 def _has_cuda() -> bool:
-    import torch
+    from epdserve.cuda_probe import cuda_available  # without importing torch: seconds before any stage starts
 
-    return torch.cuda.is_available()
+    return cuda_available()
 
 
 def _on_gpus(cfg: LaunchConfig) -> bool:
@@ -107,7 +108,8 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
         ModelSourceError (a FileNotFoundError): ``cfg.model_path`` names no usable checkpoint.
         ValueError: a per-server flag with the wrong number of values (:func:`plan_launch`).
     """
-    started = time.monotonic()
+    # From the process's start: the interpreter and the launcher's imports are part of the wait too.
+    started = time.monotonic() - (process_age_s() or 0.0)
     # The default model built, a hub id downloaded, once, before the children race for it.
     model_path = resolve_model_path(cfg.model_path, cfg.revision)
     plan = plan_launch(cfg, model_path, _on_gpus(cfg))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from epdserve.config import LaunchConfig
 from epdserve.logging_setup import active_format
-from epdserve.wire.transport import LOCAL, free_ports
+from epdserve.wire.ports import LOCAL, free_ports
 
 
 @dataclass

@@ -24,14 +24,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from epdserve.kvcache.engine_names import KV_ENGINES
 from epdserve.kvcache.state_copies import describe_state
 from epdserve.wire.messages import KVEngineRegion, StateEngineRegion
-
-# name -> (module, class, how to install its package)
-KV_ENGINES = {"nixl": ("epdserve.kvcache.engine_nixl", "NixlEngine", "pip install 'epdserve[nixl]'"),
-              "mooncake": ("epdserve.kvcache.engine_mooncake", "MooncakeEngine",
-                           "pip install 'epdserve[mooncake]' (its CUDA build: needs libcudart.so.12), or "
-                           "'epdserve[mooncake-cpu]' on a machine without CUDA (needs libibverbs.so.1)")}
 
 
 class KVEngineError(RuntimeError):
