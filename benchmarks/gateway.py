@@ -33,7 +33,7 @@ from epdserve.wire.messages import (
     AbortRequest, DecodeRequest, Load, LoadRequest, ServerInfo, ServerInfoRequest, TokenOutput, TokenOutputBatch,
     decode, encode,
 )
-from epdserve.wire.transport import free_port
+from epdserve.wire.ports import free_port
 
 from .report import print_rows, text_table
 

@@ -90,7 +90,7 @@ def run_mode(mode: str, model: str, requests: int, words: int, log_dir: Path, de
     Raises:
         RuntimeError: the launch exited or was not ready within ``ready_s`` seconds.
     """
-    from epdserve.wire.transport import free_port
+    from epdserve.wire.ports import free_port
 
     port, log_path = free_port(), log_dir / f"{mode}.log"
     with open(log_path, "w") as log:

@@ -53,8 +53,8 @@ def cuda_available() -> bool:
     driver = driver_device_count()
     if driver is not None and driver[0] == 0:
         return False
-    built = torch_cuda_version()
-    if driver is not None and built and built.split(".")[0].isdigit() and driver[1] // 1000 >= int(built.split(".")[0]):
+    built_major = (torch_cuda_version() or "").split(".")[0]
+    if driver is not None and built_major.isdigit() and driver[1] // 1000 >= int(built_major):
         return True
     import torch
 

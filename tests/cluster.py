@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from epdserve.config import GatewayConfig
-from epdserve.wire.transport import free_port, free_ports
+from epdserve.wire.ports import free_port, free_ports
 
 READY = {"encoder": "encoder ready on", "prefill": "prefill ready on", "decode": "decode ready on"}
 

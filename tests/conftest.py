@@ -168,7 +168,7 @@ def hf_reference_model(path: str, expect: str | None = None):
 def launched(model_path: str, log_dir: Path, *args: str, num_encoders: int = 1):
     """`epdserve launch` of ``model_path`` on a free port with DEBUG logs as JSON lines and ``args`` added; yields
     (base_url, log_path) once ready. On exit, Ctrl-C must stop every server cleanly (exit 0, the port closed)."""
-    from epdserve.wire.transport import free_port
+    from epdserve.wire.ports import free_port
 
     port = free_port()
     log_path = log_dir / "launch.log"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from epdserve.wire.transport import free_port
+from epdserve.wire.ports import free_port
 
 
 def smg_executable() -> str | None:

@@ -33,7 +33,7 @@ from epdserve.encoder.vision import VisionEncoder, decode_image
 from epdserve.kvcache.kv_share import host_id
 from epdserve.wire.messages import ImageEmbeddings, decode
 from epdserve.proto import encoder_pb2, encoder_pb2_grpc
-from epdserve.wire.transport import free_port
+from epdserve.wire.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_PIXELS = 4_000_000

@@ -27,7 +27,7 @@ from epdserve.frontend.tokenspeed.room_client import RoomClient
 from epdserve.wire import messages, room_messages
 from epdserve.wire.codec import WireError
 from epdserve.wire.room_messages import EmbedClaim, EmbedClaimReply
-from epdserve.wire.transport import free_port
+from epdserve.wire.ports import free_port
 
 pb = pytest.importorskip("smg_grpc_proto").tokenspeed_scheduler_pb2
 

@@ -35,7 +35,7 @@ from epdserve.wire.messages import (
     TokenOutputBatch, decode, encode,
 )
 from epdserve.models.checkpoint_parts import build_tokenizer
-from epdserve.wire.transport import free_port
+from epdserve.wire.ports import free_port
 
 CONTEXT = 4096
 EMBED_ENDPOINTS = ["tcp://127.0.0.1:39101", "tcp://127.0.0.1:39102"]

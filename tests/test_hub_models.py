@@ -112,7 +112,7 @@ def test_bad_hub_inputs_are_one_line_and_a_nonzero_exit(repos, tmp_path, args, e
 
 
 def test_no_network_and_nothing_cached(repos, tmp_path):
-    from epdserve.wire.transport import free_port
+    from epdserve.wire.ports import free_port
 
     out = _download(_env(f"http://127.0.0.1:{free_port()}", tmp_path / "hf"), ID)  # nothing listens there
     assert out.returncode == 2 and "cannot be reached" in out.stderr.strip().splitlines()[-1], out.stderr

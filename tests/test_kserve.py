@@ -29,7 +29,7 @@ from cluster import at_baseline, details, serve_gateway, wait_for
 from conftest import hf_reference_model
 from test_e2e import NEW_TOKENS, _hf_reference, _resolve
 
-from epdserve.wire.transport import free_port
+from epdserve.wire.ports import free_port
 
 TRITONCLIENT = "tritonclient[grpc,http]>=2.60,<3"
 CLIENT = Path(__file__).with_name("kserve_client.py")

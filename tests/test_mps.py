@@ -143,7 +143,7 @@ def test_launch_gives_the_pipe_to_the_stages_on_the_shared_gpu_and_stops_the_dae
         def wait(self, timeout=None):
             return 1
 
-    monkeypatch.setattr(launch_mod, "_has_cuda", lambda: True)
+    monkeypatch.setattr(launch_mod, "cuda_available", lambda: True)
     monkeypatch.setattr(launch_mod.subprocess, "Popen", Exited)
     cfg = LaunchConfig(model_path=tiny_model_path, device="cuda", encoder_gpus=[1], prefill_gpus=[0],
                        decode_gpus=[1])

@@ -22,7 +22,7 @@ import pytest
 from cluster import body, health, noise_png, serve_gateway, wait_for
 
 from epdserve.encoder.server import LOAD_DELAY_ENV
-from epdserve.wire.transport import free_port
+from epdserve.wire.ports import free_port
 
 LOAD_DELAY_S = 8.0
 

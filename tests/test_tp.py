@@ -29,7 +29,7 @@ from test_e2e import _chat, _hf_reference, _openai_messages, _resolve, hf  # noq
 
 from epdserve.engine.distributed import TPGroup
 from epdserve.prefill.embed_gate import EmbeddingGate
-from epdserve.wire.transport import free_port, free_ports
+from epdserve.wire.ports import free_port, free_ports
 from epdserve.wire.messages import (DecodeRequest, ImageEmbeddings, ImageSpan, PrefillRequest, SamplingParams,
                                ServerInfo, ServerInfoRequest, TPEmbedReceipt, decode, encode)
 from epdserve.models.parallel import head_shard

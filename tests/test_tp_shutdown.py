@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from epdserve.engine.distributed import TPGroup
-from epdserve.wire.transport import free_ports
+from epdserve.wire.ports import free_ports
 
 STOP_WITHIN_S = 10.0
 

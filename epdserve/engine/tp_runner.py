@@ -266,7 +266,7 @@ def start_tp_runner(cfg, model_path: str, cuda_graph_max_bs: int = 0) -> TPRunne
         RuntimeError: a rank exited or did not say hello within the start timeout.
     """
     from epdserve.config import PrefillConfig
-    from epdserve.wire.transport import free_port
+    from epdserve.wire.ports import free_port
 
     role = "prefill" if isinstance(cfg, PrefillConfig) else "decode"
     device = rank_device(cfg.device, cfg.base_gpu_id, 0)

@@ -28,6 +28,7 @@ import time
 import urllib.request
 
 from epdserve.config import LaunchConfig
+from epdserve.cuda_probe import cuda_available
 from epdserve.entry import mps
 from epdserve.entry.launch_plan import LaunchPlan, plan_launch
 from epdserve.logging_setup import process_age_s
@@ -37,16 +38,10 @@ from epdserve.wire.ports import LOCAL as _LOCAL
 log = logging.getLogger("epdserve.entry.launch")
 
 
-def _has_cuda() -> bool:
-    from epdserve.cuda_probe import cuda_available  # without importing torch: seconds before any stage starts
-
-    return cuda_available()
-
-
 def _on_gpus(cfg: LaunchConfig) -> bool:
     """Whether the stages go on GPUs by the placement flags (``--encoder-gpus``, ``--prefill-gpus``,
     ``--decode-gpus``): a ``cuda`` or ``auto`` device on a machine with CUDA."""
-    return cfg.device in ("cuda", "auto") and _has_cuda()
+    return cfg.device in ("cuda", "auto") and cuda_available()  # without importing torch
 
 
 def _gateway_ready(url: str, plan: LaunchPlan) -> bool:

@@ -30,7 +30,7 @@ def _kernel():
         offs = tl.arange(0, HALF)[None, :]
         is_q = h < HQ
         row = tl.where(is_q, q + t * q_stride + h * (2 * HALF), k + t * k_stride + (h - HQ) * (2 * HALF))
-        mask = (h < HQ + HKV) & (offs < HALF)
+        mask = (h < HQ + HKV) & (offs < HALF)  # the second term is always true: it gives the mask the block's shape
         x1 = tl.load(row + offs, mask=mask).to(tl.float32)
         x2 = tl.load(row + HALF + offs, mask=mask).to(tl.float32)
         cos = tl.load(table + t * table_stride + offs)

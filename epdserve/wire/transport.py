@@ -8,9 +8,7 @@ from typing import Any
 import zmq
 
 from epdserve.wire import messages
-from epdserve.wire.ports import LOCAL, free_port, free_ports  # noqa: F401 (the servers' and tests' import)
 from epdserve.wire.validate import check_message
-
 
 log = logging.getLogger(__name__)
 
