@@ -56,3 +56,27 @@ print(sorted(m for m in ("torch", "zmq", "transformers") if m in sys.modules))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_gateway_and_the_wire_work_without_torch():
+    """The gateway imports its app, encodes and checks a tensor-free message without torch (it imports torch later,
+    with the checkpoint's processor, in parallel with the stages' start); a message with a tensor field fails the
+    check rather than passing as some other type."""
+    code = """
+import sys
+import epdserve.gateway.app
+from epdserve.wire import messages
+from epdserve.wire.validate import check_message
+msg = messages.TokenOutputBatch([messages.TokenOutput("r1", [1, 2], "stop", 3, 2)])
+assert check_message(messages.decode(messages.encode(msg))) == msg
+try:
+    check_message(messages.decode(messages.encode(messages.ImageEmbeddings("r1", ["ab" * 16], ["no tensor"]))))
+except messages.WireError:
+    pass
+else:
+    raise AssertionError("a string passed as an embedding")
+print(sorted(m for m in ("torch", "transformers", "xgrammar") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -34,7 +34,8 @@ def setup(tiny_model_path):
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from epdserve.engine.grammar import GrammarCompiler, build_grammar
+    from epdserve.engine.grammar import GrammarCompiler
+    from epdserve.engine.grammar_build import build_grammar
     from epdserve.models.config import ModelConfig
     from epdserve.wire.messages import GrammarSpec
 

@@ -90,7 +90,7 @@ def test_the_stream_sends_one_delta_per_call_per_chunk_in_openai_shape():
 def _matcher(grammar):
     import xgrammar as xgr
 
-    from epdserve.engine.grammar import build_grammar
+    from epdserve.engine.grammar_build import build_grammar
 
     chars = [chr(i) for i in range(32, 127)] + ["\n", "<eos>"]
     info = xgr.TokenizerInfo(chars, stop_token_ids=[len(chars) - 1])

@@ -20,7 +20,7 @@ import json
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from epdserve.engine.grammar import GrammarError, build_grammar
+from epdserve.engine.grammar_build import GrammarError, build_grammar
 from epdserve.frontend.errors import APIError
 from epdserve.wire.messages import GrammarSpec
 

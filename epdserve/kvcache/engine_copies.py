@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from epdserve.wire.codec import FLOAT_DTYPES
+from epdserve.wire.codec import FLOAT_DTYPE_NAMES
 from epdserve.wire.messages import KVEngineRegion
 
 Copies = list[tuple[int, int, int]]
@@ -54,7 +54,7 @@ def check_region(region: KVEngineRegion, buffer: torch.Tensor, pages: list[int],
     (None: it can): the pools must have one layout but for the page count and the KV heads each holds, and the
     region's heads must be some of the model's ``num_kv_heads``."""
     shape = list(buffer.shape)
-    if region.dtype not in FLOAT_DTYPES or FLOAT_DTYPES[region.dtype] != buffer.dtype:
+    if region.dtype not in FLOAT_DTYPE_NAMES or getattr(torch, region.dtype) != buffer.dtype:
         return f"decode KV pool dtype {region.dtype} != prefill's {buffer.dtype}"
     if len(region.shape) != 6 or [*region.shape[:2], region.shape[3], region.shape[5]] != \
             [*shape[:2], shape[3], shape[5]]:

@@ -17,7 +17,7 @@ import uuid
 
 import torch
 
-from epdserve.wire.codec import FLOAT_DTYPES
+from epdserve.wire.codec import FLOAT_DTYPE_NAMES
 from epdserve.wire.messages import KVPoolHandle
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,9 @@ def open_pool(handle: KVPoolHandle) -> torch.Tensor:
         ValueError: an unknown dtype or a handle with neither CUDA IPC fields nor a shm path.
         RuntimeError: the mapping fails (another machine, another IPC namespace, the peer exited).
     """
-    if handle.dtype not in FLOAT_DTYPES:
+    if handle.dtype not in FLOAT_DTYPE_NAMES:
         raise ValueError(f"unknown KV pool dtype {handle.dtype!r}")
-    dtype, shape = FLOAT_DTYPES[handle.dtype], tuple(handle.shape)
+    dtype, shape = getattr(torch, handle.dtype), tuple(handle.shape)
     numel = 1
     for n in shape:
         numel *= n

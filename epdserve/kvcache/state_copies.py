@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from epdserve.wire.codec import FLOAT_DTYPES
+from epdserve.wire.codec import FLOAT_DTYPE_NAMES
 from epdserve.wire.engine_region import StateEngineRegion
 
 Copies = list[tuple[int, int, int]]
@@ -57,7 +57,7 @@ def check_state_region(peer: StateEngineRegion | None, local: StateEngineRegion,
     if peer is None or slot < 0:
         return "decode registered no linear-attention state slot for this hybrid model's request"
     if (peer.conv_dtype, peer.recurrent_dtype) != (local.conv_dtype, local.recurrent_dtype) \
-            or peer.conv_dtype not in FLOAT_DTYPES or peer.recurrent_dtype not in FLOAT_DTYPES:
+            or peer.conv_dtype not in FLOAT_DTYPE_NAMES or peer.recurrent_dtype not in FLOAT_DTYPE_NAMES:
         return f"decode state pool dtypes {peer.conv_dtype}/{peer.recurrent_dtype} != prefill's " \
                f"{local.conv_dtype}/{local.recurrent_dtype}"
     if len(peer.conv_shape) != 4 or len(peer.recurrent_shape) != 5 or peer.conv_shape[0] != local.conv_shape[0] \
@@ -79,8 +79,8 @@ def state_copies(local: StateEngineRegion, src_slot: int, peer: StateEngineRegio
     buffers into slot ``dst_slot`` of ``peer``'s (checked by :func:`check_state_region`), every layer, of the
     DeltaNet heads both hold; none when they share none. Runs adjacent on both sides are merged."""
     out: Copies = []
-    conv_es = torch.empty((), dtype=FLOAT_DTYPES[local.conv_dtype]).element_size()
-    rec_es = torch.empty((), dtype=FLOAT_DTYPES[local.recurrent_dtype]).element_size()
+    conv_es = torch.empty((), dtype=getattr(torch, local.conv_dtype)).element_size()
+    rec_es = torch.empty((), dtype=getattr(torch, local.recurrent_dtype)).element_size()
     (sc, shk, dk, shv, dv), (dc, dhk, _, dhv, _) = _sizes(local), _sizes(peer)
     kernel, layers = local.conv_shape[3], local.conv_shape[0]
     # (first head, heads, channels per head, this part's first channel) on each side, per conv part q | k | v

@@ -8,24 +8,22 @@ decode; :mod:`epdserve.wire.messages` builds the one every socket uses.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-}
-# The float dtypes a wire tensor of activations may have (embeddings, KV, states), by name.
-FLOAT_DTYPES = {name: dtype for name, dtype in _DTYPES.items() if dtype.is_floating_point}
+if TYPE_CHECKING:
+    import torch
+
+# The dtypes a wire tensor may have, by name. torch is imported only where a tensor is met: the gateway passes
+# tensor-free messages alone, and importing torch costs it seconds of start-up (issue 43).
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "uint8")
+# The float dtypes a wire tensor of activations may have (embeddings, KV, states).
+FLOAT_DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 
 class WireError(ValueError):
@@ -34,6 +32,8 @@ class WireError(ValueError):
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian, row-major bytes of ``t`` (moved to CPU and made contiguous; no further copy)."""
+    import torch
+
     t = t.detach().to("cpu").contiguous()
     return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
 
@@ -44,7 +44,9 @@ def tensor_from_bytes(buf, dtype: str, shape: list[int]) -> torch.Tensor:
     Raises:
         WireError: unknown ``dtype``, or ``buf`` does not hold exactly ``shape`` elements.
     """
-    if dtype not in _DTYPES:
+    import torch
+
+    if dtype not in TENSOR_DTYPES:
         raise WireError(f"unknown tensor dtype {dtype!r}")
     view = memoryview(buf)
     if view.nbytes:
@@ -54,7 +56,7 @@ def tensor_from_bytes(buf, dtype: str, shape: list[int]) -> torch.Tensor:
     else:
         flat = torch.empty(0, dtype=torch.uint8)
     try:
-        return flat.view(_DTYPES[dtype]).reshape(shape)
+        return flat.view(getattr(torch, dtype)).reshape(shape)
     except RuntimeError as e:
         raise WireError(f"tensor data does not match {dtype}{list(shape)}: {e}") from e
 
@@ -88,9 +90,12 @@ class Codec:
             TypeError: ``msg`` (or a nested value) is not a registered dataclass or plain msgpack data.
         """
         frames: list[bytes | memoryview] = []
+        # No tensor exists before torch is imported, so a process without torch skips the check.
+        torch = sys.modules.get("torch")
+        tensor_type = torch.Tensor if torch is not None else ()
 
         def pack(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, tensor_type):
                 frames.append(tensor_bytes(value))
                 return {"__tensor__": len(frames) - 1, "dtype": str(value.dtype).removeprefix("torch."),
                         "shape": list(value.shape)}

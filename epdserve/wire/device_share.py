@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from epdserve.wire.codec import FLOAT_DTYPES
+from epdserve.wire.codec import FLOAT_DTYPE_NAMES
 from epdserve.wire.messages import ImageEmbeddings, SharedTensor
 
 log = logging.getLogger(__name__)
@@ -74,9 +74,9 @@ def take(shared: SharedTensor, device: torch.device) -> torch.Tensor:
         ValueError: an unknown dtype or a handle without 8 fields.
         RuntimeError: the mapping fails (another machine, another IPC namespace, the sender exited).
     """
-    if shared.dtype not in FLOAT_DTYPES or len(shared.cuda_ipc) != 8:
+    if shared.dtype not in FLOAT_DTYPE_NAMES or len(shared.cuda_ipc) != 8:
         raise ValueError(f"not a shared {shared.dtype!r} tensor handle")
-    dtype, src = FLOAT_DTYPES[shared.dtype], torch.device("cuda", int(shared.cuda_ipc[0]))
+    dtype, src = getattr(torch, shared.dtype), torch.device("cuda", int(shared.cuda_ipc[0]))
     out = torch.empty(shared.shape, dtype=dtype, device=device)
     with torch.cuda.device(src):
         storage = torch.UntypedStorage._new_shared_cuda(*shared.cuda_ipc)

@@ -15,8 +15,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the gateway imports these without torch (issue 43)
+    import torch
 
 from epdserve.wire.codec import Codec, WireError, tensor_bytes, tensor_from_bytes  # noqa: F401  (the wire's names)
 from epdserve.wire.engine_region import KVEngineRegion, StateEngineRegion

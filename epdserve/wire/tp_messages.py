@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the gateway imports these without torch (issue 43)
+    import torch
 
 from epdserve.wire.engine_region import KVEngineRegion
 

@@ -14,15 +14,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 import typing
 from functools import cache
-from types import UnionType
+from types import SimpleNamespace, UnionType
 from typing import Any
 
-import torch
-
 from epdserve.wire import messages
-from epdserve.wire.codec import FLOAT_DTYPES
+from epdserve.wire.codec import FLOAT_DTYPE_NAMES
 from epdserve.wire.messages import WireError
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -31,15 +30,28 @@ SEED_MIN, SEED_MAX = INT64_MIN, (1 << 64) - 1
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253})$")
 _TCP_ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253}):(\d{1,5})$")
 _HEX = re.compile(r"^[0-9a-fA-F]{15,128}$")
-_FLOAT_DTYPES = tuple(FLOAT_DTYPES.values())
 _MAX_RID = 512  # characters; gateway ids are ~41
 _MAX_GRAMMAR = messages.MAX_GRAMMAR_CHARS  # the gateway's request bodies are bounded far below this
 MAX_CHOICES = 1024  # n: the gateway's --max-n is far below; a bound keeps a forged message from forking without end
 
 
+class _Tensor:
+    """Stands for ``torch.Tensor`` in the messages' annotations, which are resolved without importing torch (a
+    process without torch, the gateway, never receives a tensor: issue 43)."""
+
+
 @cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls, vars(messages))
+    return typing.get_type_hints(cls, {**vars(messages), "torch": SimpleNamespace(Tensor=_Tensor)})
+
+
+def _is_tensor(v: Any) -> bool:
+    torch = sys.modules.get("torch")  # no tensor exists before torch is imported
+    return torch is not None and isinstance(v, torch.Tensor)
+
+
+def _is_float_tensor(t: Any, dim: int) -> bool:
+    return t.dim() == dim and str(t.dtype).removeprefix("torch.") in FLOAT_DTYPE_NAMES
 
 
 def _int_ok(v: Any) -> bool:
@@ -73,8 +85,8 @@ def _checker(tp: Any):
         return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if tp is str:
         return lambda v: isinstance(v, str)
-    if tp is torch.Tensor:
-        return lambda v: isinstance(v, torch.Tensor)
+    if tp is _Tensor:
+        return _is_tensor
     if dataclasses.is_dataclass(tp):
         return lambda v: isinstance(v, tp) and _fields_conform(v)
     return lambda v: True  # Any and types the wire never carries
@@ -152,24 +164,23 @@ def _check_embeddings(msg: messages.ImageEmbeddings) -> str | None:
         return "image hashes and embeddings differ in number"
     for e in msg.embeddings:
         if isinstance(e, messages.SharedTensor):
-            if len(e.cuda_ipc) != 8 or len(e.shape) != 2 or e.dtype not in FLOAT_DTYPES \
+            if len(e.cuda_ipc) != 8 or len(e.shape) != 2 or e.dtype not in FLOAT_DTYPE_NAMES \
                     or not _ints_fit(e.shape, 0):
                 return "a shared embedding is not a 2-D float tensor with an 8-field CUDA IPC handle"
-        elif e.dim() != 2 or e.dtype not in _FLOAT_DTYPES:
+        elif not _is_float_tensor(e, 2):
             return "an embedding is not a 2-D float tensor"
     return None
 
 
 def _check_transfer(msg: messages.KVTransfer) -> str | None:
-    if msg.kv is not None and (msg.kv.dim() != 5 or msg.kv.dtype not in _FLOAT_DTYPES):
+    if msg.kv is not None and not _is_float_tensor(msg.kv, 5):
         return "KV is not a 5-D float tensor"
     if not 0 <= msg.bootstrap_room <= INT64_MAX or not _ints_fit([msg.first_token_id, msg.cached_tokens,
                                                                   msg.mrope_position_delta]):
         return "a KV transfer field is out of range"
     st = msg.state
-    if st is not None and ((st.conv is not None and (st.conv.dim() != 3 or st.conv.dtype not in _FLOAT_DTYPES))
-                           or (st.recurrent is not None and (st.recurrent.dim() != 4
-                                                             or st.recurrent.dtype not in _FLOAT_DTYPES))
+    if st is not None and ((st.conv is not None and not _is_float_tensor(st.conv, 3))
+                           or (st.recurrent is not None and not _is_float_tensor(st.recurrent, 4))
                            or not _ints_fit([st.slot], -1)):
         return "the linear-attention state is not 3-D / 4-D float tensors or its slot is out of range"
     return None

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from epdserve.engine.grammar import GrammarError, build_grammar
+from epdserve.engine.grammar_build import GrammarError, build_grammar
 from epdserve.frontend.errors import APIError
 from epdserve.frontend.openai.tool_calls import ParsedCall, ToolCallParser, parse_tool_calls
 from epdserve.frontend.openai.tool_protocol import (
