@@ -39,6 +39,7 @@ from epdserve.encoder.grpc_codec import SERVICE_NAME, MalformedRequest, RequestE
 from epdserve.encoder.info import model_info, server_info
 from epdserve.encoder.outbox import EmbeddingOutbox
 from epdserve.encoder.pusher import EmbeddingPusher
+from epdserve.encoder.tower_compile import compile_beside_serving
 from epdserve.encoder.video import VideoJob, decode_video
 from epdserve.encoder.vision import ImageDecodeError, VisionEncoder
 from epdserve.logging_setup import request_context, startup_summary
@@ -393,7 +394,7 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
         encoder = await loop.run_in_executor(tower, VisionEncoder, model_path, device, dtype, config.cuda_graphs,
                                              config.compile, config.gpu_jpeg_decode)
         t1 = time.monotonic()
-        await loop.run_in_executor(tower, encoder.warm_up)  # compiles the tower and captures its graphs
+        await loop.run_in_executor(tower, encoder.warm_up)
         startup = {**encoder.startup_s, "warm-up": time.monotonic() - t1}
         # Test hook: a slow model load (tests check that nothing calls the server ready before this one serves).
         await asyncio.sleep(float(os.environ.get(LOAD_DELAY_ENV, "0")))
@@ -410,6 +411,8 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
         log.info("encoder ready on %s (model=%s, device=%s, dtype=%s, metrics=%s); %s",
                  _bind_address(config.host, port), model_path, device, str(dtype).removeprefix("torch."),
                  metrics_server.url, startup_summary(startup))
+        if encoder.compile_pending:
+            compile_beside_serving(encoder, tower)
         if ready is not None:
             ready.set()
         # Shielded: cancelling wait_for_termination() itself leaves grpc's shutdown future cancelled, and the

@@ -31,6 +31,7 @@ import torch
 from PIL import Image
 
 from epdserve.device import resolve_device, resolve_dtype
+from epdserve.encoder.tower_compile import can_compile, compile_blocks, warm_shadow
 from epdserve.encoder.vision_weights import load_vision_state_dict, vision_class
 from epdserve.logging_setup import process_age_s
 
@@ -100,7 +101,9 @@ class VisionEncoder:
         video_processor: the checkpoint's transformers video processor (:meth:`preprocess_video`).
         model: the vision tower (transformers module, eval mode, no grad).
         compiled: whether the tower's blocks and merger run through ``torch.compile`` (see ``compile``).
-        tower: on CUDA with packed attention and ``cuda_graphs > 0``, the
+        compile_pending: ``compile`` was asked for and the tower still runs eagerly: :meth:`compile_tower`, then
+            :meth:`finish_compile`, are still to run.
+        tower: on CUDA with packed attention and ``cuda_graphs > 0``, once the compile is settled, the
             :class:`~epdserve.encoder.vision_graph.TowerGraphs` that runs :attr:`model` from CUDA graphs; otherwise
             None (transformers' plain call). Qwen3-VL's tower runs without them (eager, or compiled): the graphs
             replay Qwen2/2.5-VL towers and return no DeepStack levels.
@@ -125,8 +128,9 @@ class VisionEncoder:
                 (``dynamic=True``: one compiled block serves every block and every patch count). Inductor fuses
                 the tower's float32 RMSNorm and rotary arithmetic and pads the MLP's GEMMs (Qwen2.5-VL's
                 intermediate size 3420 is not a multiple of 8, which sends eager bf16 GEMMs to slow unaligned
-                kernels): 2.4x less GPU time per batch on an H100 (docs/performance.md). The first calls
-                compile (seconds); call :meth:`warm_up` before serving. Ignored on the CPU, which keeps exact
+                kernels): 2.4x less GPU time per batch on an H100 (docs/performance.md). Compiling takes
+                seconds: the tower runs eagerly until :meth:`compile_tower` (any thread) and then
+                :meth:`finish_compile` (the tower's thread) have run. Ignored on the CPU, which keeps exact
                 parity with transformers.
             gpu_jpeg_decode: on CUDA, :meth:`decode` decodes JPEGs on the GPU (nvJPEG, see there). Ignored on the
                 CPU.
@@ -144,6 +148,7 @@ class VisionEncoder:
         age = process_age_s()  # the interpreter, the imports and the gRPC server's set-up before the model
         self.model_path = str(model_path)
         self.tower = None
+        self._graphs = 0  # tower CUDA graphs to keep once the compile question is settled (finish_compile)
         self.compiled = False
         self._prep_stream = None  # CUDA: the stream the image processor runs on (made on first use)
         self._decode_stream = None  # CUDA: the stream of nvJPEG decodes (made on first use)
@@ -184,30 +189,13 @@ class VisionEncoder:
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
         self.model = model.eval().requires_grad_(False)
         self.gpu_jpeg_decode = gpu_jpeg_decode and self.device.type == "cuda"
-        if compile and fast_path:
-            t3 = time.monotonic()
-            self.compiled = self._compile(model)
-            # torch.compile's wrappers import Inductor (~200 modules): seconds on some machines, worth naming
-            self.startup_s["compile"] = time.monotonic() - t3
-
-    @staticmethod
-    def _compile(model: torch.nn.Module) -> bool:
-        """``torch.compile`` the tower's blocks and mergers (lazily: the first call compiles); False where
-        Triton is missing."""
-        from torch.utils._triton import has_triton
-
-        if not has_triton():  # Inductor's GPU kernels are Triton: without it the first call would fail
-            log.warning("triton is not installed: the vision tower runs without torch.compile")
-            return False
-        # Per module, not the whole forward: transformers' forward also does host-side grid arithmetic that would
-        # only break the graph; every block shares one code object, so one compile serves all.
-        for module in (*model.blocks, model.merger, *getattr(model, "deepstack_merger_list", ())):
-            module.compile(dynamic=True)
-        return True
+        self.compile_pending = compile and fast_path and can_compile()
+        if not self.compile_pending:
+            self.finish_compile(False)
 
     def _use_packed_attention(self, model: torch.nn.Module, cuda_graphs: int) -> None:
-        """CUDA fp16/bf16: packed varlen attention in ``model``'s layers and, with ``cuda_graphs > 0`` (not for
-        Qwen3-VL yet), the tower CUDA graphs (:attr:`tower`)."""
+        """CUDA fp16/bf16: packed varlen attention in ``model``'s layers, and the number of tower CUDA graphs
+        :meth:`finish_compile` keeps (0 for Qwen3-VL's tower: not covered yet)."""
         from epdserve.encoder.varlen_attention import register
 
         # One packed kernel per layer, not one per window. Set after construction: at construction
@@ -216,31 +204,37 @@ class VisionEncoder:
         if cuda_graphs > 0 and self.model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
             log.info("vision-tower CUDA graphs do not cover Qwen3-VL's tower (nor Qwen3.5's) yet: it runs without "
                      "them")
-        elif cuda_graphs > 0:
-            from epdserve.encoder.vision_graph import TowerGraphs
+        else:
+            self._graphs = cuda_graphs
 
-            self.tower = TowerGraphs(model, self.device, cuda_graphs)
-
-    def warm_up(self) -> None:
-        """Run the tower on a few synthetic images of two sizes and batch sizes, so that ``torch.compile``'s
-        compilations (a static first one, then the dynamic-shape one) and the CUDA-graph shapes' first uses
-        happen before the first request. Seconds with ``compile`` on a fresh machine; a no-op otherwise.
+    def compile_tower(self) -> float:
+        """Compile the tower for :meth:`finish_compile` on the calling thread while the tower thread keeps running
+        the eager tower (see :mod:`epdserve.encoder.tower_compile`). Returns the seconds it took.
 
         Raises:
             RuntimeError: compiling failed (the message names the way out: ``--no-compile``).
         """
-        if self.gpu_jpeg_decode:  # nvJPEG's first call sets up its decoder state (~100 ms)
+        return warm_shadow(self.model, self.image_processor, self.device, self.dtype, with_metadata=self._graphs > 0)
+
+    def finish_compile(self, compiled: bool) -> None:
+        """On the tower's thread, between tower calls: run the compiled blocks from now on (``compiled``: after
+        :meth:`compile_tower` succeeded; False: it failed or was not asked for) and start keeping CUDA graphs.
+        Graphs wait for this: a graph captured before would replay the eager tower."""
+        if compiled:
+            compile_blocks(self.model)
+        self.compiled, self.compile_pending = compiled, False
+        if self._graphs > 0:
+            from epdserve.encoder.vision_graph import TowerGraphs
+
+            self.tower = TowerGraphs(self.model, self.device, self._graphs)
+
+    def warm_up(self) -> None:
+        """First-use set-up before the first request: nvJPEG's decoder state (~100 ms). Compiling is not here:
+        see :meth:`compile_tower`."""
+        if self.gpu_jpeg_decode:
             buf = BytesIO()
             Image.new("RGB", (64, 48), (200, 90, 40)).save(buf, format="JPEG")
             self.decode(buf.getvalue(), 64 * 48)
-        if not self.compiled:
-            return
-        try:
-            for sizes in ([(448, 448)], [(448, 448), (336, 224)], [(336, 224)] * 3):
-                self.encode([Image.new("RGB", size, (i * 40 % 256, 90, 160)) for i, size in enumerate(sizes)])
-        except Exception as e:  # Inductor/Triton failures have many types; all mean the same to the operator
-            raise RuntimeError(f"torch.compile of the vision tower failed ({type(e).__name__}: {e}); start the "
-                               "encoder with --no-compile (epdserve launch --no-encoder-compile)") from e
 
     def num_tokens(self, grid_thw: list[int]) -> int:
         """Image tokens (embedding rows) of an image with patch grid ``[t, h, w]``."""

@@ -70,7 +70,8 @@ class EncoderConfig:
                               "(batches run eagerly), captured on a grid's second lone use (CUDA, bf16/fp16); 0 = "
                               "none. Cuts one-image latency (see docs/performance.md)")
     compile: bool = _f(True, "run the vision tower's blocks through torch.compile on CUDA in bf16/fp16 (fused "
-                             "elementwise kernels, aligned GEMMs); compiles for ~15 s before the server is ready")
+                             "elementwise kernels, aligned GEMMs); compiles on a thread beside serving (seconds: "
+                             "the eager tower serves until then)")
     gpu_jpeg_decode: bool = _f(True, "decode JPEGs on the GPU with nvJPEG when the device is CUDA (1280x720: "
                                      "20 ms less per image on an H100 host); its pixels differ from PIL's (under a "
                                      "level on photos; its chroma upsampling differs where colour changes every "
