@@ -408,9 +408,10 @@ async def serve(config: EncoderConfig, ready: asyncio.Event | None = None) -> No
         servicer.encoder = encoder
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("encoder ready on %s (model=%s, device=%s, dtype=%s, metrics=%s); %s",
+        log.info("encoder ready on %s (model=%s, device=%s, dtype=%s, metrics=%s); %s%s",
                  _bind_address(config.host, port), model_path, device, str(dtype).removeprefix("torch."),
-                 metrics_server.url, startup_summary(startup))
+                 metrics_server.url, startup_summary(startup),
+                 "; the vision tower compiles beside serving" if encoder.compile_pending else "")
         if encoder.compile_pending:
             compile_beside_serving(encoder, tower)
         if ready is not None:
