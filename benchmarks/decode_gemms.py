@@ -1,0 +1,210 @@
+"""The decode step's projections alone, each way it could run, beside the memory roofline (issue 44).
+
+``python -m epdserve.bench.decode_gemms --model-path DIR --batch-sizes 1 32 128 [--output-json F]``
+
+Why: the fifth session's kernel table (docs/performance.md) found the small projections reading their weights at
+1.3-1.7 TB/s (qkv, o: cuBLAS picks few, wide tiles for an ``[M, K] x [K, N]`` with M of 1 to 128 and N of 2-3k)
+and ``down`` split over K with a separate reduce kernel, against 3.7-4.2 TB/s for gate_up and lm_head. This
+measures, per projection of the checkpoint's language model and per batch size M, what each candidate reaches:
+
+- ``linear``: ``F.linear`` as the model runs it (cuBLAS through torch's default BLAS handle);
+- ``linear_lt``: the same with ``torch.backends.cuda.preferred_blas_library("cublaslt")``;
+- ``mv`` (M = 1): ``torch.mv(W, x)``, cuBLAS's GEMV;
+- ``triton/BN/BK/W``: :func:`skinny_gemm`, a Triton kernel that gives each program ``BN`` output columns and the
+  whole K (no split-K, no reduce kernel), so the small projections spread over every SM.
+
+Each candidate runs inside one CUDA graph over ``num_hidden_layers`` distinct weight tensors, one call per layer as
+a decode step makes them, so the weights stream from HBM rather than from the 50 MB L2 (one 8 MB weight read again
+and again would sit in it). Reported per call: microseconds, TB/s of weight bytes, and the ratio to ``linear``.
+Each candidate's output is checked against a float32 ``x @ W.T`` first (relative error in bf16 rounding's range);
+a candidate that fails the check is reported and not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from epdserve.bench.step import copy_bandwidth
+
+# (BLOCK_N, BLOCK_K, num_warps) of the Triton candidate: narrow column blocks spread a 2k-column projection over
+# 64-128 programs; K blocks of 256-512 bf16 are 16-byte loads for every thread of 4-8 warps.
+TRITON_CONFIGS = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 256, 8), (64, 128, 4)]
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def skinny_gemm_kernel(x, w, y, M, N, K, x_stride, w_stride, y_stride,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # One program: BN output columns for every one of the M (<= BM) rows, the whole K in BK steps.
+        n0 = tl.program_id(0) * BN
+        rows = tl.arange(0, BM)
+        cols = n0 + tl.arange(0, BN)
+        acc = tl.full((BM, BN), 0.0, tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            a = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                        other=0.0)
+            b = tl.load(w + cols[:, None] * w_stride + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
+                        other=0.0)
+            acc += tl.dot(a, tl.trans(b))
+        tl.store(y + rows[:, None] * y_stride + cols[None, :], acc.to(y.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+    return skinny_gemm_kernel
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 256,
+                num_warps: int = 4) -> torch.Tensor:
+    """``x @ w.T`` for a skinny ``x``: ``x`` ``[M, K]`` and ``w`` ``[N, K]`` (rows contiguous, one dtype; bf16 or
+    fp16 on CUDA, any float under ``TRITON_INTERPRET=1``), M at most 128. Returns ``[M, N]`` in ``x``'s dtype,
+    accumulated in float32. One program per ``block_n`` output columns, each over the whole K.
+
+    Raises:
+        ValueError: M over 128, mismatched K or dtypes, or rows that are not contiguous.
+    """
+    M, K = x.shape
+    N = w.shape[0]
+    if M > 128 or w.shape[1] != K or x.dtype != w.dtype or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"skinny_gemm needs x [M <= 128, K] and w [N, K] of one dtype with contiguous rows; got "
+                         f"x {list(x.shape)} {x.dtype}, w {list(w.shape)} {w.dtype}")
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    bm = max(16, 1 << (M - 1).bit_length())  # tl.dot's smallest tile is 16
+    _kernel()[(-(-N // block_n),)](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BM=bm, BN=block_n,
+                                 BK=block_k, num_warps=num_warps)
+    return y
+
+
+@dataclass
+class Row:
+    """One (projection, batch size, candidate) measurement."""
+
+    projection: str
+    n: int
+    k: int
+    m: int
+    candidate: str
+    us_per_call: float | None
+    tb_per_s: float | None
+    vs_linear: float | None
+    rel_error: float
+    note: str = ""
+
+
+def projections(config: dict) -> dict[str, tuple[int, int, int]]:
+    """``name -> (N, K, copies)`` of the language model's decode projections, from a checkpoint's ``config.json``
+    (``text_config`` when nested): qkv, o, gate_up, down with one weight per layer, lm_head once."""
+    c = config.get("text_config", config)
+    hidden, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    hq, hkv = c["num_attention_heads"], c["num_key_value_heads"]
+    d = c.get("head_dim") or hidden // hq
+    return {"qkv": ((hq + 2 * hkv) * d, hidden, layers), "o": (hidden, hq * d, layers),
+            "gate_up": (2 * inter, hidden, layers), "down": (hidden, inter, layers),
+            "lm_head": (c["vocab_size"], hidden, 1)}
+
+
+def _candidates(m: int) -> dict:
+    out = {"linear": F.linear}
+
+    def linear_lt(x, w):
+        return F.linear(x, w)  # the BLAS library is switched around the capture (see _time)
+
+    out["linear_lt"] = linear_lt
+    if m == 1:
+        out["mv"] = lambda x, w: torch.mv(w, x[0])[None]
+    for bn, bk, nw in TRITON_CONFIGS:
+        out[f"triton/{bn}/{bk}/{nw}"] = lambda x, w, bn=bn, bk=bk, nw=nw: skinny_gemm(x, w, bn, bk, nw)
+    return out
+
+
+def _time(fn, x: torch.Tensor, weights: list[torch.Tensor], lt: bool, reps: int = 20) -> float:
+    """Median microseconds per call of ``fn(x, w)`` over ``weights``, replayed from one CUDA graph."""
+    before = torch.backends.cuda.preferred_blas_library()
+    if lt:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        for w in weights[:2]:
+            fn(x, w)  # compile / pick kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for w in weights:
+                fn(x, w)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(weights))
+    return statistics.median(times[3:])
+
+
+def measure(name: str, n: int, k: int, copies: int, m: int, device: torch.device) -> list[Row]:
+    """Every candidate for one projection and batch size (see the module docstring)."""
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    want = x.float() @ weights[0].float().T
+    rows, base = [], None
+    for cand, fn in _candidates(m).items():
+        try:
+            got = fn(x, weights[0]).float()
+        except Exception as e:  # e.g. a Triton block too large for shared memory at this M
+            rows.append(Row(name, n, k, m, cand, None, None, None, float("nan"), f"failed: {type(e).__name__}"))
+            continue
+        err = float((got - want).abs().max() / want.abs().max())
+        if err > 2e-2:  # bf16 output rounding is 4e-3 of the value; a wrong kernel is off by O(1)
+            rows.append(Row(name, n, k, m, cand, None, None, None, err, "wrong result: not timed"))
+            continue
+        us = _time(fn, x, weights, lt=cand == "linear_lt")
+        base = us if cand == "linear" else base
+        rows.append(Row(name, n, k, m, cand, round(us, 2), round(n * k * 2 / us / 1e6, 3), round(us / base, 3), err))
+    del weights
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", required=True, help="checkpoint directory (only config.json is read)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--projections", nargs="+", default=None, help="a subset of qkv o gate_up down lm_head")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    with open(f"{args.model_path}/config.json") as f:
+        shapes = projections(json.load(f))
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device)
+    print(f"{torch.cuda.get_device_name(device)}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
+    rows = []
+    for name, (n, k, copies) in shapes.items():
+        if args.projections and name not in args.projections:
+            continue
+        for m in args.batch_sizes:
+            for row in measure(name, n, k, copies, m, device):
+                rows.append(row)
+                print(f"{name:8s} N={n:6d} K={k:6d} M={m:4d} {row.candidate:18s} "
+                      + (f"{row.us_per_call:8.2f} us {row.tb_per_s:5.2f} TB/s {row.vs_linear:5.2f}x"
+                         if row.us_per_call is not None else row.note) + f"  err {row.rel_error:.1e}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(device), "copy_bandwidth_tbps": bw / 1e12,
+                       "model_path": args.model_path, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
