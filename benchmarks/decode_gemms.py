@@ -11,7 +11,10 @@ measures, per projection of the checkpoint's language model and per batch size M
 - ``linear_lt``: the same with ``torch.backends.cuda.preferred_blas_library("cublaslt")``;
 - ``mv`` (M = 1): ``torch.mv(W, x)``, cuBLAS's GEMV;
 - ``triton/BN/BK/W``: :func:`skinny_gemm`, a Triton kernel that gives each program ``BN`` output columns and the
-  whole K (no split-K, no reduce kernel), so the small projections spread over every SM.
+  whole K (no split-K, no reduce kernel), so the small projections spread over every SM;
+- for ``down`` also ``silu_mul+linear`` (the model's two kernels: SiLU-and-mul, then the projection; the ratio
+  column of the next ones is against it) and ``triton_silu/BN/BK/W``, the same Triton kernel reading gate_up's
+  output and applying SiLU-and-mul as it loads it: one kernel and one activation round trip fewer per layer.
 
 Each candidate runs inside one CUDA graph over ``num_hidden_layers`` distinct weight tensors, one call per layer as
 a decode step makes them, so the weights stream from HBM rather than from the 50 MB L2 (one 8 MB weight read again
@@ -45,7 +48,7 @@ def _kernel():
 
     @triton.jit
     def skinny_gemm_kernel(x, w, y, M, N, K, x_stride, w_stride, y_stride,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SILU_MUL: tl.constexpr):
         # One program: BN output columns for every one of the M (<= BM) rows, the whole K in BK steps.
         n0 = tl.program_id(0) * BN
         rows = tl.arange(0, BM)
@@ -53,8 +56,12 @@ def _kernel():
         acc = tl.full((BM, BN), 0.0, tl.float32)
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
-            a = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
-                        other=0.0)
+            in_x = (rows[:, None] < M) & (ks[None, :] < K)
+            a = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=in_x, other=0.0)
+            if SILU_MUL:  # x is [M, 2K], gate then up: silu(gate) * up, rounded as a separate kernel would round it
+                g = a.to(tl.float32)
+                u = tl.load(x + rows[:, None] * x_stride + K + ks[None, :], mask=in_x, other=0.0).to(tl.float32)
+                a = (g / (1.0 + tl.exp(-g)) * u).to(w.dtype.element_ty)
             b = tl.load(w + cols[:, None] * w_stride + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
                         other=0.0)
             acc += tl.dot(a, tl.trans(b))
@@ -65,15 +72,19 @@ def _kernel():
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 256,
-                num_warps: int = 4) -> torch.Tensor:
+                num_warps: int = 4, silu_mul: bool = False) -> torch.Tensor:
     """``x @ w.T`` for a skinny ``x``: ``x`` ``[M, K]`` and ``w`` ``[N, K]`` (rows contiguous, one dtype; bf16 or
     fp16 on CUDA, any float under ``TRITON_INTERPRET=1``), M at most 128. Returns ``[M, N]`` in ``x``'s dtype,
     accumulated in float32. One program per ``block_n`` output columns, each over the whole K.
 
+    ``silu_mul``: ``x`` is ``[M, 2K]`` (a gate_up projection's output) and the product is ``silu(gate) * up`` (in
+    float32, rounded to ``w``'s dtype as a separate SiLU-and-mul kernel would round it) times ``w.T``: the MLP's
+    activation and down projection in one kernel.
+
     Raises:
         ValueError: M over 128, mismatched K or dtypes, or rows that are not contiguous.
     """
-    M, K = x.shape
+    M, K = x.shape[0], x.shape[1] // 2 if silu_mul else x.shape[1]
     N = w.shape[0]
     if M > 128 or w.shape[1] != K or x.dtype != w.dtype or x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError(f"skinny_gemm needs x [M <= 128, K] and w [N, K] of one dtype with contiguous rows; got "
@@ -81,7 +92,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: in
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bm = max(16, 1 << (M - 1).bit_length())  # tl.dot's smallest tile is 16
     _kernel()[(-(-N // block_n),)](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BM=bm, BN=block_n,
-                                 BK=block_k, num_warps=num_warps)
+                                 BK=block_k, SILU_MUL=silu_mul, num_warps=num_warps)
     return y
 
 
@@ -111,6 +122,25 @@ def projections(config: dict) -> dict[str, tuple[int, int, int]]:
     return {"qkv": ((hq + 2 * hkv) * d, hidden, layers), "o": (hidden, hq * d, layers),
             "gate_up": (2 * inter, hidden, layers), "down": (hidden, inter, layers),
             "lm_head": (c["vocab_size"], hidden, 1)}
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :K]) * x[:, K:]``: flashinfer's kernel where it is installed (what the model runs), else torch."""
+    try:
+        import flashinfer
+
+        return flashinfer.activation.silu_and_mul(x)
+    except ImportError:
+        g, u = x.chunk(2, dim=-1)
+        return (F.silu(g.float()) * u.float()).to(x.dtype)
+
+
+def _fused_down_candidates() -> dict:
+    """For ``down``, whose input is gate_up's ``[M, 2K]`` output: the model's two kernels against the fused one."""
+    out = {"silu_mul+linear": lambda x, w: F.linear(silu_and_mul(x), w)}
+    for bn, bk, nw in TRITON_CONFIGS:
+        out[f"triton_silu/{bn}/{bk}/{nw}"] = lambda x, w, bn=bn, bk=bk, nw=nw: skinny_gemm(x, w, bn, bk, nw, True)
+    return out
 
 
 def _candidates(m: int) -> dict:
@@ -159,20 +189,26 @@ def measure(name: str, n: int, k: int, copies: int, m: int, device: torch.device
     weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     want = x.float() @ weights[0].float().T
-    rows, base = [], None
-    for cand, fn in _candidates(m).items():
+    rows, bases = [], {}
+    gate_up = torch.randn(m, 2 * k, device=device, dtype=torch.bfloat16)
+    want_fused = silu_and_mul(gate_up).float() @ weights[0].float().T
+    fused = _fused_down_candidates() if name == "down" else {}
+    for cand, fn in {**_candidates(m), **fused}.items():
+        xin, ref = (gate_up, want_fused) if cand in fused else (x, want)
         try:
-            got = fn(x, weights[0]).float()
+            got = fn(xin, weights[0]).float()
         except Exception as e:  # e.g. a Triton block too large for shared memory at this M
             rows.append(Row(name, n, k, m, cand, None, None, None, float("nan"), f"failed: {type(e).__name__}"))
             continue
-        err = float((got - want).abs().max() / want.abs().max())
+        err = float((got - ref).abs().max() / ref.abs().max())
         if err > 2e-2:  # bf16 output rounding is 4e-3 of the value; a wrong kernel is off by O(1)
             rows.append(Row(name, n, k, m, cand, None, None, None, err, "wrong result: not timed"))
             continue
-        us = _time(fn, x, weights, lt=cand == "linear_lt")
-        base = us if cand == "linear" else base
-        rows.append(Row(name, n, k, m, cand, round(us, 2), round(n * k * 2 / us / 1e6, 3), round(us / base, 3), err))
+        us = _time(fn, xin, weights, lt=cand == "linear_lt")
+        base = "silu_mul+linear" if cand in fused else "linear"  # the first of each group: what the model runs
+        bases.setdefault(base, us)
+        rows.append(Row(name, n, k, m, cand, round(us, 2), round(n * k * 2 / us / 1e6, 3), round(us / bases[base], 3),
+                        err))
     del weights
     return rows
 

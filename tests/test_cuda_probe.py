@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -80,3 +81,20 @@ print(sorted(m for m in ("torch", "transformers", "xgrammar") if m in sys.module
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("no_bytecode,expected", [(True, True), (False, False)])
+def test_the_launcher_notices_torch_without_bytecode(tmp_path, no_bytecode, expected):
+    """Where bytecode may not be written and none is found (an empty pycache prefix here), the launcher names
+    torch's directory for its warning; where it may be written, nothing is said."""
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(tmp_path)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if no_bytecode:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    code = "from epdserve.entry.launch import torch_without_bytecode as t; print(t())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    found = out.stdout.strip()
+    assert (found != "None") == expected, found
+    if expected:
+        assert found == os.path.dirname(torch.__file__)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -93,6 +94,17 @@ class _LogTail:
         return "\n".join(f"    {line}" for line in self.lines)
 
 
+def torch_without_bytecode() -> str | None:
+    """torch's package directory where this interpreter may not write bytecode (``PYTHONDONTWRITEBYTECODE``) and
+    finds none for torch's ``__init__.py``, else None. Every stage then compiles torch's sources when it starts:
+    2-3 s more per process on the H200 machine, whose image is built so (docs/performance.md, "2026-11-28, eighth
+    session")."""
+    spec = importlib.util.find_spec("torch") if sys.flags.dont_write_bytecode else None
+    if spec is None or not spec.origin or os.path.exists(importlib.util.cache_from_source(spec.origin)):
+        return None
+    return os.path.dirname(spec.origin)
+
+
 def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
     """Run the four servers until a signal or a child exits. Returns the exit code (0 after Ctrl-C).
 
@@ -108,6 +120,9 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
     # The default model built, a hub id downloaded, once, before the children race for it.
     model_path = resolve_model_path(cfg.model_path, cfg.revision)
     plan = plan_launch(cfg, model_path, _on_gpus(cfg))
+    if (torch_dir := torch_without_bytecode()) is not None:
+        log.warning("PYTHONDONTWRITEBYTECODE is set and torch has no bytecode: every stage compiles torch's sources "
+                    "as it starts (seconds each); `python -m compileall -q %s` once removes that wait", torch_dir)
     procs: dict[str, subprocess.Popen] = {}
     tails: dict[str, _LogTail] = {}
     stopping = []
