@@ -22,15 +22,20 @@ import logging
 import threading
 import time
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from PIL import Image
 
-if TYPE_CHECKING:
-    from epdserve.encoder.vision import VisionEncoder
-
 log = logging.getLogger("epdserve.encoder")
+
+
+class Compilable(Protocol):
+    """What :func:`compile_beside_serving` calls: :class:`~epdserve.encoder.vision.VisionEncoder`'s two halves."""
+
+    def compile_tower(self) -> float: ...
+
+    def finish_compile(self, compiled: bool) -> None: ...
 
 # Image sizes of the warm-up calls: one image, then batches, so dynamo meets the dynamic patch and image counts.
 WARM_UP_BATCHES = ([(448, 448)], [(448, 448), (336, 224)], [(336, 224)] * 3)
@@ -101,7 +106,7 @@ def warm_shadow(model: torch.nn.Module, image_processor, device: torch.device, d
     return time.monotonic() - t0
 
 
-def compile_beside_serving(encoder: VisionEncoder, tower: Executor) -> threading.Thread:
+def compile_beside_serving(encoder: Compilable, tower: Executor) -> threading.Thread:
     """Start ``encoder.compile_tower()`` on a new daemon thread (a shutdown does not wait for a compile), then
     hand ``encoder.finish_compile`` to ``tower``, the executor of the tower's calls, so that it runs between two
     of them. A failed compile is logged, and the eager tower keeps serving. Returns the started thread."""
