@@ -20,8 +20,10 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def hf_moe(tiny_qwen3_5_moe_path):
-    return transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(tiny_qwen3_5_moe_path,
-                                                                           dtype=torch.float32).eval()
+    # transformers' eager experts: the per-expert loop the bitwise checks follow (its CPU default may be grouped_mm,
+    # the same sums in another order)
+    return transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(
+        tiny_qwen3_5_moe_path, dtype=torch.float32, experts_implementation="eager").eval()
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,9 @@ def experts_loop(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, wei
     added with ``index_add_`` (transformers' order: float32 sums match it bit for bit). One host sync."""
     out = torch.zeros_like(x)
     for e in torch.unique(experts).tolist():  # sorted ascending; the host sync
-        tok, slot = torch.where(experts == e)
+        # Rows slot-major, as transformers' [E, k, T] expert mask gives them: a GEMM's rounding of a row can depend
+        # on where in the batch it sits (CPU kernels treat a partial tail tile differently).
+        slot, tok = torch.where((experts == e).T)
         g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
         y = F.linear(F.silu(g) * u, down[e]) * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
