@@ -100,8 +100,9 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
                     experts: torch.Tensor) -> torch.Tensor:
     """:func:`run_experts` with grouped GEMMs over slots sorted by expert; no host sync, fixed shapes (capturable).
 
-    Shapes: the ``S = T * k`` slots (token-major) are sorted by expert id (stable: tokens ascending within an
-    expert); ``ends`` int32 ``[E]`` is each expert's end offset in that order (``searchsorted``, so experts no
+    Shapes: the ``S = T * k`` slots (token-major, each token's slots by ascending expert id: the loop's summation
+    order) are sorted by expert id, then, as the loop takes them, by the slot's top-k position, then by token;
+    ``ends`` int32 ``[E]`` is each expert's end offset in that order (``searchsorted``, so experts no
     token chose get empty groups); ``grouped_mm`` of the sorted rows ``[S, hidden]`` with ``gate_up`` viewed as
     ``[E, hidden, 2I]`` gives ``[S, 2I]``, and of ``silu(gate) * up`` ``[S, I]`` with ``down`` viewed as
     ``[E, I, hidden]`` gives ``[S, hidden]``; each row is scaled by its weight and put back in slot order.
@@ -109,9 +110,10 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     of 8 in bf16, of 4 in float32).
     """
     k = experts.shape[1]
-    weights, experts = _ascending(weights, experts)
+    experts, position = experts.sort(dim=1)  # position[t, i]: the top-k slot the i-th smallest expert came from
+    weights = weights.gather(1, position)
     flat = experts.reshape(-1)
-    by_expert = flat.argsort(stable=True)  # [S]: slots grouped by expert
+    by_expert = (flat * k + position.reshape(-1)).argsort(stable=True)  # [S]: by expert, top-k slot, token
     ids = torch.arange(gate_up.shape[0], device=x.device, dtype=flat.dtype)
     ends = torch.searchsorted(flat[by_expert], ids, right=True).to(torch.int32)
     h = F.grouped_mm(x[by_expert // k], gate_up.transpose(1, 2), offs=ends)
