@@ -231,3 +231,15 @@ def stage_procs(tiny_model_path, tmp_path_factory):
     procs.start()
     yield procs
     procs.stop_all()
+
+
+@pytest.fixture
+def interpreter(monkeypatch, request):
+    """Triton's CPU interpreter (``TRITON_INTERPRET=1``) for the kernels of the test module's ``mod``, whose cached
+    ``_kernel()`` is rebuilt under it and again after the test."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel = request.module.mod._kernel
+    kernel.cache_clear()
+    yield
+    kernel.cache_clear()

@@ -10,14 +10,6 @@ import torch
 from epdserve.bench import decode_gemms as mod
 
 
-@pytest.fixture
-def interpreter(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    mod._kernel.cache_clear()
-    yield
-    mod._kernel.cache_clear()
-
 
 @pytest.mark.parametrize("M,N,K,block_n,block_k", [(1, 40, 96, 16, 32), (5, 33, 70, 16, 32), (17, 64, 200, 32, 64)])
 def test_skinny_gemm_equals_a_float32_matmul(interpreter, M, N, K, block_n, block_k):

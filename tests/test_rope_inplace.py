@@ -44,14 +44,6 @@ def _rotate_qkv_views(qkv, hq, hkv, d, table):
     return qkv[:, : (hq + hkv) * d].float().view(qkv.shape[0], hq + hkv, d)
 
 
-@pytest.fixture
-def interpreter(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    mod._kernel.cache_clear()
-    yield
-    mod._kernel.cache_clear()
-
 
 @pytest.mark.parametrize("T,hq,hkv,d", [(7, 3, 2, 16), (3, 16, 2, 128), (1, 4, 4, 64)])
 def test_rotation_on_the_interpreter(interpreter, T, hq, hkv, d):
