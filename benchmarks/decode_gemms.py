@@ -26,6 +26,7 @@ a candidate that fails the check is reported and not timed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -144,12 +145,8 @@ def _fused_down_candidates() -> dict:
 
 
 def _candidates(m: int) -> dict:
-    out = {"linear": F.linear}
-
-    def linear_lt(x, w):
-        return F.linear(x, w)  # the BLAS library is switched around the capture (see _time)
-
-    out["linear_lt"] = linear_lt
+    # linear_lt is the same call: the BLAS library is switched around it (_blas)
+    out = {"linear": F.linear, "linear_lt": F.linear}
     if m == 1:
         out["mv"] = lambda x, w: torch.mv(w, x[0])[None]
     for bn, bk, nw in TRITON_CONFIGS:
@@ -157,12 +154,21 @@ def _candidates(m: int) -> dict:
     return out
 
 
-def _time(fn, x: torch.Tensor, weights: list[torch.Tensor], lt: bool, reps: int = 20) -> float:
-    """Median microseconds per call of ``fn(x, w)`` over ``weights``, replayed from one CUDA graph."""
+@contextlib.contextmanager
+def _blas(lt: bool):
+    """cuBLASLt as torch's BLAS library inside (``lt``), the default otherwise; restored after."""
     before = torch.backends.cuda.preferred_blas_library()
     if lt:
         torch.backends.cuda.preferred_blas_library("cublaslt")
     try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def _time(fn, x: torch.Tensor, weights: list[torch.Tensor], lt: bool, reps: int = 20) -> float:
+    """Median microseconds per call of ``fn(x, w)`` over ``weights``, replayed from one CUDA graph."""
+    with _blas(lt):
         for w in weights[:2]:
             fn(x, w)  # compile / pick kernels outside the capture
         torch.cuda.synchronize()
@@ -170,8 +176,6 @@ def _time(fn, x: torch.Tensor, weights: list[torch.Tensor], lt: bool, reps: int 
         with torch.cuda.graph(graph):
             for w in weights:
                 fn(x, w)
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
     times = []
     for _ in range(reps + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -189,14 +193,16 @@ def measure(name: str, n: int, k: int, copies: int, m: int, device: torch.device
     weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     want = x.float() @ weights[0].float().T
-    rows, bases = [], {}
-    gate_up = torch.randn(m, 2 * k, device=device, dtype=torch.bfloat16)
-    want_fused = silu_and_mul(gate_up).float() @ weights[0].float().T
-    fused = _fused_down_candidates() if name == "down" else {}
+    rows, bases, fused = [], {}, {}
+    if name == "down":  # its input is gate_up's output: the fused candidates read that
+        fused = _fused_down_candidates()
+        gate_up = torch.randn(m, 2 * k, device=device, dtype=torch.bfloat16)
+        want_fused = silu_and_mul(gate_up).float() @ weights[0].float().T
     for cand, fn in {**_candidates(m), **fused}.items():
         xin, ref = (gate_up, want_fused) if cand in fused else (x, want)
         try:
-            got = fn(xin, weights[0]).float()
+            with _blas(cand == "linear_lt"):
+                got = fn(xin, weights[0]).float()
         except Exception as e:  # e.g. a Triton block too large for shared memory at this M
             rows.append(Row(name, n, k, m, cand, None, None, None, float("nan"), f"failed: {type(e).__name__}"))
             continue

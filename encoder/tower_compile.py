@@ -37,6 +37,7 @@ class Compilable(Protocol):
 
     def finish_compile(self, compiled: bool) -> None: ...
 
+
 # Image sizes of the warm-up calls: one image, then batches, so dynamo meets the dynamic patch and image counts.
 WARM_UP_BATCHES = ([(448, 448)], [(448, 448), (336, 224)], [(336, 224)] * 3)
 
