@@ -1,6 +1,7 @@
 """The decode step's projections alone, each way it could run, beside the memory roofline (issue 44).
 
-``python -m epdserve.bench.decode_gemms --model-path DIR --batch-sizes 1 32 128 [--output-json F]``
+``python -m epdserve.bench.decode_gemms --model-path DIR --batch-sizes 1 32 128 [--output-json F]`` (the fused
+gate_up candidates alone: ``--projections gate_up --batch-sizes 1 32 64``)
 
 Why: the fifth session's kernel table (docs/performance.md) found the small projections reading their weights at
 1.3-1.7 TB/s (qkv, o: cuBLAS picks few, wide tiles for an ``[M, K] x [K, N]`` with M of 1 to 128 and N of 2-3k)
@@ -12,15 +13,22 @@ measures, per projection of the checkpoint's language model and per batch size M
 - ``mv`` (M = 1): ``torch.mv(W, x)``, cuBLAS's GEMV;
 - ``triton/BN/BK/W``: :func:`skinny_gemm`, a Triton kernel that gives each program ``BN`` output columns and the
   whole K (no split-K, no reduce kernel), so the small projections spread over every SM;
-- for ``down`` also ``silu_mul+linear`` (the model's two kernels: SiLU-and-mul, then the projection; the ratio
-  column of the next ones is against it) and ``triton_silu/BN/BK/W``, the same Triton kernel reading gate_up's
-  output and applying SiLU-and-mul as it loads it: one kernel and one activation round trip fewer per layer.
+- for ``gate_up`` also ``silu_mul(linear)`` (the model's two kernels: the projection, then flashinfer's
+  ``silu_and_mul``; named ``torch_silu_mul(linear)`` where flashinfer is not installed and torch's float32
+  ``silu(g) * u`` stands in; the ratio column of the next ones is against it) and, for M <= 64,
+  ``gate_up_silu/BN/BK/W/S`` for each of :data:`epdserve.models.gate_up_silu.CONFIGS`: both in one kernel, each
+  program's gate and up columns accumulated side by side and ``silu(gate) * up`` written directly (one kernel and
+  the ``[M, 2I]`` round trip fewer per layer). Their check is against the float32 ``silu(g) * u``.
+
+Fusing SiLU-and-mul into ``down``'s loads instead (the skinny GEMM reading gate_up's output) measured 10x slower
+than the two kernels and was removed.
 
 Each candidate runs inside one CUDA graph over ``num_hidden_layers`` distinct weight tensors, one call per layer as
 a decode step makes them, so the weights stream from HBM rather than from the 50 MB L2 (one 8 MB weight read again
-and again would sit in it). Reported per call: microseconds, TB/s of weight bytes, and the ratio to ``linear``.
-Each candidate's output is checked against a float32 ``x @ W.T`` first (relative error in bf16 rounding's range);
-a candidate that fails the check is reported and not timed.
+and again would sit in it). Reported per call: microseconds, TB/s of weight bytes, and the ratio to ``linear``
+(to ``silu_mul(linear)`` for gate_up's fused candidates). Each candidate's output is checked against a float32
+``x @ W.T`` (or its ``silu(g) * u``) first (relative error in bf16 rounding's range); a candidate that fails the
+check is reported and not timed.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from epdserve.bench.step import copy_bandwidth
+from epdserve.models import gate_up_silu as fused_mlp
 
 # (BLOCK_N, BLOCK_K, num_warps) of the Triton candidate: narrow column blocks spread a 2k-column projection over
 # 64-128 programs; K blocks of 256-512 bf16 are 16-byte loads for every thread of 4-8 warps.
@@ -49,7 +58,7 @@ def _kernel():
 
     @triton.jit
     def skinny_gemm_kernel(x, w, y, M, N, K, x_stride, w_stride, y_stride,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SILU_MUL: tl.constexpr):
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         # One program: BN output columns for every one of the M (<= BM) rows, the whole K in BK steps.
         n0 = tl.program_id(0) * BN
         rows = tl.arange(0, BM)
@@ -59,10 +68,6 @@ def _kernel():
             ks = k0 + tl.arange(0, BK)
             in_x = (rows[:, None] < M) & (ks[None, :] < K)
             a = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=in_x, other=0.0)
-            if SILU_MUL:  # x is [M, 2K], gate then up: silu(gate) * up, rounded as a separate kernel would round it
-                g = a.to(tl.float32)
-                u = tl.load(x + rows[:, None] * x_stride + K + ks[None, :], mask=in_x, other=0.0).to(tl.float32)
-                a = (g / (1.0 + tl.exp(-g)) * u).to(w.dtype.element_ty)
             b = tl.load(w + cols[:, None] * w_stride + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
                         other=0.0)
             acc += tl.dot(a, tl.trans(b))
@@ -73,19 +78,15 @@ def _kernel():
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 256,
-                num_warps: int = 4, silu_mul: bool = False) -> torch.Tensor:
+                num_warps: int = 4) -> torch.Tensor:
     """``x @ w.T`` for a skinny ``x``: ``x`` ``[M, K]`` and ``w`` ``[N, K]`` (rows contiguous, one dtype; bf16 or
     fp16 on CUDA, any float under ``TRITON_INTERPRET=1``), M at most 128. Returns ``[M, N]`` in ``x``'s dtype,
     accumulated in float32. One program per ``block_n`` output columns, each over the whole K.
 
-    ``silu_mul``: ``x`` is ``[M, 2K]`` (a gate_up projection's output) and the product is ``silu(gate) * up`` (in
-    float32, rounded to ``w``'s dtype as a separate SiLU-and-mul kernel would round it) times ``w.T``: the MLP's
-    activation and down projection in one kernel.
-
     Raises:
         ValueError: M over 128, mismatched K or dtypes, or rows that are not contiguous.
     """
-    M, K = x.shape[0], x.shape[1] // 2 if silu_mul else x.shape[1]
+    M, K = x.shape
     N = w.shape[0]
     if M > 128 or w.shape[1] != K or x.dtype != w.dtype or x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError(f"skinny_gemm needs x [M <= 128, K] and w [N, K] of one dtype with contiguous rows; got "
@@ -93,7 +94,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: in
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bm = max(16, 1 << (M - 1).bit_length())  # tl.dot's smallest tile is 16
     _kernel()[(-(-N // block_n),)](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BM=bm, BN=block_n,
-                                 BK=block_k, SILU_MUL=silu_mul, num_warps=num_warps)
+                                 BK=block_k, num_warps=num_warps)
     return y
 
 
@@ -125,22 +126,33 @@ def projections(config: dict) -> dict[str, tuple[int, int, int]]:
             "lm_head": (c["vocab_size"], hidden, 1)}
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[:, :K]) * x[:, K:]``: flashinfer's kernel where it is installed (what the model runs), else torch."""
+@functools.cache
+def _flashinfer_silu_and_mul():
+    """flashinfer's ``silu_and_mul`` (what the model runs), or None where flashinfer is not installed."""
     try:
-        import flashinfer
-
-        return flashinfer.activation.silu_and_mul(x)
+        from flashinfer.activation import silu_and_mul
     except ImportError:
-        g, u = x.chunk(2, dim=-1)
-        return (F.silu(g.float()) * u.float()).to(x.dtype)
+        return None
+    return silu_and_mul
 
 
-def _fused_down_candidates() -> dict:
-    """For ``down``, whose input is gate_up's ``[M, 2K]`` output: the model's two kernels against the fused one."""
-    out = {"silu_mul+linear": lambda x, w: F.linear(silu_and_mul(x), w)}
-    for bn, bk, nw in TRITON_CONFIGS:
-        out[f"triton_silu/{bn}/{bk}/{nw}"] = lambda x, w, bn=bn, bk=bk, nw=nw: skinny_gemm(x, w, bn, bk, nw, True)
+def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` in float32, rounded once to ``x``'s dtype: flashinfer's arithmetic in torch."""
+    g, u = x.chunk(2, dim=-1)
+    return (F.silu(g.float()) * u.float()).to(x.dtype)
+
+
+def _fused_gate_up_candidates(m: int) -> dict:
+    """For ``gate_up``: the model's two kernels (the first: the ratio column's base), then the fused kernel's
+    configurations where it applies (M <= 64)."""
+    silu_mul = _flashinfer_silu_and_mul()
+    if silu_mul is None:
+        out = {"torch_silu_mul(linear)": lambda x, w: torch_silu_and_mul(F.linear(x, w))}
+    else:
+        out = {"silu_mul(linear)": lambda x, w: silu_mul(F.linear(x, w))}
+    if m <= fused_mlp.MAX_M:
+        for cfg in fused_mlp.CONFIGS:
+            out["gate_up_silu/" + "/".join(map(str, cfg))] = lambda x, w, cfg=cfg: fused_mlp.gate_up_silu(x, w, *cfg)
     return out
 
 
@@ -194,15 +206,15 @@ def measure(name: str, n: int, k: int, copies: int, m: int, device: torch.device
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     want = x.float() @ weights[0].float().T
     rows, bases, fused = [], {}, {}
-    if name == "down":  # its input is gate_up's output: the fused candidates read that
-        fused = _fused_down_candidates()
-        gate_up = torch.randn(m, 2 * k, device=device, dtype=torch.bfloat16)
-        want_fused = silu_and_mul(gate_up).float() @ weights[0].float().T
+    if name == "gate_up":  # its output feeds SiLU-and-mul: the fused candidates return that
+        fused = _fused_gate_up_candidates(m)
+        g, u = want.chunk(2, dim=-1)
+        want_fused = F.silu(g) * u
     for cand, fn in {**_candidates(m), **fused}.items():
-        xin, ref = (gate_up, want_fused) if cand in fused else (x, want)
+        ref = want_fused if cand in fused else want
         try:
             with _blas(cand == "linear_lt"):
-                got = fn(xin, weights[0]).float()
+                got = fn(x, weights[0]).float()
         except Exception as e:  # e.g. a Triton block too large for shared memory at this M
             rows.append(Row(name, n, k, m, cand, None, None, None, float("nan"), f"failed: {type(e).__name__}"))
             continue
@@ -210,8 +222,8 @@ def measure(name: str, n: int, k: int, copies: int, m: int, device: torch.device
         if err > 2e-2:  # bf16 output rounding is 4e-3 of the value; a wrong kernel is off by O(1)
             rows.append(Row(name, n, k, m, cand, None, None, None, err, "wrong result: not timed"))
             continue
-        us = _time(fn, xin, weights, lt=cand == "linear_lt")
-        base = "silu_mul+linear" if cand in fused else "linear"  # the first of each group: what the model runs
+        us = _time(fn, x, weights, lt=cand == "linear_lt")
+        base = "fused" if cand in fused else "linear"  # the first of each group (what the model runs) is the base
         bases.setdefault(base, us)
         rows.append(Row(name, n, k, m, cand, round(us, 2), round(n * k * 2 / us / 1e6, 3), round(us / bases[base], 3),
                         err))
@@ -238,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.batch_sizes:
             for row in measure(name, n, k, copies, m, device):
                 rows.append(row)
-                print(f"{name:8s} N={n:6d} K={k:6d} M={m:4d} {row.candidate:18s} "
+                print(f"{name:8s} N={n:6d} K={k:6d} M={m:4d} {row.candidate:24s} "
                       + (f"{row.us_per_call:8.2f} us {row.tb_per_s:5.2f} TB/s {row.vs_linear:5.2f}x"
                          if row.us_per_call is not None else row.note) + f"  err {row.rel_error:.1e}")
     if args.output_json:

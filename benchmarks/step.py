@@ -340,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-graph-max-tokens", type=int, default=2048,
                     help="one-request prefills up to this many tokens replay CUDA graphs, as a prefill server's "
                          "--cuda-graph-max-tokens (0 or --disable-cuda-graph: none)")
+    ap.add_argument("--decode-attention-backend", default="auto", choices=["auto", "flashinfer", "triton"],
+                    help="decode batches' attention kernel, as the servers' flag of that name")
     ap.add_argument("--output-json", default="")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -347,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(args.model_path, device=dev, dtype=torch.bfloat16, num_pages=args.num_pages, page_size=16,
                          cuda_graph_max_bs=0 if args.disable_cuda_graph else max(args.batch_sizes),
                          prefill_graph_max_tokens=0 if args.disable_cuda_graph else args.prefill_graph_max_tokens,
-                         num_state_slots=max(args.batch_sizes + [args.prefill_batch]))
+                         num_state_slots=max(args.batch_sizes + [args.prefill_batch]),
+                         decode_attention_backend=args.decode_attention_backend)
     print(f"model loaded in {time.monotonic() - t0:.1f} s ({startup_summary(runner.startup_s)})", flush=True)
     bw = copy_bandwidth(dev)
     prefills = run_prefills(runner, args) if args.prefill_lens else {}
@@ -381,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(dev), copy_bandwidth=bw, model_path=args.model_path,
-                           rows=rows, **prefills), f, indent=2)
+                           decode_attention_backend=args.decode_attention_backend, rows=rows, **prefills), f, indent=2)
     return 0
 
 

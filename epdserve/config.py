@@ -100,6 +100,9 @@ class LMServerConfig:
     mem_fraction: float = _f(0.5, "share of free GPU memory given to the KV pool when --num-pages is 0")
     context_length: int = _f(0, "longest prompt + output in tokens; 0 = the model's max_position_embeddings")
     attention_backend: str = _f("auto", "sdpa, flashinfer, or auto (flashinfer on cuda)")
+    decode_attention_backend: str = _f("auto", "decode batches' attention kernel under the flashinfer backend: "
+                                               "'flashinfer' (its paged decode), 'triton' (epdserve's split-KV "
+                                               "kernel), or auto (triton)")
     request_timeout_s: float = _f(120.0, "drop a request whose inputs (embeddings, KV, registration) never come; "
                                          "also how long a bootstrap room whose partner never comes holds its KV")
     served_model_name: str = _f("", "model name the HTTP front serves (see --port); default: the model path")

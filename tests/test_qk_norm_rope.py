@@ -4,19 +4,26 @@ float32 than the pair."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+from epdserve.attention.base import KVWrite
+from epdserve.models import qk_norm_rope as mod
 
 
-def _inputs(T: int, hq: int, hkv: int, d: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    qkv = torch.randn(T, (hq + 2 * hkv) * d, device="cuda", generator=g).to(torch.bfloat16) * 3
-    qw = (1 + 0.3 * torch.randn(d, device="cuda", generator=g)).to(torch.bfloat16)
-    kw = (1 + 0.3 * torch.randn(d, device="cuda", generator=g)).to(torch.bfloat16)
-    pos = torch.arange(T, device="cuda").float()[:, None] * 37.0
-    inv = 1.0 / (5e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+
+def _inputs(T: int, hq: int, hkv: int, d: int, seed: int = 0, device: str = "cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, device=device, generator=g).to(torch.bfloat16) * 3
+    qw = (1 + 0.3 * torch.randn(d, device=device, generator=g)).to(torch.bfloat16)
+    kw = (1 + 0.3 * torch.randn(d, device=device, generator=g)).to(torch.bfloat16)
+    pos = torch.arange(T, device=device).float()[:, None] * 37.0
+    inv = 1.0 / (5e6 ** (torch.arange(0, d, 2, device=device).float() / d))
     table = torch.cat([torch.cos(pos * inv), torch.sin(pos * inv)], dim=1).contiguous()
     return qkv, qw, kw, table
 
@@ -44,6 +51,8 @@ def _flashinfer_pair(qkv, hq, hkv, d, qw, kw, eps, table):
 
 
 @pytest.mark.parametrize("T,hq,hkv,d", [(1, 32, 8, 128), (7, 16, 8, 128), (300, 4, 2, 64), (0, 32, 8, 128)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_matches_the_flashinfer_pair_and_float32(T, hq, hkv, d):
     from epdserve.models.qk_norm_rope import qk_norm_rope
 
@@ -66,6 +75,8 @@ def test_fused_matches_the_flashinfer_pair_and_float32(T, hq, hkv, d):
               f"max |error| vs float32 {err_fused:.3g}, the pair's {err_pair:.3g} (bound 1.01x)")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bad_shapes_are_refused():
     from epdserve.models.qk_norm_rope import qk_norm_rope
 
@@ -74,3 +85,39 @@ def test_bad_shapes_are_refused():
         qk_norm_rope(qkv, 4, 2, 64, qw, kw, 1e-6, table[:3])
     with pytest.raises(ValueError):
         qk_norm_rope(qkv, 4, 2, 64, qw, kw, 1e-6, table.double())
+
+
+def _check_kv_write(T, hq, hkv, d, device):
+    """q and k equal to the call without ``kv_write``; the rotated k and the raw v at each token's (shuffled) slot;
+    no other slot written."""
+    qkv, qw, kw, table = _inputs(T, hq, hkv, d, device=device)
+    q0, k0 = mod.qk_norm_rope(qkv, hq, hkv, d, qw, kw, 1e-6, table)
+    cache = torch.randn(2, 3 * T + 5, hkv, d, device=device).to(torch.bfloat16)
+    before = cache.clone()
+    slots = torch.randperm(cache.shape[1], device=device)[:T]
+    q, k = mod.qk_norm_rope(qkv, hq, hkv, d, qw, kw, 1e-6, table, kv_write=KVWrite(cache[0], cache[1], slots))
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    assert torch.equal(cache[0, slots], k0)
+    assert torch.equal(cache[1, slots].reshape(T, -1), qkv[:, (hq + hkv) * d:])
+    others = torch.ones(cache.shape[1], dtype=torch.bool, device=device)
+    others[slots] = False
+    assert torch.equal(cache[:, others], before[:, others])
+
+
+def test_kv_write_on_the_interpreter():
+    """In a subprocess: the kernel's ``tl.sum`` is a Triton function that runs under the interpreter only when
+    ``TRITON_INTERPRET=1`` is set before Triton is first imported."""
+    pytest.importorskip("triton")
+    code = ("import sys; sys.path.insert(0, 'tests'); from test_qk_norm_rope import _check_kv_write; "
+            "_check_kv_write(3, 4, 2, 16, 'cpu'); _check_kv_write(2, 8, 4, 64, 'cpu'); print('ok')")
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T,hq,hkv,d", [(1, 32, 8, 128), (77, 32, 8, 128)])
+def test_kv_write_on_cuda(T, hq, hkv, d):
+    _check_kv_write(T, hq, hkv, d, "cuda")

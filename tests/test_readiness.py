@@ -117,3 +117,19 @@ def test_launch_names_a_stage_that_dies_before_ready(tiny_model_path, tmp_path):
     assert "epdserve ready on" not in text
     tail = text[text.index("before every stage served"):]
     assert "last lines of" in tail and "unknown dtype 'float7'" in tail, text[-3000:]
+
+
+def test_launch_refuses_a_port_another_server_listens_on(tiny_model_path, tmp_path):
+    """A launch whose --port is taken exits 1 at once, naming the port, and starts no stage: its ready check would
+    otherwise take the other server's /health for its own gateway's."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "epdserve", "launch", "--model-path", tiny_model_path, "--port",
+                              str(port)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert f"port {port} on 127.0.0.1 is in use" in run.stderr
+    assert "ready on" not in run.stderr  # no stage started

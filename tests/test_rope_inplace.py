@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from epdserve.attention.base import KVWrite
 from epdserve.models import rope_inplace as mod
 
 
@@ -83,3 +84,56 @@ def test_rotation_on_cuda_rounds_to_nearest(T, hq, hkv):
     print(f"T={T} heads {hq}/{hkv}: worst error {float(err.max()):.3f} bf16 ulp; {off:.2e} of the values differ from "
           f"the float32 reference rounded to nearest (float32 sums in another order)")
     assert float(err.max()) <= 0.5 and off < 1e-3
+
+
+def _kv_write_case(T, hq, hkv, d, device):
+    """Rotate a qkv buffer's views twice, once plainly and once storing K and V in slot views of a page buffer
+    (shuffled slots); returns both buffers, the cache, the slots and the cache's untouched copy."""
+    qkv, table, *_ = _case(T, hq, hkv, d, device)
+    plain = qkv.clone()
+    q, k, _ = plain.split([hq * d, hkv * d, hkv * d], dim=-1)
+    mod.rope_inplace(q, k, d, table)
+    cache = torch.randn(2, 4 * T + 8, hkv, d, device=device).to(qkv.dtype)  # [K|V, slots, H, D], like one layer
+    before = cache.clone()
+    slots = torch.randperm(cache.shape[1], device=device)[:T]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    mod.rope_inplace(q, k, d, table, v=v, kv_write=KVWrite(cache[0], cache[1], slots))
+    return qkv, plain, cache, slots, before
+
+
+def _check_kv_write(qkv, plain, cache, slots, before, hq, hkv, d):
+    T = qkv.shape[0]
+    assert torch.equal(qkv, plain), "q and k rotated as without kv_write, v untouched"
+    k_rot, v = plain[:, hq * d:(hq + hkv) * d], plain[:, (hq + hkv) * d:]
+    assert torch.equal(cache[0, slots].reshape(T, -1), k_rot), "the rotated K at each token's slot"
+    assert torch.equal(cache[1, slots].reshape(T, -1), v), "V at each token's slot, as it was"
+    others = torch.ones(cache.shape[1], dtype=torch.bool, device=cache.device)
+    others[slots] = False
+    assert torch.equal(cache[:, others], before[:, others]), "no other slot written"
+
+
+@pytest.mark.parametrize("T,hq,hkv,d", [(7, 3, 2, 16), (3, 16, 2, 128), (2, 28, 4, 128)])
+def test_kv_write_on_the_interpreter(interpreter, T, hq, hkv, d):
+    _check_kv_write(*_kv_write_case(T, hq, hkv, d, "cpu"), hq, hkv, d)
+
+
+def test_bad_kv_write_raises():
+    qkv, table, *_ = _case(4, 2, 1, 16, "cpu")
+    q, k, v = qkv.split([32, 16, 16], dim=-1)
+    cache = torch.zeros(2, 9, 1, 16, dtype=qkv.dtype)
+    slots = torch.arange(4)
+    with pytest.raises(ValueError, match="needs v"):
+        mod.rope_inplace(q, k, 16, table, kv_write=KVWrite(cache[0], cache[1], slots))
+    with pytest.raises(ValueError, match="k_slots"):
+        mod.rope_inplace(q, k, 16, table, v=v, kv_write=KVWrite(cache[0].float(), cache[1], slots))
+    with pytest.raises(ValueError, match="v_slots"):
+        mod.rope_inplace(q, k, 16, table, v=v, kv_write=KVWrite(cache[0], cache[1, :, :, :8], slots))
+    with pytest.raises(ValueError, match="slots must be int64"):
+        mod.rope_inplace(q, k, 16, table, v=v, kv_write=KVWrite(cache[0], cache[1], slots.int()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T,hq,hkv", [(1, 16, 2), (77, 16, 2), (4096, 28, 4)])
+def test_kv_write_on_cuda(T, hq, hkv):
+    _check_kv_write(*_kv_write_case(T, hq, hkv, 128, "cuda"), hq, hkv, 128)

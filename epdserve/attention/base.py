@@ -4,11 +4,35 @@ picks one."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class KVWrite:
+    """Where one layer's new K and V go in this forward: ``k_slots``/``v_slots`` ``[num_slots, Hkv, D]`` views of
+    the layer's KV pages (pool dtype) and ``slots`` int64 ``[T]``, each new token's slot."""
+
+    k_slots: torch.Tensor
+    v_slots: torch.Tensor
+    slots: torch.Tensor
+
+
+def check_kv_write(kv_write: KVWrite, tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Raise ValueError unless ``kv_write`` takes ``tokens`` new tokens of ``num_kv_heads`` heads of ``head_dim`` in
+    ``dtype``: slot views ``[slots, num_kv_heads, head_dim]`` with contiguous heads, int64 ``[tokens]`` slots."""
+    for name, c in (("k_slots", kv_write.k_slots), ("v_slots", kv_write.v_slots)):
+        if c.dim() != 3 or tuple(c.shape[1:]) != (num_kv_heads, head_dim) or c.stride(1) != head_dim \
+                or c.stride(2) != 1 or c.dtype != dtype:
+            raise ValueError(f"kv_write.{name} must be [slots, {num_kv_heads}, {head_dim}] {dtype} with contiguous "
+                             f"heads, got {list(c.shape)} {c.dtype} stride {c.stride()}")
+    if kv_write.slots.dtype != torch.int64 or tuple(kv_write.slots.shape) != (tokens,):
+        raise ValueError(f"kv_write.slots must be int64 [{tokens}], got {kv_write.slots.dtype} "
+                         f"{list(kv_write.slots.shape)}")
 
 
 class AttentionBackend(ABC):
@@ -36,5 +60,13 @@ class AttentionBackend(ABC):
         device)."""
 
     @abstractmethod
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` (RoPE applied) -> attention output ``[T, Hq, D]``."""
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_written: bool = False) -> torch.Tensor:
+        """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` (RoPE applied) -> attention output ``[T, Hq, D]``.
+        ``kv_written``: the caller already stored ``k``/``v`` where :meth:`kv_write` said."""
+
+    def kv_write(self, layer_id: int) -> KVWrite | None:
+        """Where a caller may store layer ``layer_id``'s new K/V itself in this forward (a kernel it runs anyway,
+        such as RoPE, writing them on the way) and then call :meth:`forward` with ``kv_written=True``; None: the
+        backend writes them in :meth:`forward`. Valid after :meth:`prepare`."""
+        return None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import flashinfer
 import torch
 
-from epdserve.attention.base import AttentionBackend
+from epdserve.attention.base import AttentionBackend, KVWrite
 from epdserve.attention.flashinfer_kernels import KernelBuild, tensor_core_decode
 from epdserve.device import to_device
 from epdserve.engine.forward_batch import ForwardBatch
@@ -46,24 +46,38 @@ class FlashInferBackend(AttentionBackend):
     (``should_use_tensor_core``), and the CUDA-core decode kernel otherwise. H100, 16 query / 2 KV heads, 128
     requests at 400 tokens of context: 26.5 us per layer against 52.7 (CUDA-core) and 145 (the tensor-core
     kernel's "auto" backend, FA3 on Hopper, which is built for long query tiles); 7.9 vs 12.1 us at 1 request
-    (docs/performance.md, ninth session).
+    (docs/performance.md, ninth session). With ``decode_kernel="triton"`` (the servers' default) decode batches
+    run :mod:`epdserve.attention.triton_decode` instead: 5.3-5.6 / 11.8 / 25-26 us per layer at 1 / 32 / 128
+    requests x 512 tokens on an H200 against flashinfer's 7.4 / 14.7 / 28.3 (benchmarks/results/
+    h200-2026-11-29-decode-s9). Either way :meth:`kv_write` lets the model's RoPE kernel store the new K and V.
     """
 
     uses_flashinfer = True
 
-    def __init__(self, kv_pool: KVPool, num_qo_heads: int, kernels: KernelBuild | None = None):
+    def __init__(self, kv_pool: KVPool, num_qo_heads: int, kernels: KernelBuild | None = None,
+                 decode_kernel: str = "flashinfer"):
         """Allocate the shared float workspace and both wrappers on the pool's CUDA device.
 
         ``kernels``: the runner's flashinfer module build; its ``prefill_backend`` is the prefill wrappers' backend
         (FA2 on a machine where FA3 is not built yet), and once its ``fa3_ready`` is set eager prefills move to
-        FA3. None: flashinfer's "auto" choice (FA3 on Hopper), built on first use.
+        FA3. None: flashinfer's "auto" choice (FA3 on Hopper), built on first use. ``decode_kernel``:
+        ``"flashinfer"`` (its decode wrappers) or ``"triton"`` (:class:`~epdserve.attention.triton_decode_plan.
+        TritonDecode`) for decode batches.
 
         Raises:
-            ValueError: the pool is not on CUDA, or the head counts are not GQA-compatible.
+            ValueError: the pool is not on CUDA, the head counts are not GQA-compatible, or an unknown
+                ``decode_kernel``.
         """
         super().__init__(kv_pool, num_qo_heads)
         if kv_pool.device.type != "cuda":
             raise ValueError("FlashInferBackend needs a CUDA KV pool")
+        if decode_kernel not in ("flashinfer", "triton"):
+            raise ValueError(f"unknown decode attention kernel {decode_kernel!r}; expected 'flashinfer' or 'triton'")
+        self._triton = None
+        if decode_kernel == "triton":
+            from epdserve.attention.triton_decode_plan import TritonDecode
+
+            self._triton = TritonDecode(kv_pool, self.scale)
         # Prefill and decode never run at the same time, so they can share one float workspace.
         self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
         self.kernels = kernels
@@ -85,6 +99,9 @@ class FlashInferBackend(AttentionBackend):
         """Create a CUDA-graph-mode decode wrapper for each batch size, over index buffers shared by all of them
         (room for every page of the pool plus one padding page per row)."""
         dev, max_bs = self.kv_pool.device, max(batch_sizes)
+        if self._triton is not None:
+            self._triton.enable_cuda_graphs(max_bs)
+            return
         indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
         indices = torch.zeros(self.kv_pool.num_pages + max_bs, dtype=torch.int32, device=dev)
         last = torch.zeros(max_bs, dtype=torch.int32, device=dev)
@@ -142,6 +159,11 @@ class FlashInferBackend(AttentionBackend):
         kv_indices = to_device(torch.tensor(indices, dtype=torch.int32), dev)
         last_len = torch.tensor(last, dtype=torch.int32)
         pool, dtype = self.kv_pool, self.kv_pool.dtype
+        if batch.is_decode and self._triton is not None:
+            self._triton.prepare(kv_indptr, kv_indices, list(batch.kv_lens), cuda_graph)
+            self._wrapper = self._triton
+            self._out_slots = batch.out_slots.to(dev)
+            return
         if batch.is_decode:
             wrapper = self._graph_decode[batch.batch_size] if cuda_graph else self._decode
             self._wait_previous_plan(wrapper)
@@ -167,13 +189,24 @@ class FlashInferBackend(AttentionBackend):
                                                                        backend="fa3")
         self._prefill_backend, self._fa3_ready = "fa3", None
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def kv_write(self, layer_id: int) -> KVWrite | None:
+        """See :meth:`AttentionBackend.kv_write`: this layer's slot views and the prepared batch's slots."""
+        if self._out_slots is None:
+            return None
+        k_slots, v_slots = self.kv_pool.slot_view(layer_id)
+        return KVWrite(k_slots, v_slots, self._out_slots)
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_written: bool = False) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. Raises RuntimeError when :meth:`prepare` was not called."""
         if self._wrapper is None:
             raise RuntimeError("FlashInferBackend.forward before prepare")
-        self.kv_pool.write(layer_id, self._out_slots, k, v)
+        if not kv_written:
+            self.kv_pool.write(layer_id, self._out_slots, k, v)
         kv = (self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id))
         # q stays the strided view of the qkv projection's output: flashinfer's prefill, tensor-core decode and
         # decode kernels take its row and head strides (csrc batch_prefill.cu, batch_decode.cu: q.stride(0/1)), so
         # a contiguous copy would be one more kernel per layer (2.4 us each at batch 32 and 128 on an H200).
+        if self._wrapper is self._triton:
+            return self._triton.run(layer_id, q.to(self.kv_pool.dtype))
         return self._wrapper.run(q.to(self.kv_pool.dtype), kv)

@@ -72,12 +72,14 @@ class SdpaBackend(AttentionBackend):
             q0, kv0 = q0 + q, kv0 + L
         self._plan = _Plan(out_slots, torch.cat(per_req).to(dev), None, spans)
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_written: bool = False) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. Raises RuntimeError when :meth:`prepare` was not called."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("SdpaBackend.forward before prepare")
-        self.kv_pool.write(layer_id, plan.out_slots, k, v)
+        if not kv_written:
+            self.kv_pool.write(layer_id, plan.out_slots, k, v)
         k_all, v_all = self.kv_pool.slot_view(layer_id)
         gqa = q.shape[1] != k.shape[1]
         if plan.decode_mask is not None:

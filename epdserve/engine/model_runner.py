@@ -51,7 +51,8 @@ class ModelRunner:
     failed: str | None = None
 
     def __init__(self, model_path: str, *, device: torch.device, dtype: torch.dtype, num_pages: int,
-                 page_size: int, attention_backend: str = "auto", mem_fraction: float = 0.5,
+                 page_size: int, attention_backend: str = "auto", decode_attention_backend: str = "auto",
+                 mem_fraction: float = 0.5,
                  cuda_graph_max_bs: int = 0, prefill_graph_max_tokens: int = 0, share_kv: bool = False,
                  tp: TPGroup | None = None, num_state_slots: int = DEFAULT_STATE_SLOTS):
         """Load config and LM weights (vision weights are skipped), then size and allocate the KV pool.
@@ -110,7 +111,8 @@ class ModelRunner:
                               num_kv_heads=self.heads.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
                               device=self.device,
                               shm_path=new_shm_path() if share_kv and self.device.type == "cpu" else "")
-        self.backend = make_backend(attention_backend, self.kv_pool, self.heads.num_heads, kernels)
+        self.backend = make_backend(attention_backend, self.kv_pool, self.heads.num_heads, kernels,
+                                    decode=decode_attention_backend)
         self.model.attn = self.backend
         self.model.use_fused_ops(self.backend.uses_flashinfer)
         self.state_pool = self._state_pool(num_state_slots) if cfg.is_hybrid else None
@@ -417,6 +419,7 @@ def build_runner(cfg, model_path: str, tp: TPGroup, cuda_graph_max_bs: int = 0,
     limit_cpu_threads(tp.device)
     runner = ModelRunner(model_path, device=tp.device, dtype=resolve_dtype(cfg.dtype, tp.device),
                          num_pages=cfg.num_pages, page_size=cfg.page_size, attention_backend=cfg.attention_backend,
+                         decode_attention_backend=cfg.decode_attention_backend,
                          mem_fraction=cfg.mem_fraction, cuda_graph_max_bs=cuda_graph_max_bs,
                          prefill_graph_max_tokens=getattr(cfg, "cuda_graph_max_tokens", 0), share_kv=share_kv, tp=tp,
                          # decode: one state slot per running request; prefill: the default plus its prefix-cache

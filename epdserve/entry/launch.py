@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -105,8 +106,21 @@ def torch_without_bytecode() -> str | None:
     return os.path.dirname(spec.origin)
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a socket listens on ``host:port``: a bind with ``SO_REUSEADDR`` (as uvicorn binds) fails. A port left
+    in TIME_WAIT by a stopped server counts as free, as it does for uvicorn."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
-    """Run the four servers until a signal or a child exits. Returns the exit code (0 after Ctrl-C).
+    """Run the four servers until a signal or a child exits. Returns the exit code (0 after Ctrl-C; 1 at once when
+    ``cfg.port`` is taken).
 
     A hub id ``--model-path`` is downloaded here, once (``epdserve launch`` has already done it: see
     :func:`epdserve.entry.cli._local_model`), and the stages get the local directory.
@@ -117,6 +131,12 @@ def launch(cfg: LaunchConfig, ready_timeout_s: float = 600.0) -> int:
     """
     # From the process's start: the interpreter and the launcher's imports are part of the wait too.
     started = time.monotonic() - (process_age_s() or 0.0)
+    if port_in_use(cfg.host, cfg.port):
+        # Else the ready check below would take the other server's /health for the gateway's (seen on a device:
+        # a launch started while the previous one was still stopping "was ready" in 0.3 s and served nothing).
+        log.error("port %d on %s is in use: another server listens there (stop it, or pick --port)", cfg.port,
+                  cfg.host)
+        return 1
     # The default model built, a hub id downloaded, once, before the children race for it.
     model_path = resolve_model_path(cfg.model_path, cfg.revision)
     plan = plan_launch(cfg, model_path, _on_gpus(cfg))

@@ -9,9 +9,11 @@ Two implementations of the small operations (norms, residual adds, RoPE, SiLU-an
 - torch (``fused_ops=False``, CPU and the reference): the exact arithmetic of transformers, so CPU outputs match
   ``generate()`` token for token.
 - fused kernels (``fused_ops=True``, CUDA): flashinfer's ``fused_add_rmsnorm`` (residual add + RMSNorm in one
-  pass) and ``silu_and_mul``, as SGLang's Qwen2 uses them, and RoPE in place (:mod:`epdserve.models.rope_inplace`,
-  flashinfer's ``apply_rope_with_cos_sin_cache_inplace`` arithmetic in a Triton kernel that compiles in a second
-  where flashinfer's takes ~27 s on a fresh machine). A decode
+  pass) and ``silu_and_mul``, as SGLang's Qwen2 uses them (up to 64 rows, a decode batch, the gate_up projection
+  and SiLU-and-mul are one Triton kernel instead, :mod:`epdserve.models.gate_up_silu`), and RoPE in place
+  (:mod:`epdserve.models.rope_inplace`, flashinfer's ``apply_rope_with_cos_sin_cache_inplace`` arithmetic in a
+  Triton kernel that compiles in a second where flashinfer's takes ~27 s on a fresh machine), which also writes K
+  and V into the KV cache where the backend allows it (:func:`rope_and_kv_write`). A decode
   step of a 36-layer model launched ~39 kernels per layer with torch ops, ~2-3 us each on the GPU even inside a
   CUDA graph; fused, it launches ~11. They round differently from transformers (RMSNorm multiplies by the weight
   in float32), so GPU outputs are close to, not bit-equal with, the CPU reference.
@@ -36,6 +38,7 @@ from torch import nn
 from epdserve.attention.base import AttentionBackend
 from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.models import gate_up_silu
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                       VocabParallelEmbedding, head_shard, split_evenly)
@@ -120,6 +123,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def rope_and_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, table: torch.Tensor,
+                      attn: AttentionBackend, layer_id: int) -> bool:
+    """RoPE in place on ``q``/``k`` (``[T, heads * head_dim]`` views; see
+    :func:`~epdserve.models.rope_inplace.rope_inplace`), storing ``k`` and ``v`` in the KV cache in the same launch
+    where the backend lets the caller write them (:meth:`~epdserve.attention.base.AttentionBackend.kv_write`) and
+    the pool holds ``k``'s dtype. Returns whether it stored them (pass it to ``attn.forward`` as ``kv_written``)."""
+    target = attn.kv_write(layer_id)
+    if target is not None and target.k_slots.dtype != k.dtype:
+        target = None
+    rope_inplace(q, k, head_dim, table, v=v, kv_write=target)
+    return target is not None
+
+
 @dataclass
 class _Rope:
     """One forward's rotary angles: ``cos``/``sin`` ``[T, 1, D]`` (torch ops) or ``table`` ``[T, D]`` float32, cos
@@ -148,13 +164,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: _Rope, attn: AttentionBackend) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``."""
         q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        written = False
         if rope.table is not None:  # in place on the strided views of the qkv output: no copies
-            rope_inplace(q, k, self.d, rope.table)
+            written = rope_and_kv_write(q, k, v, self.d, rope.table, attn, self.layer_id)
             q, k = q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d)
         else:
             q = _rotate(q.view(-1, self.hq, self.d), rope.cos, rope.sin)
             k = _rotate(k.view(-1, self.hkv, self.d), rope.cos, rope.sin)
-        out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d))
+        out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d), kv_written=written)
         return self.o_proj(out.reshape(-1, self.hq * self.d))
 
 
@@ -173,6 +190,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]`` (``reduce`` False: this TP rank's partial sum, see
         :meth:`RowParallelLinear.forward`)."""
+        if self.fused and x.shape[0] <= gate_up_silu.MAX_M:  # decode-sized: projection and SiLU in one kernel
+            act = gate_up_silu.gate_up_silu(x, self.gate_up_proj.weight, *gate_up_silu.config_for(x.shape[0]))
+            return self.down_proj(act, reduce)
         gate_up = self.gate_up_proj(x)
         if self.fused:
             return self.down_proj(_flashinfer().activation.silu_and_mul(gate_up), reduce)

@@ -34,8 +34,7 @@ from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.models.config import ModelConfig
 from epdserve.models.qk_norm_rope import qk_norm_rope
-from epdserve.models.qwen2_vl_lm import Attention, Qwen2VLLanguageModel, RMSNorm, _Rope, _rotate
-from epdserve.models.rope_inplace import rope_inplace
+from epdserve.models.qwen2_vl_lm import Attention, Qwen2VLLanguageModel, RMSNorm, _Rope, _rotate, rope_and_kv_write
 
 
 class Qwen3Attention(Attention):
@@ -51,22 +50,26 @@ class Qwen3Attention(Attention):
         """``[T, hidden]`` -> ``[T, hidden]``."""
         qkv = self.qkv_proj(x)
         if rope.table is not None and self.q_norm.fused:  # CUDA: norms and RoPE in one kernel
+            target = attn.kv_write(self.layer_id)
+            if target is not None and target.k_slots.dtype != qkv.dtype:
+                target = None
             q, k = qk_norm_rope(qkv, self.hq, self.hkv, self.d, self.q_norm.weight, self.k_norm.weight,
-                                self.q_norm.eps, rope.table)
+                                self.q_norm.eps, rope.table, kv_write=target)
             v = qkv[:, (self.hq + self.hkv) * self.d:]
-            out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d))
+            out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d), kv_written=target is not None)
             return self.o_proj(out.reshape(-1, self.hq * self.d))
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         # One row per head: the norm is over head_dim (what flashinfer's 2-D rmsnorm takes, too).
         q = self.q_norm(q.reshape(-1, self.d)).view(-1, self.hq * self.d)
         k = self.k_norm(k.reshape(-1, self.d)).view(-1, self.hkv * self.d)
+        written = False
         if rope.table is not None:  # q and k are fresh contiguous tensors here: rotate them in place
-            rope_inplace(q, k, self.d, rope.table)
+            written = rope_and_kv_write(q, k, v, self.d, rope.table, attn, self.layer_id)
             q, k = q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d)
         else:
             q = _rotate(q.view(-1, self.hq, self.d), rope.cos, rope.sin)
             k = _rotate(k.view(-1, self.hkv, self.d), rope.cos, rope.sin)
-        out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d))
+        out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d), kv_written=written)
         return self.o_proj(out.reshape(-1, self.hq * self.d))
 
 

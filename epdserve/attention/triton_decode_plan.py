@@ -1,0 +1,73 @@
+"""Decode batches of the flashinfer backend on the Triton split-KV kernel (:mod:`epdserve.attention.triton_decode`):
+what the kernel needs per step, laid out once in :meth:`TritonDecode.prepare` and read by every layer.
+
+flashinfer's decode wrappers plan each step on the host (a schedule copied to the device) and run an attention
+kernel and a merge kernel per layer. The Triton kernel needs only the page table in flashinfer's CSR form
+(``kv_indptr``, ``kv_indices``) and each request's KV length, all on the device, and a split count fixed per batch
+size, so one captured graph serves every context length; it reads the q heads at the fused qkv projection's strides.
+SGLang's ``--decode-attention-backend triton`` is the same choice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epdserve.attention.triton_decode import decode_attention, num_kv_splits
+from epdserve.kvcache.kv_pool import KVPool
+
+
+class TritonDecode:
+    """Per-step index tensors of a decode batch and the per-layer call of the Triton decode kernel.
+
+    Args:
+        kv_pool: the CUDA KV pool (NHD pages).
+        scale: softmax scale (``head_dim ** -0.5``).
+    """
+
+    def __init__(self, kv_pool: KVPool, scale: float):
+        self.kv_pool, self.scale = kv_pool, scale
+        self.num_sms = torch.cuda.get_device_properties(kv_pool.device).multi_processor_count
+        self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+
+    def enable_cuda_graphs(self, max_bs: int) -> None:
+        """Static index buffers for graphs of up to ``max_bs`` requests (room for every page of the pool plus one
+        padding page per row); :meth:`prepare` with ``cuda_graph`` fills them."""
+        dev, i32 = self.kv_pool.device, torch.int32
+        self._static = (torch.zeros(max_bs + 1, dtype=i32, device=dev),
+                        torch.zeros(self.kv_pool.num_pages + max_bs, dtype=i32, device=dev),
+                        torch.zeros(max_bs, dtype=i32, device=dev))
+
+    def prepare(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: list[int], cuda_graph: bool) -> None:
+        """Lay out a decode batch: ``kv_indptr`` int32 ``[B + 1]`` on the host, ``kv_indices`` int32 on the pool's
+        device, ``kv_lens`` the B KV lengths. ``cuda_graph``: into the static buffers (stream-ordered copies, no
+        host sync), else into fresh device tensors.
+
+        Raises:
+            RuntimeError: ``cuda_graph`` before :meth:`enable_cuda_graphs`.
+        """
+        dev, bs = self.kv_pool.device, len(kv_lens)
+        lens = torch.tensor(kv_lens, dtype=torch.int32)
+        if not cuda_graph:
+            plan = (kv_indptr.to(dev), kv_indices, lens.to(dev))
+        elif self._static is None:
+            raise RuntimeError("TritonDecode.prepare(cuda_graph=True) before enable_cuda_graphs")
+        else:
+            indptr, indices, lens_buf = self._static
+            indptr[:bs + 1].copy_(kv_indptr.pin_memory(), non_blocking=True)
+            indices[:kv_indices.numel()].copy_(kv_indices, non_blocking=True)
+            lens_buf[:bs].copy_(lens.pin_memory(), non_blocking=True)
+            plan = (indptr[:bs + 1], indices, lens_buf[:bs])
+        self._plan = (*plan, num_kv_splits(bs, self.kv_pool.num_kv_heads, self.num_sms))
+
+    def run(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` ``[B, Hq, D]`` (any row and head strides) over layer ``layer_id``'s KV -> ``[B, Hq, D]``.
+
+        Raises:
+            RuntimeError: before :meth:`prepare`.
+        """
+        if self._plan is None:
+            raise RuntimeError("TritonDecode.run before prepare")
+        indptr, indices, lens, splits = self._plan
+        return decode_attention(q, self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id), indptr, indices,
+                                lens, self.scale, splits)

@@ -1,0 +1,178 @@
+"""The MLP's gate_up projection and SiLU-and-mul in one Triton kernel, for decode batches (M <= 64).
+
+Why: a decode step of Qwen2.5-VL-3B (hidden 2048, intermediate I = 11008, bf16) runs per layer ``gate_up =
+F.linear(x, W_gate_up)`` (cuBLAS) and then flashinfer's ``silu_and_mul(gate_up)``. On an H200
+(benchmarks/decode_gemms.py, one weight per layer in a CUDA graph) the projection at M = 1 took 24.87 us in cuBLAS
+(3.63 TB/s) and 23.32 us (3.87 TB/s) in the bench's Triton skinny GEMM (one program per 64 output columns over the
+whole K); at M = 32, 26.83 against 24.84 us; at M = 128 cuBLAS won (29.2 against 40.4 us), hence M <= 64 here.
+The SiLU-and-mul kernel costs another 2.6 us per layer, 94 us per step of 36 layers, and writes then reads the
+``[M, 2I]`` activation. Here each program computes ``BLOCK_N`` gate columns and the same ``BLOCK_N`` up columns
+(two float32 accumulators over the whole K, no split-K) and writes ``silu(gate) * up`` directly: one kernel and
+one activation round trip fewer per layer. (Fusing SiLU into the *down* projection's loads instead measured 10x
+slower than the two kernels: that candidate was removed from the bench.)
+
+Arithmetic and rounding, exactly the unfused path's up to the GEMM's float32 summation order: ``g = x @ W[:I].T``
+and ``u = x @ W[I:].T`` accumulate in float32 and are each rounded to ``x``'s dtype, as cuBLAS rounds its output;
+then, as flashinfer's ``act_and_mul`` does with the bf16 gate and up it loads, ``silu(g) * u`` is computed in
+float32 with ``silu(g) = g / (1 + exp(-g))`` and rounded once to ``x``'s dtype. So the result equals
+cuBLAS-then-``silu_and_mul`` except where the two summation orders put ``g`` or ``u`` on different sides of a
+rounding boundary (one ulp of the activation dtype apart).
+
+Measured on an H200 (benchmarks/decode_gemms.py, 2026-11-29, no flashinfer there): the fused kernel took 23.3 us at
+M = 1, 25.6 at M = 32 and 25.9 at M = 64 (its best of :data:`CONFIGS` at each), the cuBLAS projection alone 24.6,
+25.1 and 26.8 us; with flashinfer's 2.6 us SiLU-and-mul the unfused path is ~27-29 us.
+
+Shapes and dtypes: ``x [M, K]``, ``M <= 64``; ``w [2I, K]`` with the gate rows ``[0, I)`` then the up rows
+``[I, 2I)`` (the model's fused ``gate_up_proj`` weight); output ``[M, I]``. bf16/fp16 on CUDA (float32 too on the
+CPU, through Triton's interpreter, for the tests). One launch, grid ``cdiv(I, block_n)``; CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# (block_n, block_k, num_warps, num_stages) to benchmark on Hopper for M 1..64. Each program streams 2 * block_n
+# weight rows: block_n 32 gives 344 programs for I = 11008 (2.6 per SM of 132), 128 gives 86. A stage holds two
+# [block_n, block_k] weight tiles and [BM, block_k] of x; every entry fits the SM's shared memory at M = 64. On an
+# H200 the fastest were 32/128/4/3 at M = 1, 64/128/4/3 at M = 32 and 32/64/4/4 at M = 64 (times in the module
+# docstring); block_k 256 and 128 x 128 tiles were slower at every M (26-39 us) and are left out.
+CONFIGS: list[tuple[int, int, int, int]] = [
+    (32, 64, 4, 4),
+    (32, 64, 4, 6),
+    (32, 128, 4, 3),
+    (64, 64, 4, 4),
+    (64, 64, 4, 6),
+    (64, 128, 4, 3),
+    (64, 128, 4, 4),
+    (128, 64, 4, 4),
+]
+
+MAX_M = 64  # above it cuBLAS is faster (see the module docstring): the caller falls back to it
+
+# The fastest entry of CONFIGS per batch-size range, measured on an H200 with flashinfer's SiLU-and-mul as the
+# baseline (benchmarks/results/h200-2026-11-29-decode-s9/gemms.json): (M at most, config).
+BEST: list[tuple[int, tuple[int, int, int, int]]] = [(16, (32, 128, 4, 3)), (32, (64, 128, 4, 3)),
+                                                      (MAX_M, (32, 64, 4, 4))]
+
+
+def config_for(m: int) -> tuple[int, int, int, int]:
+    """``(block_n, block_k, num_warps, num_stages)`` for ``m`` rows (``m <= MAX_M``), from :data:`BEST`.
+
+    Raises:
+        ValueError: ``m > MAX_M``.
+    """
+    for top, cfg in BEST:
+        if m <= top:
+            return cfg
+    raise ValueError(f"gate_up_silu takes at most {MAX_M} rows, got {m}")
+_CUDA_DTYPES = (torch.bfloat16, torch.float16)
+# float32 only on the interpreter (the CPU tests): on CUDA tl.dot would take it as tf32, a path nobody tuned
+_CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gate_up_silu_kernel(x, w, y, M, I, K, x_stride, w_stride, y_stride, BM: tl.constexpr, BN: tl.constexpr,
+                            BK: tl.constexpr, IEEE: tl.constexpr):
+        rows = tl.arange(0, BM)
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        ks = tl.arange(0, BK)
+        row_ok, col_ok = rows < M, cols < I
+        x_ptrs = x + rows[:, None] * x_stride + ks[None, :]
+        # int64: 2I * K of a large MLP would not fit int32 offsets
+        gate_ptrs = w + cols[:, None].to(tl.int64) * w_stride + ks[None, :]
+        up_ptrs = w + (cols[:, None] + I).to(tl.int64) * w_stride + ks[None, :]
+        gate = tl.full((BM, BN), 0.0, tl.float32)
+        up = tl.full((BM, BN), 0.0, tl.float32)
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + ks) < K  # K's tail: masked lanes load zeros, which add nothing to either sum
+            a = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            bg = tl.load(gate_ptrs + k0, mask=w_ok, other=0.0)
+            bu = tl.load(up_ptrs + k0, mask=w_ok, other=0.0)
+            if IEEE:  # float32 inputs (interpreter tests): no tf32 rounding of the operands
+                gate = tl.dot(a, tl.trans(bg), gate, input_precision="ieee")
+                up = tl.dot(a, tl.trans(bu), up, input_precision="ieee")
+            else:
+                gate = tl.dot(a, tl.trans(bg), gate)
+                up = tl.dot(a, tl.trans(bu), up)
+        dt = y.dtype.element_ty
+        # The unfused path's roundings: cuBLAS rounds gate_up to the activation dtype, flashinfer loads it back to
+        # float32; rounding here too keeps the two paths equal up to the summation order, not one rounding apart.
+        g = gate.to(dt).to(tl.float32)
+        u = up.to(dt).to(tl.float32)
+        out = g / (1.0 + tl.exp(-g)) * u  # flashinfer's silu: val / (1.0f + __expf(-val))
+        tl.store(y + rows[:, None] * y_stride + cols[None, :], out.to(dt), mask=row_ok[:, None] & col_ok[None, :])
+
+    return gate_up_silu_kernel
+
+
+def _is_pow2(v) -> bool:
+    return isinstance(v, int) and v >= 1 and not v & (v - 1)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, block_n, block_k, num_warps, num_stages) -> None:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.shape[0] % 2:
+        raise ValueError(f"gate_up_silu needs x [M, K] and w [2I, K] (gate rows then up rows), got x "
+                         f"{list(x.shape)}, w {list(w.shape)}")
+    if x.shape[0] > MAX_M:
+        raise ValueError(f"gate_up_silu is for decode batches of M <= {MAX_M} rows (use cuBLAS and silu_and_mul "
+                         f"above), got M = {x.shape[0]}")
+    if x.device != w.device:
+        raise ValueError(f"gate_up_silu needs x and w on one device, got {x.device} and {w.device}")
+    allowed = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
+    if x.dtype not in allowed or w.dtype != x.dtype:
+        raise ValueError(f"gate_up_silu needs x and w of one dtype among {[str(d) for d in allowed]} on "
+                         f"{x.device.type}, got {x.dtype} and {w.dtype}")
+    if (x.shape[1] > 1 and (x.stride(1) != 1 or w.stride(1) != 1)) or x.stride(0) < 0 or w.stride(0) < 0:
+        raise ValueError(f"gate_up_silu needs rows of x and w contiguous, got strides {x.stride()} and "
+                         f"{w.stride()}")
+    if not (_is_pow2(block_n) and _is_pow2(block_k) and block_n >= 16 and block_k >= 16):
+        raise ValueError(f"gate_up_silu needs power-of-two block_n and block_k >= 16 (tl.dot's minimum), got "
+                         f"{block_n} and {block_k}")
+    if not _is_pow2(num_warps) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"gate_up_silu needs a power-of-two num_warps and an int num_stages >= 1, got "
+                         f"{num_warps!r} and {num_stages!r}")
+
+
+def gate_up_silu(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+                 num_stages: int = 3) -> torch.Tensor:
+    """``silu(x @ w[:I].T) * (x @ w[I:].T)`` in one launch, each product rounded to ``x``'s dtype before the SiLU
+    and the product (as cuBLAS then flashinfer's ``silu_and_mul`` compute it; see the module docstring).
+
+    Args:
+        x: ``[M, K]`` activations, ``M <= 64``, rows contiguous (any row stride); bf16/fp16 on CUDA, also float32
+            on the CPU (Triton's interpreter).
+        w: ``[2I, K]`` fused gate_up weight (gate rows ``[0, I)``, up rows ``[I, 2I)``), rows contiguous, ``x``'s
+            dtype and device.
+        block_n: intermediate columns per program (a power of two >= 16); I need not be a multiple of it.
+        block_k: K per loop step (a power of two >= 16); K need not be a multiple of it.
+        num_warps, num_stages: Triton launch options (see :data:`CONFIGS`); 3 stages were the fastest with the
+            default 64 x 128 tiles on an H200 (23.9 and 25.6 us at M = 1 and 32, against 26.2 and 30.4 with 4).
+
+    Returns:
+        ``[M, I]`` in ``x``'s dtype, contiguous.
+
+    Raises:
+        ValueError: ``M > 64`` (the caller falls back to cuBLAS), wrong dims, an odd ``w.shape[0]``, mismatched K,
+            devices or dtypes, a dtype other than bf16/fp16 on CUDA, rows that are not contiguous, or bad tile or
+            launch options.
+    """
+    _check(x, w, block_n, block_k, num_warps, num_stages)
+    (M, K), inter = x.shape, w.shape[0] // 2
+    y = torch.empty(M, inter, dtype=x.dtype, device=x.device)
+    if M == 0 or inter == 0:
+        return y
+    if K == 0:  # no launch for an empty sum: silu(0) * 0
+        return y.zero_()
+    block_m = max(16, 1 << (M - 1).bit_length())  # tl.dot's minimum tile is 16 rows; masked rows load zeros
+    _kernel()[(-(-inter // block_n),)](x, w, y, M, inter, K, x.stride(0), w.stride(0), y.stride(0), BM=block_m,
+                                       BN=block_n, BK=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps,
+                                       num_stages=num_stages)
+    return y
