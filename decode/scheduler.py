@@ -205,9 +205,15 @@ class DecodeScheduler:
         send as ``(gateway peer, output)``."""
         self._expire()
         self._admit()
+        t0 = time.perf_counter()
         launched = self._launch() if any(s.launched < s.max_out for s in self.running) else None
+        t1 = time.perf_counter()
         if self.inflight is not None:
             self._collect(self.inflight)
+        if launched is not None:
+            self.metrics.step_launch.observe(t1 - t0)
+            if self.inflight is not None:
+                self.metrics.step_wait.observe(time.perf_counter() - t1)
         self.inflight = launched
         out, self.outputs = self.outputs, []
         return out

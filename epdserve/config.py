@@ -102,7 +102,7 @@ class LMServerConfig:
     attention_backend: str = _f("auto", "sdpa, flashinfer, or auto (flashinfer on cuda)")
     decode_attention_backend: str = _f("auto", "decode batches' attention kernel under the flashinfer backend: "
                                                "'flashinfer' (its paged decode), 'triton' (epdserve's split-KV "
-                                               "kernel), or auto (triton)")
+                                               "kernel), or auto (triton up to head_dim 128, where it was measured)")
     request_timeout_s: float = _f(120.0, "drop a request whose inputs (embeddings, KV, registration) never come; "
                                          "also how long a bootstrap room whose partner never comes holds its KV")
     served_model_name: str = _f("", "model name the HTTP front serves (see --port); default: the model path")

@@ -294,6 +294,8 @@ def test_bench_scrapes_server_metrics(server, metrics_urls, model, tmp_path, cap
     assert server_side["decode"]["generation_tokens"] == s["total_output_tokens"] == 12
     assert server_side["encoder"]["images"] == 3
     assert server_side["decode"]["grammar_fill_ms_mean"] is None  # no constrained request: no such step
+    # 4 tokens a request, the first from prefill: decode launched steps, and waited on some of them
+    assert server_side["decode"]["step_launch_ms_mean"] > 0 and server_side["decode"]["step_wait_ms_mean"] >= 0
     # Every stage did device work during the run, and no more of it than the run lasted (one process each).
     for stage in ("encoder", "prefill", "decode"):
         busy, share = server_side[stage]["device_busy_s"], server_side[stage]["device_busy_share"]

@@ -46,9 +46,9 @@ class FlashInferBackend(AttentionBackend):
     (``should_use_tensor_core``), and the CUDA-core decode kernel otherwise. H100, 16 query / 2 KV heads, 128
     requests at 400 tokens of context: 26.5 us per layer against 52.7 (CUDA-core) and 145 (the tensor-core
     kernel's "auto" backend, FA3 on Hopper, which is built for long query tiles); 7.9 vs 12.1 us at 1 request
-    (docs/performance.md, ninth session). With ``decode_kernel="triton"`` (the servers' default) decode batches
-    run :mod:`epdserve.attention.triton_decode` instead: 5.3-5.6 / 11.8 / 25-26 us per layer at 1 / 32 / 128
-    requests x 512 tokens on an H200 against flashinfer's 7.4 / 14.7 / 28.3 (benchmarks/results/
+    (docs/performance.md, ninth session). With ``decode_kernel="triton"`` (the servers' default up to head_dim
+    128) decode batches run :mod:`epdserve.attention.triton_decode` instead: 5.3-5.6 / 11.8 / 25-26 us per layer at
+    1 / 32 / 128 requests x 512 tokens on an H200 against flashinfer's 7.4 / 14.7 / 28.3 (benchmarks/results/
     h200-2026-11-29-decode-s9). Either way :meth:`kv_write` lets the model's RoPE kernel store the new K and V.
     """
 

@@ -256,7 +256,9 @@ def _launch(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, scale, num_spli
     sooner (5.1 against 6.1 us at 1 x 512). Both depend on the batch shape only, never on the lengths, so a captured
     graph stays valid."""
     if block_n is None:
-        block_n = 32 if num_splits >= 16 else 64
+        # Past head_dim 128 (Qwen3.5's 256) the K and V tiles of a stage are capped at the 64 x 128 measured: three
+        # stages of 64-token tiles at 256 would be 192 KB of the SM's 227 KB shared memory.
+        block_n = min(32 if num_splits >= 16 else 64, max(16, 8192 // q.shape[2]))
     if num_stages is None:
         num_stages = 2 if block_n <= 32 else 3
     split_kernel, merge_kernel = _kernel()
