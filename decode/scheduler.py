@@ -125,7 +125,7 @@ class DecodeScheduler:
                                                       constraint=constraint_for(self.grammars, msg.sampling.grammar))
         regions, seq.pages, slot = self.engine_pages.reserve(msg, self.context_length, seq.key)  # []: KV in message
         log.debug("rid=%s request received", msg.rid)
-        return _bootstrap(msg), KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room,
+        return msg.bootstrap_endpoint, KVRegister(rid=msg.rid, bootstrap_room=msg.bootstrap_room,
                                            kv_endpoint=self.kv_endpoint, host_id=self.host_id,
                                            accept_shared=self.accept_shared, regions=regions, kv_pages=list(seq.pages),
                                            state_slot=slot)
@@ -205,15 +205,9 @@ class DecodeScheduler:
         send as ``(gateway peer, output)``."""
         self._expire()
         self._admit()
-        t0 = time.perf_counter()
         launched = self._launch() if any(s.launched < s.max_out for s in self.running) else None
-        t1 = time.perf_counter()
         if self.inflight is not None:
             self._collect(self.inflight)
-        if launched is not None:
-            self.metrics.step_launch.observe(t1 - t0)
-            if self.inflight is not None:
-                self.metrics.step_wait.observe(time.perf_counter() - t1)
         self.inflight = launched
         out, self.outputs = self.outputs, []
         return out
@@ -358,12 +352,13 @@ class DecodeScheduler:
     def _ack(self, seq: _Seq, done: torch.cuda.Event | None = None) -> None:
         """Queue the ``KVAck`` that lets the prefill server reuse the pages lent for ``seq``: at once, or once the
         device has passed ``done`` (the copy out of them)."""
-        self._acks.append((done, _bootstrap(seq.msg), KVAck(rid=seq.msg.rid, bootstrap_room=seq.msg.bootstrap_room)))
+        self._acks.append((done, seq.msg.bootstrap_endpoint,
+                           KVAck(rid=seq.msg.rid, bootstrap_room=seq.msg.bootstrap_room)))
 
     def _launch(self) -> Step:
         """Build and launch one decode step over the running requests that may still need a token; returns it
         without waiting for the device."""
-        seqs = [s for s in self.running if s.launched < s.max_out]
+        t0, seqs = time.perf_counter(), [s for s in self.running if s.launched < s.max_out]
         dev = self.runner.device
         batch = decode_batch(seqs, self.inflight, self.pool, self.states, dev)
         input_ids = batch.input_ids
@@ -386,12 +381,14 @@ class DecodeScheduler:
         lp = sampled_logprobs(logits, tokens, params)  # now: a graph's logits are a view the next replay overwrites
         for row, seq in enumerate(seqs):
             seq.row, seq.launched = row, seq.launched + 1
+        self.metrics.step_launch.observe(time.perf_counter() - t0)
         return Step(seqs, tokens, lp)
 
     def _collect(self, step: Step) -> None:
         """Wait for ``step``'s sampled ids and append them (finished or aborted requests' rows are dropped); the
         constrained rows' matchers take their tokens in one batched call first."""
         rows = [r for r in zip(step.seqs, step.host_tokens(), step.host_logprobs()) if not r[0].done]
+        self.metrics.step_wait.observe(step.waited_s)
         grammar_rows = [k for k, (seq, _, _) in enumerate(rows) if seq.constraint is not None]
         t0 = time.perf_counter()
         accepted = dict(zip(grammar_rows, accept_tokens([rows[k][0].constraint for k in grammar_rows],
@@ -448,7 +445,3 @@ class DecodeScheduler:
             cached_tokens=seq.cached_tokens, error=error, logprobs=list(logprobs), index=seq.index,
             last=seq.group is None or seq.group.live == 0)))
 
-
-def _bootstrap(msg: DecodeRequest) -> str:
-    """The prefill bootstrap endpoint of ``msg``."""
-    return f"tcp://{msg.bootstrap_host}:{msg.bootstrap_port}"

@@ -4,6 +4,8 @@ penalties read."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from epdserve.device import to_device
@@ -21,7 +23,7 @@ class Step:
     def __init__(self, seqs: list, tokens: torch.Tensor,
                  logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         self.seqs, self.tokens, self.logprobs = seqs, tokens, logprobs
-        self._host, self._ready = tokens, None
+        self._host, self._ready, self.waited_s = tokens, None, 0.0
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
@@ -29,9 +31,12 @@ class Step:
             self._ready.record()
 
     def host_tokens(self) -> list[int]:
-        """The sampled ids as a list, waiting for the device if it is not done yet."""
+        """The sampled ids as a list, waiting for the device if it is not done yet (``waited_s``: how long, in
+        seconds)."""
         if self._ready is not None:
+            t0 = time.perf_counter()
             self._ready.synchronize()
+            self.waited_s = time.perf_counter() - t0
         return self._host.tolist()
 
     def host_logprobs(self) -> list[TokenLogprob | None]:

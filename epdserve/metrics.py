@@ -248,10 +248,11 @@ class DecodeMetrics(LMStageMetrics):
                                           "to decode receiving it (wall clocks of two processes), seconds",
                                           LATENCY_BUCKETS)
         self.step_launch = self._histogram("step_launch_seconds", "Per decode step: host seconds building and "
-                                           "launching it (inputs, graph replay, sampling queued), the device "
-                                           "running the previous step meanwhile", STEP_HOST_BUCKETS)
-        self.step_wait = self._histogram("step_wait_seconds", "Per decode step: host seconds waiting for the "
-                                         "previous step's tokens after launching it (near 0: the host, not the "
+                                           "launching it (inputs, graph replay, sampling queued; with constrained "
+                                           "rows also the wait below), the device running the previous step "
+                                           "meanwhile", STEP_HOST_BUCKETS)
+        self.step_wait = self._histogram("step_wait_seconds", "Per decode step: host seconds blocked on its sampled "
+                                         "tokens when they are read, one step later (near 0: the host, not the "
                                          "device, sets the pace)", STEP_HOST_BUCKETS)
         self.grammar_fill = self._histogram("grammar_fill_seconds", "Per decode step with constrained rows: host "
                                             "seconds filling their token bitmasks and launching the mask (the "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from epdserve.attention.triton_decode import decode_attention, num_kv_splits
+from epdserve.device import to_device
 from epdserve.kvcache.kv_pool import KVPool
 
 
@@ -49,7 +50,7 @@ class TritonDecode:
         dev, bs = self.kv_pool.device, len(kv_lens)
         lens = torch.tensor(kv_lens, dtype=torch.int32)
         if not cuda_graph:
-            plan = (kv_indptr.to(dev), kv_indices, lens.to(dev))
+            plan = (to_device(kv_indptr, dev), kv_indices, to_device(lens, dev))
         elif self._static is None:
             raise RuntimeError("TritonDecode.prepare(cuda_graph=True) before enable_cuda_graphs")
         else:

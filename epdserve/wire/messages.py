@@ -129,6 +129,11 @@ class DecodeRequest:
     bootstrap_room: int
     input_digest: str = ""  # when set, a KVTransfer with another non-empty digest fails the request
 
+    @property
+    def bootstrap_endpoint(self) -> str:
+        """The prefill bootstrap's ZeroMQ endpoint, ``tcp://host:port``."""
+        return f"tcp://{self.bootstrap_host}:{self.bootstrap_port}"
+
 
 @dataclass
 class AbortRequest:
