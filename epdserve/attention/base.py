@@ -65,8 +65,9 @@ class AttentionBackend(ABC):
         """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` (RoPE applied) -> attention output ``[T, Hq, D]``.
         ``kv_written``: the caller already stored ``k``/``v`` where :meth:`kv_write` said."""
 
-    def kv_write(self, layer_id: int) -> KVWrite | None:
-        """Where a caller may store layer ``layer_id``'s new K/V itself in this forward (a kernel it runs anyway,
-        such as RoPE, writing them on the way) and then call :meth:`forward` with ``kv_written=True``; None: the
-        backend writes them in :meth:`forward`. Valid after :meth:`prepare`."""
+    def kv_write(self, layer_id: int, dtype: torch.dtype) -> KVWrite | None:
+        """Where a caller may store layer ``layer_id``'s new K/V (``dtype``) itself in this forward (a kernel it
+        runs anyway, such as RoPE, writing them on the way) and then call :meth:`forward` with ``kv_written=True``;
+        None: the backend writes them in :meth:`forward` (this one always, or a pool of another dtype, which needs
+        a cast). Valid after :meth:`prepare`."""
         return None

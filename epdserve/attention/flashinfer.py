@@ -189,9 +189,9 @@ class FlashInferBackend(AttentionBackend):
                                                                        backend="fa3")
         self._prefill_backend, self._fa3_ready = "fa3", None
 
-    def kv_write(self, layer_id: int) -> KVWrite | None:
+    def kv_write(self, layer_id: int, dtype: torch.dtype) -> KVWrite | None:
         """See :meth:`AttentionBackend.kv_write`: this layer's slot views and the prepared batch's slots."""
-        if self._out_slots is None:
+        if self._out_slots is None or dtype != self.kv_pool.dtype:
             return None
         k_slots, v_slots = self.kv_pool.slot_view(layer_id)
         return KVWrite(k_slots, v_slots, self._out_slots)

@@ -129,9 +129,7 @@ def rope_and_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_di
     :func:`~epdserve.models.rope_inplace.rope_inplace`), storing ``k`` and ``v`` in the KV cache in the same launch
     where the backend lets the caller write them (:meth:`~epdserve.attention.base.AttentionBackend.kv_write`) and
     the pool holds ``k``'s dtype. Returns whether it stored them (pass it to ``attn.forward`` as ``kv_written``)."""
-    target = attn.kv_write(layer_id)
-    if target is not None and target.k_slots.dtype != k.dtype:
-        target = None
+    target = attn.kv_write(layer_id, k.dtype)
     rope_inplace(q, k, head_dim, table, v=v, kv_write=target)
     return target is not None
 

@@ -50,9 +50,7 @@ class Qwen3Attention(Attention):
         """``[T, hidden]`` -> ``[T, hidden]``."""
         qkv = self.qkv_proj(x)
         if rope.table is not None and self.q_norm.fused:  # CUDA: norms and RoPE in one kernel
-            target = attn.kv_write(self.layer_id)
-            if target is not None and target.k_slots.dtype != qkv.dtype:
-                target = None
+            target = attn.kv_write(self.layer_id, qkv.dtype)
             q, k = qk_norm_rope(qkv, self.hq, self.hkv, self.d, self.q_norm.weight, self.k_norm.weight,
                                 self.q_norm.eps, rope.table, kv_write=target)
             v = qkv[:, (self.hq + self.hkv) * self.d:]
