@@ -205,7 +205,7 @@ def test_cuda_graph_replays_with_other_kv_lengths(splits):
 def test_auto_decode_kernel_is_triton_where_measured():
     """``--decode-attention-backend auto``: the Triton kernel up to head_dim 128 (measured faster there), flashinfer's
     decode above (Qwen3.5's 256, not measured); the named kernels as given; an unknown name refused."""
-    from epdserve.attention.select import decode_kernel
+    from epdserve.attention.triton_decode_plan import decode_kernel
 
     assert [decode_kernel("auto", d) for d in (64, 128, 256)] == ["triton", "triton", "flashinfer"]
     assert decode_kernel("flashinfer", 128) == "flashinfer" and decode_kernel("triton", 256) == "triton"

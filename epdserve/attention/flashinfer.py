@@ -20,6 +20,7 @@ from __future__ import annotations
 import flashinfer
 import torch
 
+from epdserve.attention import triton_decode_plan
 from epdserve.attention.base import AttentionBackend, KVWrite
 from epdserve.attention.flashinfer_kernels import KernelBuild, tensor_core_decode
 from epdserve.device import to_device
@@ -60,9 +61,10 @@ class FlashInferBackend(AttentionBackend):
 
         ``kernels``: the runner's flashinfer module build; its ``prefill_backend`` is the prefill wrappers' backend
         (FA2 on a machine where FA3 is not built yet), and once its ``fa3_ready`` is set eager prefills move to
-        FA3. None: flashinfer's "auto" choice (FA3 on Hopper), built on first use. ``decode_kernel``:
-        ``"flashinfer"`` (its decode wrappers) or ``"triton"`` (:class:`~epdserve.attention.triton_decode_plan.
-        TritonDecode`) for decode batches.
+        FA3. None: flashinfer's "auto" choice (FA3 on Hopper), built on first use. ``decode_kernel``
+        (:func:`~epdserve.attention.triton_decode_plan.decode_kernel`): ``"flashinfer"`` (its decode wrappers),
+        ``"triton"`` (:class:`~epdserve.attention.triton_decode_plan.TritonDecode`) or ``"auto"``, for decode
+        batches.
 
         Raises:
             ValueError: the pool is not on CUDA, the head counts are not GQA-compatible, or an unknown
@@ -71,13 +73,9 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(kv_pool, num_qo_heads)
         if kv_pool.device.type != "cuda":
             raise ValueError("FlashInferBackend needs a CUDA KV pool")
-        if decode_kernel not in ("flashinfer", "triton"):
-            raise ValueError(f"unknown decode attention kernel {decode_kernel!r}; expected 'flashinfer' or 'triton'")
         self._triton = None
-        if decode_kernel == "triton":
-            from epdserve.attention.triton_decode_plan import TritonDecode
-
-            self._triton = TritonDecode(kv_pool, self.scale)
+        if triton_decode_plan.decode_kernel(decode_kernel, kv_pool.head_dim) == "triton":
+            self._triton = triton_decode_plan.TritonDecode(kv_pool, self.scale)
         # Prefill and decode never run at the same time, so they can share one float workspace.
         self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
         self.kernels = kernels
@@ -159,17 +157,16 @@ class FlashInferBackend(AttentionBackend):
         kv_indices = to_device(torch.tensor(indices, dtype=torch.int32), dev)
         last_len = torch.tensor(last, dtype=torch.int32)
         pool, dtype = self.kv_pool, self.kv_pool.dtype
-        if batch.is_decode and self._triton is not None:
-            self._triton.prepare(kv_indptr, kv_indices, list(batch.kv_lens), cuda_graph)
-            self._wrapper = self._triton
-            self._out_slots = batch.out_slots.to(dev)
-            return
-        if batch.is_decode:
+        if batch.is_decode and self._triton is not None:  # no plan: the page table and lengths are all it reads
+            wrapper = self._triton
+            wrapper.prepare(kv_indptr, kv_indices, list(batch.kv_lens), cuda_graph)
+        elif batch.is_decode:
             wrapper = self._graph_decode[batch.batch_size] if cuda_graph else self._decode
             self._wait_previous_plan(wrapper)
             wrapper.plan(kv_indptr.pin_memory(), kv_indices, last_len.pin_memory(), self.num_qo_heads,
                          pool.num_kv_heads, pool.head_dim, ps, q_data_type=dtype, kv_data_type=dtype,
                          sm_scale=self.scale, non_blocking=True)
+            self._planned_now(wrapper)
         else:
             if not cuda_graph and self._fa3_ready is not None and self._fa3_ready.is_set():
                 self._use_fa3_prefill()
@@ -178,7 +175,7 @@ class FlashInferBackend(AttentionBackend):
             qo_indptr = torch.tensor([0] + list(batch.q_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
             wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_len, self.num_qo_heads, pool.num_kv_heads,
                          pool.head_dim, ps, causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scale)
-        self._planned_now(wrapper)
+            self._planned_now(wrapper)
         self._wrapper = wrapper
         self._out_slots = batch.out_slots.to(dev)
 
@@ -203,10 +200,11 @@ class FlashInferBackend(AttentionBackend):
             raise RuntimeError("FlashInferBackend.forward before prepare")
         if not kv_written:
             self.kv_pool.write(layer_id, self._out_slots, k, v)
-        kv = (self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id))
         # q stays the strided view of the qkv projection's output: flashinfer's prefill, tensor-core decode and
         # decode kernels take its row and head strides (csrc batch_prefill.cu, batch_decode.cu: q.stride(0/1)), so
-        # a contiguous copy would be one more kernel per layer (2.4 us each at batch 32 and 128 on an H200).
+        # a contiguous copy would be one more kernel per layer (2.4 us each at batch 32 and 128 on an H200); so
+        # does the Triton decode kernel.
         if self._wrapper is self._triton:
             return self._triton.run(layer_id, q.to(self.kv_pool.dtype))
+        kv = (self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id))
         return self._wrapper.run(q.to(self.kv_pool.dtype), kv)

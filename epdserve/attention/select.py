@@ -8,6 +8,7 @@ import logging
 import torch
 
 from epdserve.attention.base import AttentionBackend
+from epdserve.attention.triton_decode_plan import decode_kernel
 from epdserve.kvcache.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -42,21 +43,6 @@ def choose_backend(name: str, device: torch.device, head_dim: int, dtype: torch.
     return "sdpa" if name == "auto" else name
 
 
-def decode_kernel(name: str, head_dim: int) -> str:
-    """The flashinfer backend's decode kernel ``name`` resolves to for ``head_dim``: ``"triton"`` or
-    ``"flashinfer"`` as given; ``"auto"`` is Triton up to head_dim 128, where it measured faster at 1 to 128
-    requests (docs/performance.md, "2026-11-29, ninth session"), flashinfer above (Qwen3.5's 256, not measured).
-
-    Raises:
-        ValueError: an unknown name.
-    """
-    if name not in ("auto", "flashinfer", "triton"):
-        raise ValueError(f"unknown decode attention backend {name!r}; expected 'auto', 'flashinfer' or 'triton'")
-    if name == "auto":
-        return "triton" if head_dim <= 128 else "flashinfer"
-    return name
-
-
 def make_backend(name: str, kv_pool: KVPool, num_qo_heads: int, kernels=None, decode: str = "auto") -> AttentionBackend:
     """Build the backend ``name`` resolves to (:func:`choose_backend`) over ``kv_pool``; ``kernels``: the runner's
     :class:`~epdserve.attention.flashinfer_kernels.KernelBuild` for flashinfer (None: modules build on first use);
@@ -66,7 +52,7 @@ def make_backend(name: str, kv_pool: KVPool, num_qo_heads: int, kernels=None, de
         ValueError: unknown name or decode kernel, or ``"flashinfer"`` on a non-CUDA pool.
         ImportError: ``"flashinfer"`` asked for and not installed.
     """
-    decode = decode_kernel(decode, kv_pool.head_dim)
+    decode_kernel(decode, kv_pool.head_dim)  # an unknown name fails here, whichever backend runs
     name = choose_backend(name, kv_pool.device, kv_pool.head_dim, kv_pool.dtype)
     if name == "flashinfer":
         from epdserve.attention.flashinfer import FlashInferBackend

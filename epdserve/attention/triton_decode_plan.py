@@ -17,6 +17,21 @@ from epdserve.device import to_device
 from epdserve.kvcache.kv_pool import KVPool
 
 
+def decode_kernel(name: str, head_dim: int) -> str:
+    """The flashinfer backend's decode kernel ``name`` resolves to for ``head_dim``: ``"triton"`` or
+    ``"flashinfer"`` as given; ``"auto"`` is Triton up to head_dim 128, where it measured faster at 1 to 128
+    requests (docs/performance.md, "2026-11-29, ninth session"), flashinfer above (Qwen3.5's 256, not measured).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name not in ("auto", "flashinfer", "triton"):
+        raise ValueError(f"unknown decode attention backend {name!r}; expected 'auto', 'flashinfer' or 'triton'")
+    if name == "auto":
+        return "triton" if head_dim <= 128 else "flashinfer"
+    return name
+
+
 class TritonDecode:
     """Per-step index tensors of a decode batch and the per-layer call of the Triton decode kernel.
 
