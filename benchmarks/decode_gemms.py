@@ -12,7 +12,10 @@ measures, per projection of the checkpoint's language model and per batch size M
 - ``linear_lt``: the same with ``torch.backends.cuda.preferred_blas_library("cublaslt")``;
 - ``mv`` (M = 1): ``torch.mv(W, x)``, cuBLAS's GEMV;
 - ``triton/BN/BK/W``: :func:`skinny_gemm`, a Triton kernel that gives each program ``BN`` output columns and the
-  whole K (no split-K, no reduce kernel), so the small projections spread over every SM;
+  whole K (no split-K, no reduce kernel), so the small projections spread over every SM; on Hopper also
+  ``triton_pdl/BN/BK/W``, the same launched with programmatic dependent launch: in the graph's chain of one call
+  per layer, each call starts, and loads its first weight tile, while the one before it finishes (what a chain of
+  such kernels in the decode step would gain; ``gate_up_silu`` always launches so on Hopper);
 - for ``gate_up`` also ``silu_mul(linear)`` (the model's two kernels: the projection, then flashinfer's
   ``silu_and_mul``; named ``torch_silu_mul(linear)`` where flashinfer is not installed and torch's float32
   ``silu(g) * u`` stands in; the ratio column of the next ones is against it) and, for M <= 64,
@@ -44,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from epdserve.bench.step import copy_bandwidth
+from epdserve.device import supports_pdl
 from epdserve.models import gate_up_silu as fused_mlp
 
 # (BLOCK_N, BLOCK_K, num_warps) of the Triton candidate: narrow column blocks spread a 2k-column projection over
@@ -58,17 +62,26 @@ def _kernel():
 
     @triton.jit
     def skinny_gemm_kernel(x, w, y, M, N, K, x_stride, w_stride, y_stride,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # One program: BN output columns for every one of the M (<= BM) rows, the whole K in BK steps.
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+        # One program: BN output columns for every one of the M (<= BM) rows, the whole K in BK steps. The first K
+        # step's weight tile is loaded before the PDL wait (weights are never written; x is the previous kernel's).
         n0 = tl.program_id(0) * BN
         rows = tl.arange(0, BM)
         cols = n0 + tl.arange(0, BN)
-        acc = tl.full((BM, BN), 0.0, tl.float32)
-        for k0 in range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            in_x = (rows[:, None] < M) & (ks[None, :] < K)
-            a = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=in_x, other=0.0)
-            b = tl.load(w + cols[:, None] * w_stride + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
+        ks = tl.arange(0, BK)
+        b = tl.load(w + cols[:, None] * w_stride + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
+                    other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        a = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                    other=0.0)
+        acc = tl.dot(a, tl.trans(b), tl.full((BM, BN), 0.0, tl.float32))
+        for k0 in range(BK, K, BK):
+            kk = k0 + ks
+            in_x = (rows[:, None] < M) & (kk[None, :] < K)
+            a = tl.load(x + rows[:, None] * x_stride + kk[None, :], mask=in_x, other=0.0)
+            b = tl.load(w + cols[:, None] * w_stride + kk[None, :], mask=(cols[:, None] < N) & (kk[None, :] < K),
                         other=0.0)
             acc += tl.dot(a, tl.trans(b))
         tl.store(y + rows[:, None] * y_stride + cols[None, :], acc.to(y.dtype.element_ty),
@@ -78,10 +91,12 @@ def _kernel():
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: int = 256,
-                num_warps: int = 4) -> torch.Tensor:
+                num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """``x @ w.T`` for a skinny ``x``: ``x`` ``[M, K]`` and ``w`` ``[N, K]`` (rows contiguous, one dtype; bf16 or
     fp16 on CUDA, any float under ``TRITON_INTERPRET=1``), M at most 128. Returns ``[M, N]`` in ``x``'s dtype,
-    accumulated in float32. One program per ``block_n`` output columns, each over the whole K.
+    accumulated in float32. One program per ``block_n`` output columns, each over the whole K. With ``pdl`` (a
+    Hopper GPU: :func:`epdserve.device.supports_pdl`) it launches with programmatic dependent launch, its first
+    weight tile loaded before it waits for the previous kernel.
 
     Raises:
         ValueError: M over 128, mismatched K or dtypes, or rows that are not contiguous.
@@ -94,7 +109,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, block_k: in
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bm = max(16, 1 << (M - 1).bit_length())  # tl.dot's smallest tile is 16
     _kernel()[(-(-N // block_n),)](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BM=bm, BN=block_n,
-                                 BK=block_k, num_warps=num_warps)
+                                 BK=block_k, PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
     return y
 
 
@@ -163,6 +178,9 @@ def _candidates(m: int) -> dict:
         out["mv"] = lambda x, w: torch.mv(w, x[0])[None]
     for bn, bk, nw in TRITON_CONFIGS:
         out[f"triton/{bn}/{bk}/{nw}"] = lambda x, w, bn=bn, bk=bk, nw=nw: skinny_gemm(x, w, bn, bk, nw)
+    if supports_pdl(torch.device("cuda")):
+        for bn, bk, nw in TRITON_CONFIGS:
+            out[f"triton_pdl/{bn}/{bk}/{nw}"] = lambda x, w, bn=bn, bk=bk, nw=nw: skinny_gemm(x, w, bn, bk, nw, True)
     return out
 
 

@@ -54,3 +54,22 @@ def limit_cpu_threads(device: torch.device) -> None:
     """
     if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
+
+
+def supports_pdl(device: torch.device) -> bool:
+    """Whether this project's Triton kernels launch on ``device`` with programmatic dependent launch (PDL).
+
+    Under PDL (CUDA 12, compute capability 9.0 and later) a kernel may start while the one before it on the stream
+    is still finishing: its launch and whatever it does before ``griddepcontrol.wait`` (the kernels here load only
+    weights there) overlap the previous kernel's tail, and the wait then holds every other memory access until
+    that kernel has completed and its writes are visible. The kernels then let the next one start
+    (``griddepcontrol.launch_dependents``). A decode step of a small model is a chain of ~10 short kernels per
+    layer, where these fixed costs are a large share (docs/performance.md, "2026-11-29, tenth session").
+    flashinfer decides the same way for its norms (``flashinfer.utils.device_support_pdl``), which this matches.
+
+    Returns:
+        True for a CUDA device of compute capability >= 9.0; False otherwise (Triton's CPU interpreter has no PDL).
+    """
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9

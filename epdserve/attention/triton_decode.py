@@ -42,6 +42,8 @@ import math
 
 import torch
 
+from epdserve.device import supports_pdl
+
 _LOG2E = 1.4426950408889634
 # tl.dot wants at least 16 rows; past 64 a group is cut into several programs so the accumulator stays in registers.
 _MIN_HEAD_ROWS, _MAX_HEAD_ROWS = 16, 64
@@ -73,7 +75,10 @@ def _split_kernel(triton, tl):
                      stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                      GROUP: tl.constexpr, HEAD_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # q and the KV were written by the kernels before this one (epdserve.device.supports_pdl)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         chunks: tl.constexpr = (GROUP + HEAD_ROWS - 1) // HEAD_ROWS
         kv_head = tl.program_id(1) // chunks
@@ -135,7 +140,11 @@ def _merge_kernel(triton, tl):
 
     @triton.jit
     def merge_kernel(part_ptr, lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
-                     stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr):
+                     stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                     PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s = tl.arange(0, SPLITS_POW2)
@@ -277,14 +286,15 @@ def _launch(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, scale, num_spli
     # fp32 operands would otherwise go through tf32 on the GPU; bf16/fp16 take Triton's default.
     precision = "ieee" if q.dtype == torch.float32 else None
     grid = (B, hkv * math.ceil(group / head_rows), num_splits)
+    pdl = supports_pdl(q.device)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         split_kernel[grid](
             q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, part, lse, out, scale * _LOG2E,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *part_strides, *lse_strides,
             out.stride(0), out.stride(1), GROUP=group, HEAD_ROWS=head_rows, HEAD_DIM=d, PAGE_SIZE=page_size,
-            NUM_SPLITS=num_splits, BLOCK_N=block_n, DIRECT=direct, PRECISION=precision, num_warps=num_warps,
-            num_stages=num_stages)
+            NUM_SPLITS=num_splits, BLOCK_N=block_n, DIRECT=direct, PRECISION=precision, PDL=pdl,
+            num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
         if not direct:
             merge_kernel[(B, hq)](part, lse, out, *part_strides, *lse_strides, out.stride(0), out.stride(1),
                                   HEAD_DIM=d, NUM_SPLITS=num_splits, SPLITS_POW2=1 << (num_splits - 1).bit_length(),
-                                  num_warps=merge_warps)
+                                  PDL=pdl, num_warps=merge_warps, launch_pdl=pdl)

@@ -33,6 +33,8 @@ import functools
 
 import torch
 
+from epdserve.device import supports_pdl
+
 # (block_n, block_k, num_warps, num_stages) to benchmark on Hopper for M 1..64. Each program streams 2 * block_n
 # weight rows: block_n 32 gives 344 programs for I = 11008 (2.6 per SM of 132), 128 gives 86. A stage holds two
 # [block_n, block_k] weight tiles and [BM, block_k] of x; every entry fits the SM's shared memory at M = 64. On an
@@ -79,7 +81,7 @@ def _kernel():
 
     @triton.jit
     def gate_up_silu_kernel(x, w, y, M, I, K, x_stride, w_stride, y_stride, BM: tl.constexpr, BN: tl.constexpr,
-                            BK: tl.constexpr, IEEE: tl.constexpr):
+                            BK: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         rows = tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
@@ -88,15 +90,29 @@ def _kernel():
         # int64: 2I * K of a large MLP would not fit int32 offsets
         gate_ptrs = w + cols[:, None].to(tl.int64) * w_stride + ks[None, :]
         up_ptrs = w + (cols[:, None] + I).to(tl.int64) * w_stride + ks[None, :]
-        gate = tl.full((BM, BN), 0.0, tl.float32)
-        up = tl.full((BM, BN), 0.0, tl.float32)
-        for k0 in range(0, K, BK):
+        # The first K step is peeled: its weight tiles are loaded before the PDL wait, so that under PDL they stream
+        # in while the kernel before this one (the add + RMSNorm making x) finishes. Weights are never written.
+        w_ok = col_ok[:, None] & (ks < K)[None, :]
+        bg = tl.load(gate_ptrs, mask=w_ok, other=0.0)
+        bu = tl.load(up_ptrs, mask=w_ok, other=0.0)
+        if PDL:  # x is the previous kernel's output (epdserve.device.supports_pdl)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+        zero = tl.full((BM, BN), 0.0, tl.float32)
+        if IEEE:  # float32 inputs (interpreter tests): no tf32 rounding of the operands
+            gate = tl.dot(a, tl.trans(bg), zero, input_precision="ieee")
+            up = tl.dot(a, tl.trans(bu), zero, input_precision="ieee")
+        else:
+            gate = tl.dot(a, tl.trans(bg), zero)
+            up = tl.dot(a, tl.trans(bu), zero)
+        for k0 in range(BK, K, BK):
             k_ok = (k0 + ks) < K  # K's tail: masked lanes load zeros, which add nothing to either sum
             a = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w_ok = col_ok[:, None] & k_ok[None, :]
             bg = tl.load(gate_ptrs + k0, mask=w_ok, other=0.0)
             bu = tl.load(up_ptrs + k0, mask=w_ok, other=0.0)
-            if IEEE:  # float32 inputs (interpreter tests): no tf32 rounding of the operands
+            if IEEE:
                 gate = tl.dot(a, tl.trans(bg), gate, input_precision="ieee")
                 up = tl.dot(a, tl.trans(bu), up, input_precision="ieee")
             else:
@@ -173,6 +189,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: i
         return y.zero_()
     block_m = max(16, 1 << (M - 1).bit_length())  # tl.dot's minimum tile is 16 rows; masked rows load zeros
     _kernel()[(-(-inter // block_n),)](x, w, y, M, inter, K, x.stride(0), w.stride(0), y.stride(0), BM=block_m,
-                                       BN=block_n, BK=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps,
-                                       num_stages=num_stages)
+                                       BN=block_n, BK=block_k, IEEE=x.dtype == torch.float32,
+                                       PDL=(pdl := supports_pdl(x.device)), num_warps=num_warps,
+                                       num_stages=num_stages, launch_pdl=pdl)
     return y

@@ -20,6 +20,7 @@ import functools
 import torch
 
 from epdserve.attention.base import KVWrite, check_kv_write
+from epdserve.device import supports_pdl
 
 
 @functools.cache
@@ -29,7 +30,11 @@ def _kernel():
 
     @triton.jit
     def qk_norm_rope(qkv, q_out, k_out, q_w, k_w, table, kc, vc, slots, qkv_stride, table_stride, kc_stride,
-                     vc_stride, eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr):
+                     vc_stride, eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr,
+                     PDL: tl.constexpr):
+        if PDL:  # the norm weights aside, every access reads or writes what earlier kernels wrote (supports_pdl)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0)
         h = tl.program_id(1)
         offs = tl.arange(0, HALF)
@@ -105,5 +110,5 @@ def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_di
     if T:
         _kernel()[(T, heads)](qkv, q, k, q_weight, k_weight, table, kc, vc, slots, qkv.stride(0), table.stride(0),
                               kc.stride(0), vc.stride(0), eps, HQ=num_q_heads, HKV=num_kv_heads, HALF=head_dim // 2,
-                              WRITE_KV=kv_write is not None)
+                              WRITE_KV=kv_write is not None, PDL=(pdl := supports_pdl(qkv.device)), launch_pdl=pdl)
     return q, k

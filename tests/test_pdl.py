@@ -1,0 +1,109 @@
+"""Programmatic dependent launch (PDL) of this project's Triton kernels: where it is on, and, on a Hopper GPU, that
+a chain of them inside a CUDA graph (each kernel starting while the one before finishes) computes exactly what the
+same kernels compute one at a time with the device idle between them.
+
+A missing or misplaced ``griddepcontrol.wait`` shows here as a kernel reading its input before the kernel writing
+it is done: stale q or KV in the attention, a stale activation in the MLP. Every replay gets fresh inputs, so a
+stale read changes the result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epdserve.attention.base import KVWrite
+from epdserve.attention.triton_decode import decode_attention, num_kv_splits
+from epdserve.device import supports_pdl
+from epdserve.models.gate_up_silu import gate_up_silu
+from epdserve.models.rope_inplace import rope_inplace
+
+
+def test_pdl_is_off_on_the_cpu():
+    assert supports_pdl(torch.device("cpu")) is False
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and supports_pdl(torch.device("cuda"))
+
+
+def _rmsnorm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """flashinfer's RMSNorm (itself launched with PDL on Hopper) where installed, else torch's."""
+    try:
+        from flashinfer.norm import rmsnorm
+    except ImportError:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6)
+    return rmsnorm(x, w, 1e-6)
+
+
+class _Chain:
+    """One decode layer's Triton kernels on static buffers: RoPE writing K and V into the cache, split-KV attention
+    over it, RMSNorm, gate_up + SiLU. B requests of ``ctx`` cached tokens, 16 query / 2 KV heads of 128, page 16."""
+
+    def __init__(self, B: int = 4, ctx: int = 300, hq: int = 16, hkv: int = 2, d: int = 128, inter: int = 512):
+        dev, page = torch.device("cuda"), 16
+        self.B, self.hq, self.hkv, self.d = B, hq, hkv, d
+        per = -(-(ctx + 1) // page)
+        num_pages = B * per + 3
+        self.kc = torch.empty(num_pages, page, hkv, d, dtype=torch.bfloat16, device=dev)
+        self.vc = torch.empty_like(self.kc)
+        self.indices = torch.randperm(num_pages, device=dev)[: B * per].to(torch.int32)
+        self.indptr = torch.arange(0, B * per + 1, per, dtype=torch.int32, device=dev)
+        self.lens = torch.full((B,), ctx + 1, dtype=torch.int32, device=dev)
+        # the new token (index ctx) of each request: its page's slot
+        pages = self.indices[self.indptr[:-1].long() + ctx // page].long()
+        self.slots = pages * page + ctx % page
+        self.qkv = torch.empty(B, (hq + 2 * hkv) * d, dtype=torch.bfloat16, device=dev)
+        self.table = torch.empty(B, d, dtype=torch.float32, device=dev)
+        self.norm_w = torch.rand(hq * d, device=dev).to(torch.bfloat16) + 0.5
+        self.w = (torch.randn(2 * inter, hq * d, device=dev) * 0.02).to(torch.bfloat16)
+        self.splits = num_kv_splits(B, hkv, torch.cuda.get_device_properties(dev).multi_processor_count)
+        assert self.splits > 1  # the merge kernel runs too
+
+    def refill(self, g: torch.Generator) -> None:
+        """Fresh inputs in place: the qkv row, each token's angles, the whole KV cache."""
+        self.qkv.copy_(torch.randn(self.qkv.shape, generator=g, device="cuda"))
+        angles = torch.rand(self.B, self.d // 2, generator=g, device="cuda") * 6.28
+        self.table.copy_(torch.cat([angles.cos(), angles.sin()], dim=-1))
+        self.kc.copy_(torch.randn(self.kc.shape, generator=g, device="cuda"))
+        self.vc.copy_(torch.randn(self.vc.shape, generator=g, device="cuda"))
+
+    def run(self, serial: bool) -> torch.Tensor:
+        """The chain; with ``serial`` the host waits for the device after each kernel (nothing can overlap)."""
+        wait = torch.cuda.synchronize if serial else (lambda: None)
+        hq, hkv, d = self.hq, self.hkv, self.d
+        q, k, v = self.qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        rope_inplace(q, k, d, self.table, v=v, kv_write=KVWrite(self.kc.view(-1, hkv, d), self.vc.view(-1, hkv, d),
+                                                                self.slots))
+        wait()
+        o = decode_attention(q.view(self.B, hq, d), self.kc, self.vc, self.indptr, self.indices, self.lens,
+                             d ** -0.5, self.splits)
+        wait()
+        x = _rmsnorm(o.view(self.B, hq * d), self.norm_w)
+        wait()
+        y = gate_up_silu(x, self.w)
+        wait()
+        return y
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a CUDA device of compute capability >= 9.0 (PDL)")
+def test_a_pdl_chain_in_a_cuda_graph_equals_the_kernels_run_one_at_a_time():
+    torch.manual_seed(0)
+    chain, g = _Chain(), torch.Generator(device="cuda").manual_seed(1)
+    chain.refill(g)
+    chain.run(serial=False)  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain.run(serial=False)
+    for _ in range(20):
+        chain.refill(g)
+        saved = chain.qkv.clone(), chain.kc.clone(), chain.vc.clone()
+        graph.replay()
+        got, cache = out.clone(), (chain.kc.clone(), chain.vc.clone())
+        chain.qkv.copy_(saved[0])
+        chain.kc.copy_(saved[1])
+        chain.vc.copy_(saved[2])
+        want = chain.run(serial=True)
+        assert torch.equal(chain.kc, cache[0]) and torch.equal(chain.vc, cache[1])
+        assert torch.equal(got, want)
