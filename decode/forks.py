@@ -11,6 +11,8 @@ also gets its own linear-attention state slot, a copy of the handed-off state.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from epdserve.kvcache.page_pool import PagePool
@@ -57,3 +59,19 @@ def fork_copy_plan(pool: PagePool, page_tables: list[list[int]], prompt_len: int
         idx += range(start, prompt_len)
         slots += pool.slots(table, start, prompt_len)
     return torch.tensor(idx, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
+
+
+def make_forks(seq, shared: int, own: int, pool: PagePool) -> list:
+    """``seq`` (a scheduler's request state, fork 0) and its other forks (``n > 1``), each with the ``shared``
+    prompt pages then ``own`` pages of its own, and its own grammar state (a started matcher of the same grammar).
+    Pages reserved at arrival (``seq.pages``, the engine path: the prompt's full pages, then each fork's own) are
+    used instead of new ones from ``pool``."""
+    reserved = seq.pages
+    take = (lambda k, at: reserved[at:at + k]) if reserved else (lambda k, at: pool.alloc(k))
+    group = ForkGroup(take(shared, 0), seq.msg.sampling.n)
+    forks = [seq] + [replace(seq, index=i, output_ids=[], transfer=None,
+                             constraint=seq.constraint and seq.constraint.fork())
+                     for i in range(1, seq.msg.sampling.n)]
+    for i, f in enumerate(forks):
+        f.group, f.shared, f.pages = group, shared, group.pages + take(own, shared + i * own)
+    return forks

@@ -13,6 +13,11 @@ new ids) whose wait overlaps the next step's GPU work. The price is that a reque
 id) is only seen on the host after step N+1 was launched gets one wasted row in step N+1; its result is dropped.
 Freeing such a request's pages at once is safe: all KV work runs on one CUDA stream, so whatever reuses them runs
 after step N+1.
+
+A batch with constrained rows cannot sample step N+1 before the host has step N's tokens (the grammar masks depend
+on them), so there the host runs one forward ahead instead: N+1 is sampled once its masks are filled, and N+2's
+forward is launched behind it at once, so the device runs a forward while the host reads tokens and fills masks
+(a request that ends may then have two wasted rows).
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ import torch
 
 from epdserve.decode.engine_pages import EnginePages, jump_reserved
 from epdserve.decode.kv_checks import check_kv
-from epdserve.decode.forks import ForkGroup, fork_copy_plan, fork_pages
-from epdserve.decode.steps import Step, decode_batch, output_ids
+from epdserve.decode.shared_kv import copy_shared_kv
+from epdserve.decode.forks import ForkGroup, fork_copy_plan, fork_pages, make_forks
+from epdserve.decode.steps import Forward, Step, decode_batch, output_ids
 from epdserve.engine.grammar import Constraint, GrammarCompiler, GrammarMasker, accept_tokens, constraint_for
 from epdserve.kvcache.engine import KVEngine
-from epdserve.kvcache.page_pool import PagePool, page_slots
+from epdserve.kvcache.page_pool import PagePool
 from epdserve.kvcache.kv_share import PeerPools, host_id
 from epdserve.kvcache.state_slots import StateSlots
 from epdserve.wire.messages import DecodeRequest, KVAck, KVRegister, KVTransfer, Load, TokenLogprob, TokenOutput
@@ -40,10 +46,6 @@ from epdserve.engine.sampling import (apply_logit_bias, apply_penalties, choice_
                                       sampled_logprobs)
 
 log = logging.getLogger(__name__)
-
-# A shared KV copy is only queued this long before the prefill server's lend deadline, so that it runs on the
-# device (behind at most a few queued steps) before the pages can be handed to another request.
-_LEND_MARGIN_S = 5.0
 
 
 @dataclass
@@ -110,6 +112,7 @@ class DecodeScheduler:
         self.ready: deque[_Seq] = deque()  # KV arrived, waiting for pages
         self.running: list[_Seq] = []
         self.inflight: Step | None = None  # the launched step whose sampled ids the host has not read yet
+        self.ahead: Forward | None = None  # constrained batches: the next step's forward, launched, not sampled
         self.outputs: list[tuple[bytes, TokenOutput]] = []
         self.metrics = metrics if metrics is not None else DecodeMetrics()
         self.accept_shared, self.host_id, self.peer_pools = accept_shared, host_id(), PeerPools()
@@ -190,7 +193,8 @@ class DecodeScheduler:
 
     # ---- the loop body ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.running) or bool(self.ready) or self.inflight is not None or bool(self._acks)
+        return bool(self.running) or bool(self.ready) or self.inflight is not None or self.ahead is not None \
+            or bool(self._acks)
 
     def take_acks(self) -> list[tuple[str, KVAck]]:
         """``(prefill bootstrap endpoint, KVAck)`` for every shared KV copy that has finished on the device."""
@@ -205,7 +209,20 @@ class DecodeScheduler:
         send as ``(gateway peer, output)``."""
         self._expire()
         self._admit()
-        launched = self._launch() if any(s.launched < s.max_out for s in self.running) else None
+        fwd, self.ahead = self.ahead or self._forward(self.inflight), None
+        launched = None
+        if fwd is not None:
+            if fwd.constrained and self.inflight is not None:
+                # A matcher must see step N's tokens before it can mask step N+1: read them now, while step N+1's
+                # forward runs on the device, and fill the bitmask meanwhile (SGLang's overlap with grammars).
+                self._collect(self.inflight)
+                self.inflight = None
+            launched = self._sample(fwd)
+            if fwd.constrained:
+                # Step N+2's forward goes on the device at once, behind N+1's sampling: it runs while the host
+                # reads N+1's tokens and fills N+2's masks next turn, instead of after (the device would wait for
+                # that host work every step). Requests admitted meanwhile join the forward after it.
+                self.ahead = self._forward(launched)
         if self.inflight is not None:
             self._collect(self.inflight)
         self.inflight = launched
@@ -220,7 +237,7 @@ class DecodeScheduler:
             self._free(seq)
             self._emit(seq, "error", error=error)
         self.running = []
-        self.inflight = None
+        self.inflight = self.ahead = None
 
     def fail_all(self, error: str) -> None:
         """Before the server stops: end every request (running, waiting for pages or for its KV) with ``error``;
@@ -270,7 +287,7 @@ class DecodeScheduler:
                     break  # first come, first served ...
                 continue  # ... but for a request that needs nothing it waits for
             self.ready.popleft()
-            forks = self._fork(seq, shared, own)
+            forks = make_forks(seq, shared, own, self.pool)
             transfer, seq.transfer = seq.transfer, None
             idx, slots = fork_copy_plan(self.pool, [f.pages for f in forks], seq.msg.prompt_len)
             if transfer.engine_written:  # into the pages (and state slot) reserved at arrival; acknowledged then
@@ -279,7 +296,9 @@ class DecodeScheduler:
                     self.runner.write_kv(slots[p:], self.runner.read_kv(slots[:p].index_select(0, idx[p:])))
                 self.states.copy_to(forks[0].key, [f.key for f in forks[1:]])
             elif transfer.pool is not None:
-                err = self._copy_shared_kv(forks, transfer, idx, slots)
+                err, done = copy_shared_kv(self.runner, self.peer_pools, forks, transfer, idx, slots,
+                                           lambda: self._load_states(forks, transfer))
+                self._ack(seq, done)
                 if err:
                     self.metrics.on_kv_failure("shared_copy")
                     for f in forks:
@@ -302,52 +321,10 @@ class DecodeScheduler:
             for f in forks:
                 self._append_token(f, firsts[f.index], lps[f.index] if f.index < len(lps) else None)
 
-    def _fork(self, seq: _Seq, shared: int, own: int) -> list[_Seq]:
-        """``seq`` (fork 0) and its other forks (n > 1), each with the shared prompt pages then pages of its own,
-        and its own grammar state (a started matcher of the same grammar). Pages reserved at arrival (engine
-        path: the prompt's full pages, then each fork's own) are used instead of new ones."""
-        reserved = seq.pages
-        take = (lambda k, at: reserved[at:at + k]) if reserved else (lambda k, at: self.pool.alloc(k))
-        group = ForkGroup(take(shared, 0), seq.msg.sampling.n)
-        forks = [seq] + [replace(seq, index=i, output_ids=[], transfer=None,
-                                 constraint=seq.constraint and seq.constraint.fork())
-                         for i in range(1, seq.msg.sampling.n)]
-        for i, f in enumerate(forks):
-            f.group, f.shared, f.pages = group, shared, group.pages + take(own, shared + i * own)
-        return forks
-
     def _load_states(self, forks: list[_Seq], transfer: KVTransfer) -> None:
         """Load the handed-off state (hybrid models) into fork 0's slot and copy it into the other forks'."""
         self.states.load(forks[0].key, transfer.state, self.peer_pools)
         self.states.copy_to(forks[0].key, [f.key for f in forks[1:]])
-
-    def _copy_shared_kv(self, forks: list[_Seq], transfer: KVTransfer, idx: torch.Tensor,
-                        slots: torch.Tensor) -> str | None:
-        """Copy prompt tokens ``idx`` of the KV in the prefill pool that ``transfer.pool`` maps into ``slots`` (the
-        forks' pages, :func:`~epdserve.decode.forks.fork_copy_plan`) and the state into the forks' slots; queue the
-        ``KVAck`` for when the copy has run. Returns an error message when the pool cannot be mapped."""
-        seq = forks[0]
-        # The prefill pool's page size (shape[3]) may differ from this pool's.
-        src = torch.tensor(page_slots(transfer.kv_pages, transfer.pool.shape[3], 0, seq.msg.prompt_len),
-                           dtype=torch.int64)[idx]
-        if transfer.lend_until and time.time() > transfer.lend_until - _LEND_MARGIN_S:
-            self._ack(seq)
-            return ("KV hand-off expired: the prefill server releases lent pages after its --request-timeout-s, and "
-                    "this request waited too long for decode pages to copy them into")
-        try:
-            self.runner.copy_kv_from(self.peer_pools.get(transfer.pool), src, slots)
-            self._load_states(forks, transfer)  # before the ack's event
-        except (RuntimeError, ValueError) as e:
-            log.error("rid=%s cannot copy KV from the prefill pool (%s); start decode with --kv-transfer zmq if "
-                      "the stages cannot share memory", seq.msg.rid, e)
-            self._ack(seq)
-            return f"KV hand-off failed: {e}"
-        event = None
-        if self.runner.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self._ack(seq, event)
-        return None
 
     def _ack(self, seq: _Seq, done: torch.cuda.Event | None = None) -> None:
         """Queue the ``KVAck`` that lets the prefill server reuse the pages lent for ``seq``: at once, or once the
@@ -355,33 +332,36 @@ class DecodeScheduler:
         self._acks.append((done, seq.msg.bootstrap_endpoint,
                            KVAck(rid=seq.msg.rid, bootstrap_room=seq.msg.bootstrap_room)))
 
-    def _launch(self) -> Step:
-        """Build and launch one decode step over the running requests that may still need a token; returns it
-        without waiting for the device."""
+    def _forward(self, prev: Step | None) -> Forward | None:
+        """Enqueue the forward of one decode step over the running requests that may still need a token (None
+        when none does), taking the newest tokens of ``prev`` (the step before it) on the device; :meth:`_sample`
+        samples it."""
         t0, seqs = time.perf_counter(), [s for s in self.running if s.launched < s.max_out]
-        dev = self.runner.device
-        batch = decode_batch(seqs, self.inflight, self.pool, self.states, dev)
-        input_ids = batch.input_ids
+        if not seqs:
+            return None
+        batch = decode_batch(seqs, prev, self.pool, self.states, self.runner.device)
         logits = self.runner.forward(batch)
         self.metrics.on_step(len(seqs))
+        return Forward(seqs, batch.input_ids, logits, any(s.constraint is not None for s in seqs),
+                       time.perf_counter() - t0)
+
+    def _sample(self, fwd: Forward) -> Step:
+        """Enqueue the sampling of ``fwd``'s logits (bias, penalties, a constrained row's grammar mask) and return
+        the step, without waiting for the device. Constrained rows' matchers must have taken the tokens before."""
+        t0, seqs, logits = time.perf_counter(), fwd.seqs, fwd.logits
         params = [s.msg.sampling for s in seqs]
         adjusted = apply_logit_bias(logits, params)
         if has_penalties(params):
-            adjusted = apply_penalties(adjusted, output_ids(seqs, input_ids, dev), params)
-        if any(s.constraint is not None for s in seqs):
-            # A matcher must see step N's tokens before it can mask step N+1: read them now, while this step's
-            # forward runs on the device, and fill the bitmask meanwhile (SGLang's overlap with grammars).
-            if self.inflight is not None:
-                self._collect(self.inflight)
-                self.inflight = None
-            t0 = time.perf_counter()
+            adjusted = apply_penalties(adjusted, output_ids(seqs, fwd.input_ids, self.runner.device), params)
+        if fwd.constrained:
+            t1 = time.perf_counter()
             adjusted = self.masker.mask(adjusted, [None if s.done else s.constraint for s in seqs])
-            self.metrics.grammar_fill.observe(time.perf_counter() - t0)
+            self.metrics.grammar_fill.observe(time.perf_counter() - t1)
         tokens = sample(adjusted, params, [s.generator for s in seqs])
         lp = sampled_logprobs(logits, tokens, params)  # now: a graph's logits are a view the next replay overwrites
         for row, seq in enumerate(seqs):
             seq.row, seq.launched = row, seq.launched + 1
-        self.metrics.step_launch.observe(time.perf_counter() - t0)
+        self.metrics.step_launch.observe(fwd.host_s + time.perf_counter() - t0)
         return Step(seqs, tokens, lp)
 
     def _collect(self, step: Step) -> None:

@@ -5,6 +5,7 @@ penalties read."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -13,6 +14,19 @@ from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.engine.sampling import token_logprobs
 from epdserve.models.mrope import decode_positions
 from epdserve.wire.messages import TokenLogprob
+
+
+@dataclass
+class Forward:
+    """A decode step's forward on the device, not sampled yet: its requests (row order), input ids ``[B]`` int64
+    (on the device when taken from the step before), logits ``[B, V]`` (a CUDA graph's output buffer: sample
+    before the next forward), whether any row is constrained, and the host seconds its launch took."""
+
+    seqs: list
+    input_ids: torch.Tensor
+    logits: torch.Tensor
+    constrained: bool
+    host_s: float
 
 
 class Step:
