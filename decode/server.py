@@ -53,7 +53,7 @@ def _serve(config: DecodeConfig) -> int:
     share = kv_shared(config, runner.device)  # TP ranks take KV by host path
     kv_endpoint = f"tcp://{config.host}:{config.kv_port}"
     metrics = DecodeMetrics()
-    track_device_busy(runner, metrics.device_busy.inc)
+    track_device_busy(runner, metrics.device_busy.inc, "decode")
     grammars = GrammarCompiler(model_path, runner.config.vocab_size, list(runner.config.eos_token_ids))
     sched = DecodeScheduler(runner, context_length=context_length, max_running_requests=config.max_running_requests,
                             timeout_s=config.request_timeout_s, kv_endpoint=kv_endpoint, accept_shared=share,

@@ -15,6 +15,7 @@ request that arrived): a lone request never waits for company that is not coming
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ import torch
 from PIL import Image
 
 from epdserve.encoder.metrics import EncoderMetrics
+from epdserve.engine.busy import DeviceTimeline
 
 
 class ImageEncoder(Protocol):
@@ -88,6 +90,7 @@ class EncodeBatcher:
         self._runner: asyncio.Task | None = None
         self.calls = 0
         self._metrics = metrics
+        self._timeline = DeviceTimeline.from_env("encoder")  # the tower calls' times, when asked for
 
     @property
     def queued(self) -> int:
@@ -225,6 +228,9 @@ class EncodeBatcher:
             _fail(batch, e)
             return
         tower_s = loop.time() - tower_started
+        if self._timeline is not None:
+            now = time.time()
+            self._timeline.add(now - tower_s, now, len(batch), sum(item.patches for item in batch))
         self._tower_s = _ema(self._tower_s, tower_s)
         for item, out in zip(batch, outs):
             if not item.future.done():

@@ -56,7 +56,7 @@ def _serve(config: PrefillConfig) -> int:
     model_path, runner, context_length = runner_from_config(config, share_kv=share)
     register_kv_engine(engine, runner)
     metrics = PrefillMetrics()
-    track_device_busy(runner, metrics.device_busy.inc)
+    track_device_busy(runner, metrics.device_busy.inc, "prefill")
     grammars = GrammarCompiler(model_path, runner.config.vocab_size, list(runner.config.eos_token_ids))
     sched = PrefillScheduler(runner, context_length=context_length,
                              max_prefill_tokens=config.max_prefill_tokens, timeout_s=config.request_timeout_s,

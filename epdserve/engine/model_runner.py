@@ -217,7 +217,7 @@ class ModelRunner:
         """
         if self.busy is None:
             return self._forward(batch)
-        with self.busy.measure():
+        with self.busy.measure(len(batch.q_lens), sum(batch.q_lens)):
             return self._forward(batch)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
