@@ -25,6 +25,10 @@ from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.engine.model_runner import ModelRunner
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# One pytest-xdist worker for the whole module (``--dist loadgroup``): its tests share the module's fixtures and
+# flash-linear-attention's Triton kernels, which JIT-compile and autotune for ~2 minutes on an empty cache; spread
+# over three workers (``--dist load``), each compiled them itself, side by side (119-127 s per test, 2026-11-29).
+pytestmark = pytest.mark.xdist_group("qwen3_5_gpu")
 PAGE = 16
 # Prompt lengths: inside the conv window, across several 64-token delta-rule chunks, and long.
 LENGTHS = (3, 150, 700)
