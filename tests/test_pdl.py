@@ -1,6 +1,8 @@
 """Programmatic dependent launch (PDL) of this project's Triton kernels: where it is on, and, on a Hopper GPU, that
 a chain of them inside a CUDA graph (each kernel starting while the one before finishes) computes exactly what the
-same kernels compute one at a time with the device idle between them.
+same kernels compute one at a time with the device idle between them. On any machine, each kernel compiled for
+Hopper (PTX) must wait (``griddepcontrol.wait``) before its first global memory access, but for the MLP kernel's
+first weight tiles, which it loads early on purpose.
 
 A missing or misplaced ``griddepcontrol.wait`` shows here as a kernel reading its input before the kernel writing
 it is done: stale q or KV in the attention, a stale activation in the MLP. Every replay gets fresh inputs, so a
@@ -8,8 +10,12 @@ stale read changes the result."""
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import pytest
 import torch
+import triton
 
 from epdserve.attention.base import KVWrite
 from epdserve.attention.triton_decode import decode_attention, num_kv_splits
@@ -107,3 +113,69 @@ def test_a_pdl_chain_in_a_cuda_graph_equals_the_kernels_run_one_at_a_time():
         want = chain.run(serial=True)
         assert torch.equal(chain.kc, cache[0]) and torch.equal(chain.vc, cache[1])
         assert torch.equal(got, want)
+
+
+# ---- where the waits are: each kernel compiled for Hopper (sm_90) to PTX, on any machine ---------------------------
+
+_MEMORY = re.compile(r"^(@!?%p\d+ )?(ld\.global|st\.global|cp\.async\.(ca|cg)|atom|red)\S*")
+
+
+def _ptx(kernel, pointers: dict[str, str], constexprs: dict, **options) -> list[str]:
+    """``kernel`` (a ``triton.jit`` function) compiled for sm_90 with PDL on: its PTX lines. Unnamed arguments are
+    int32 and, like every pointer, divisible by 16 (how Triton specializes the usual aligned launch)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params = list(inspect.signature(kernel.fn).parameters)
+    sig = {p: "constexpr" if p in constexprs else pointers.get(p, "i32") for p in params}
+    scalars = {p for p, t in sig.items() if t in ("fp32",)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in constexprs and p not in scalars}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    return [line.strip() for line in triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+            .asm["ptx"].splitlines()]
+
+
+def _before_wait(lines: list[str]) -> list[str]:
+    """The global memory instructions before the first ``griddepcontrol.wait`` (which must be there)."""
+    at = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
+    assert any(line.startswith("griddepcontrol.launch_dependents") for line in lines[at:])
+    return [line for line in lines[:at] if _MEMORY.match(line)]
+
+
+def _kernels():
+    from epdserve.attention import triton_decode
+    from epdserve.models import gate_up_silu as gus, qk_norm_rope as qkn, rope_inplace as rope
+
+    bf16 = "*bf16"
+    split, merge = triton_decode._kernel()
+    rope_ptrs = {p: bf16 for p in ("q", "k", "v", "kc", "vc")} | {"table": "*fp32", "slots": "*i64"}
+    qkn_ptrs = {p: bf16 for p in ("qkv", "q_out", "k_out", "q_w", "k_w", "kc", "vc")} | {
+        "table": "*fp32", "slots": "*i64", "eps": "fp32"}
+    split_ptrs = {p: bf16 for p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
+        p: "*i32" for p in ("kv_indptr", "kv_indices", "kv_lens")} | {
+        "part_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    return {
+        "rope_inplace": (rope._kernel(), rope_ptrs,
+                         dict(HQ=16, HKV=2, H_PAD=32, HALF=64, WRITE_KV=True), dict(num_warps=4)),
+        "qk_norm_rope": (qkn._kernel(), qkn_ptrs, dict(HQ=16, HKV=2, HALF=64, WRITE_KV=True), dict(num_warps=4)),
+        "split": (split, split_ptrs, dict(GROUP=8, HEAD_ROWS=16, HEAD_DIM=128, PAGE_SIZE=16, NUM_SPLITS=32,
+                                          BLOCK_N=32, DIRECT=False, PRECISION=None), dict(num_warps=4, num_stages=2)),
+        "merge": (merge, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": bf16},
+                  dict(HEAD_DIM=128, NUM_SPLITS=32, SPLITS_POW2=32), dict(num_warps=4)),
+        "gate_up_silu": (gus._kernel(), {"x": bf16, "w": bf16, "y": bf16},
+                         dict(BM=16, BN=32, BK=128, IEEE=False), dict(num_warps=4, num_stages=3)),
+    }
+
+
+@pytest.mark.parametrize("name", ["rope_inplace", "qk_norm_rope", "split", "merge", "gate_up_silu"])
+def test_each_kernel_waits_for_the_previous_one_before_touching_its_outputs(name):
+    kernel, pointers, constexprs, options = _kernels()[name]
+    lines = _ptx(kernel, pointers, constexprs | {"PDL": True}, launch_pdl=True, **options)
+    early = _before_wait(lines)
+    if name == "gate_up_silu":  # the first gate and up weight tiles only: 2 x 32 x 128 bf16 over 128 threads
+        assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
+        assert sum(16 if ".v4.b32" in line else 0 for line in early) == 2 * 32 * 128 * 2 // 128
+    else:
+        assert early == []
+    off = _ptx(kernel, pointers, constexprs | {"PDL": False}, **options)
+    assert not any("griddepcontrol" in line for line in off)
