@@ -68,8 +68,9 @@ def supports_pdl(device: torch.device) -> bool:
     flashinfer decides the same way for its norms (``flashinfer.utils.device_support_pdl``), which this matches.
 
     Returns:
-        True for a CUDA device of compute capability >= 9.0; False otherwise (Triton's CPU interpreter has no PDL).
+        True for an NVIDIA device of compute capability >= 9.0; False otherwise (the CPU, where Triton's interpreter
+        has no PDL, and ROCm, whose devices also report as ``cuda``).
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
