@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -73,4 +74,10 @@ def supports_pdl(device: torch.device) -> bool:
     """
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _capability_major(device.index) >= 9
+
+
+@functools.cache
+def _capability_major(index: int | None) -> int:
+    # Once per device: the kernels ask at every launch, several per layer in an eager forward.
+    return torch.cuda.get_device_capability(index)[0]

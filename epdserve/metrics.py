@@ -249,7 +249,7 @@ class DecodeMetrics(LMStageMetrics):
                                           LATENCY_BUCKETS)
         self.step_launch = self._histogram("step_launch_seconds", "Per decode step: host seconds building and "
                                            "launching it (inputs, graph replay, sampling queued; with constrained "
-                                           "rows also the wait below), the device running the previous step "
+                                           "rows also filling their masks), the device running the previous step "
                                            "meanwhile", STEP_HOST_BUCKETS)
         self.step_wait = self._histogram("step_wait_seconds", "Per decode step: host seconds blocked on its sampled "
                                          "tokens when they are read, one step later (near 0: the host, not the "

@@ -92,13 +92,14 @@ def _kernel():
         up_ptrs = w + (cols[:, None] + I).to(tl.int64) * w_stride + ks[None, :]
         # The first K step is peeled: its weight tiles are loaded before the PDL wait, so that under PDL they stream
         # in while the kernel before this one (the add + RMSNorm making x) finishes. Weights are never written.
-        w_ok = col_ok[:, None] & (ks < K)[None, :]
+        k_ok = ks < K
+        w_ok = col_ok[:, None] & k_ok[None, :]
         bg = tl.load(gate_ptrs, mask=w_ok, other=0.0)
         bu = tl.load(up_ptrs, mask=w_ok, other=0.0)
         if PDL:  # x is the previous kernel's output (epdserve.device.supports_pdl)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         zero = tl.full((BM, BN), 0.0, tl.float32)
         if IEEE:  # float32 inputs (interpreter tests): no tf32 rounding of the operands
             gate = tl.dot(a, tl.trans(bg), zero, input_precision="ieee")
