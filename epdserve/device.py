@@ -65,7 +65,8 @@ def supports_pdl(device: torch.device) -> bool:
     weights there) overlap the previous kernel's tail, and the wait then holds every other memory access until
     that kernel has completed and its writes are visible. The kernels then let the next one start
     (``griddepcontrol.launch_dependents``). A decode step of a small model is a chain of ~10 short kernels per
-    layer, where these fixed costs are a large share (docs/performance.md, "2026-11-29, tenth session").
+    layer, where these fixed costs are a large share (docs/performance.md, "2026-11-29, tenth session"). The split-KV
+    attention, its merge and gate_up + SiLU launch this way; the RoPE kernels do not (measured: "eleventh session").
     flashinfer decides the same way for its norms (``flashinfer.utils.device_support_pdl``), which this matches.
 
     Returns:

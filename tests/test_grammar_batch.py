@@ -18,7 +18,7 @@ SCHEMA = {"type": "object", "properties": {
         "name": {"type": "string"}, "count": {"type": "integer"}}, "required": ["name", "count"]}},
     "outdoor": {"type": "boolean"}}, "required": ["caption", "objects", "outdoor"]}
 PAD = 77  # logits past the tokenizer, as in a checkpoint with padded embeddings
-ROWS = 40  # at least grammar._MIN_ROWS_FOR_THREADS: the fill runs on the threaded matcher
+ROWS = 40  # a 40-row decode batch
 
 
 def _doc(i: int) -> str:
@@ -116,7 +116,7 @@ def test_batched_masks_equal_per_row_matchers_across_steps(setup):
     logits = torch.randn(len(rows), vocab)
     logits[:, len(tok):] = 50.0  # a padded id left unmasked would win every argmax
     raw = logits.clone()
-    masker = GrammarMasker(torch.device("cpu"), threads=2)
+    masker = GrammarMasker(torch.device("cpu"))
     masked = masker.mask(logits, rows)
     expect = _reference_mask(logits, ref_rows)
     assert torch.equal(masked, expect)

@@ -9,7 +9,7 @@ cached by their kind and text, so a schema repeated by many requests compiles on
 compile fails its request only.
 
 Each step's host work is two batched xgrammar calls (:class:`GrammarMasker`): one fills every constrained row's
-bitmask (``BatchGrammarMatcher``, on several threads for large batches), one advances every matcher over its sampled
+bitmask (``BatchGrammarMatcher`` on the calling thread), one advances every matcher over its sampled
 token (:func:`accept_tokens`); the bitmask lives in one reused (pinned, on CUDA) host buffer and reaches the device in
 one asynchronous copy. The grammars see the tokenizer's own ids only (:func:`grammar_vocab_size`): the ids a
 checkpoint pads its logits with are masked on the device instead, since xgrammar handles each of them one by one in
@@ -21,7 +21,6 @@ xgrammar is imported on first use: servers that never see a constrained request 
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -33,12 +32,11 @@ from epdserve.wire.messages import GrammarSpec
 
 log = logging.getLogger(__name__)
 
-# The pool xgrammar's batched matcher fills bitmasks with: half the cores this process may use (the other stages of
-# a GPU machine and torch's own threads need the rest), at most 8.
-_MAX_FILL_THREADS = 8
-# Below this many matchers one thread fills them all: the pool costs tens of microseconds a call (20-70 us measured
-# on a 2-core machine), as much as a dozen rows' fill with Qwen's tokenizer (1-20 us a row).
-_MIN_ROWS_FOR_THREADS = 32
+# One thread fills every row: xgrammar's thread pool cost more than it saved everywhere it was measured. On an H200
+# host (16 cores), one row's fill took 37 us on one thread and 1-3.8 ms on 2-8; a 32-row decode step's fill 8 ms on
+# 8 threads against 0.9 ms on one (docs/performance.md, "2026-11-29, eleventh session"). Its calls hold the GIL, so
+# Python threads cannot overlap them with the scheduler's other host work either.
+_FILL_THREADS = 1
 
 
 class GrammarCompiler:
@@ -172,21 +170,18 @@ class GrammarMasker:
     """Masks a batch's logits with its constrained rows' token bitmasks: one server's reusable host buffer and
     xgrammar batched matchers (one per scheduler; not thread-safe).
 
-    Per call: every live matcher's bitmask row is filled in one ``BatchGrammarMatcher`` call (on up to
-    ``threads`` threads once there are :data:`_MIN_ROWS_FOR_THREADS` of them), the unconstrained rows' are set to
+    Per call: every live matcher's bitmask row is filled in one ``BatchGrammarMatcher`` call (on the calling
+    thread: see :data:`_FILL_THREADS`), the unconstrained rows' are set to
     all-allowed, and the whole buffer reaches the device in one asynchronous copy (from pinned memory on CUDA),
     where xgrammar's kernel applies it to every row.
 
     Args:
         device: where the logits live.
-        threads: the most threads a fill uses; default half the cores this process may run on, at most
-            :data:`_MAX_FILL_THREADS`.
     """
 
-    def __init__(self, device: torch.device, threads: int | None = None):
+    def __init__(self, device: torch.device):
         self.device = device
-        self.threads = threads or _fill_threads()
-        self._fillers: dict[int, Any] = {}  # thread count -> xgrammar.BatchGrammarMatcher
+        self._filler = None  # xgrammar.BatchGrammarMatcher, made on first use (xgrammar is imported lazily)
         self._host: torch.Tensor | None = None  # int32: the bitmask rows, then (padded logits) one flag per row
         # CUDA: recorded after the last copy out of ``_host``; the buffer is refilled only once it has passed.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
@@ -227,7 +222,9 @@ class GrammarMasker:
                 seen[id(m)] = i
                 rows.append(i)
                 matchers.append(m)
-        self._filler(len(matchers)).batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        if self._filler is None:
+            self._filler = xgr.BatchGrammarMatcher(max_threads=_FILL_THREADS)
+        self._filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         for i, j in copies:
             bitmask[i] = bitmask[j]
         if len(live) < B:  # unconstrained rows: every token allowed (no ``indices`` for xgrammar's apply, below)
@@ -247,15 +244,6 @@ class GrammarMasker:
             out[:, T:].masked_fill_(dev[B * W:n].view(B, 1) != 0, float("-inf"))
         return out
 
-    def _filler(self, rows: int) -> Any:
-        """The batched matcher for ``rows`` matchers: one thread below :data:`_MIN_ROWS_FOR_THREADS`."""
-        import xgrammar as xgr
-
-        threads = self.threads if rows >= _MIN_ROWS_FOR_THREADS else 1
-        if threads not in self._fillers:
-            self._fillers[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
-        return self._fillers[threads]
-
     def _buffer(self, n: int) -> torch.Tensor:
         """The host buffer, at least ``n`` int32 long, once the device has read its previous contents."""
         if self._copied is not None:
@@ -273,15 +261,6 @@ class GrammarMasker:
         dev = host.to(self.device, non_blocking=True)
         self._copied.record(torch.cuda.current_stream(self.device))
         return dev
-
-
-def _fill_threads() -> int:
-    """Half the cores this process may run on, at least 1, at most :data:`_MAX_FILL_THREADS`."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(_MAX_FILL_THREADS, cpus // 2))
 
 
 def mask_logits(logits: torch.Tensor, constraints: list[Constraint | None]) -> torch.Tensor:

@@ -20,9 +20,11 @@ import functools
 import torch
 
 from epdserve.attention.base import KVWrite, check_kv_write
-from epdserve.device import supports_pdl
 
 
+# No PDL launch (epdserve.device.supports_pdl): this kernel follows the qkv GEMM, and started early it cost the
+# 3B preset's batch-32 decode step 3 % on an H200 and saved under 1 % at batch 1 (docs/performance.md, eleventh
+# session).
 @functools.cache
 def _kernel():
     import triton
@@ -30,11 +32,7 @@ def _kernel():
 
     @triton.jit
     def qk_norm_rope(qkv, q_out, k_out, q_w, k_w, table, kc, vc, slots, qkv_stride, table_stride, kc_stride,
-                     vc_stride, eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr,
-                     PDL: tl.constexpr):
-        if PDL:  # the norm weights aside, every access reads or writes what earlier kernels wrote (supports_pdl)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+                     vc_stride, eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
         offs = tl.arange(0, HALF)
@@ -110,5 +108,5 @@ def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_di
     if T:
         _kernel()[(T, heads)](qkv, q, k, q_weight, k_weight, table, kc, vc, slots, qkv.stride(0), table.stride(0),
                               kc.stride(0), vc.stride(0), eps, HQ=num_q_heads, HKV=num_kv_heads, HALF=head_dim // 2,
-                              WRITE_KV=kv_write is not None, PDL=(pdl := supports_pdl(qkv.device)), launch_pdl=pdl)
+                              WRITE_KV=kv_write is not None)
     return q, k

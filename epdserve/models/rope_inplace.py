@@ -20,9 +20,11 @@ import functools
 import torch
 
 from epdserve.attention.base import KVWrite, check_kv_write
-from epdserve.device import supports_pdl
 
 
+# No PDL launch (epdserve.device.supports_pdl): this kernel follows the qkv GEMM, and started early it cost the
+# 3B preset's batch-32 decode step 3 % on an H200 and saved under 1 % at batch 1 (docs/performance.md, eleventh
+# session).
 @functools.cache
 def _kernel():
     import triton
@@ -31,10 +33,7 @@ def _kernel():
     @triton.jit
     def rope_inplace(q, k, v, table, kc, vc, slots, q_stride, k_stride, v_stride, table_stride, kc_stride,
                      vc_stride, HQ: tl.constexpr, HKV: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr,
-                     WRITE_KV: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # every access below reads or writes what earlier kernels wrote (epdserve.device.supports_pdl)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+                     WRITE_KV: tl.constexpr):
         # One program per token: every q, k (and with WRITE_KV v) head of the row at once, [H_PAD, HALF] per half.
         t = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, H_PAD)[:, None]
@@ -113,5 +112,4 @@ def rope_inplace(q: torch.Tensor, k: torch.Tensor, head_dim: int, table: torch.T
         heads, strides = hq + hkv, (0, table.stride(0), 0, 0)
     if T:
         _kernel()[(T,)](q, k, v, table, kc, vc, slots, q.stride(0), k.stride(0), *strides, HQ=hq, HKV=hkv,
-                        H_PAD=1 << (heads - 1).bit_length(), HALF=head_dim // 2, WRITE_KV=kv_write is not None,
-                        PDL=(pdl := supports_pdl(q.device)), launch_pdl=pdl)
+                        H_PAD=1 << (heads - 1).bit_length(), HALF=head_dim // 2, WRITE_KV=kv_write is not None)
