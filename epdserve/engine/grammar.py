@@ -32,10 +32,11 @@ from epdserve.wire.messages import GrammarSpec
 
 log = logging.getLogger(__name__)
 
-# One thread fills every row: xgrammar's thread pool cost more than it saved everywhere it was measured. On an H200
-# host (16 cores), one row's fill took 37 us on one thread and 1-3.8 ms on 2-8; a 32-row decode step's fill 8 ms on
-# 8 threads against 0.9 ms on one (docs/performance.md, "2026-11-29, eleventh session"). Its calls hold the GIL, so
-# Python threads cannot overlap them with the scheduler's other host work either.
+# One thread fills every row. xgrammar's BatchGrammarMatcher starts a new thread pool at every call with threads
+# (cpp/grammar_matcher.cc: a pool "cannot be reused after Join()") and queues one task per row: on an H200 host (16
+# cores) one row's fill took 37 us on one thread and 1-3.8 ms on 2-8, a 32-row decode step's fill 8 ms on 8 threads
+# against 0.9 ms on one (docs/performance.md, "2026-11-29, eleventh session"). Its calls hold the GIL, so Python
+# threads cannot overlap them with the scheduler's other host work either.
 _FILL_THREADS = 1
 
 
