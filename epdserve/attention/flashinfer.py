@@ -26,6 +26,7 @@ from epdserve.attention.flashinfer_kernels import KernelBuild, tensor_core_decod
 from epdserve.device import to_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.kvcache.kv_pool import KVPool
+from epdserve.kvcache.page_table import paged_kv_csr
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
 
@@ -145,17 +146,8 @@ class FlashInferBackend(AttentionBackend):
             KeyError: ``cuda_graph`` for a shape with no graph wrapper.
         """
         ps, dev = self.kv_pool.page_size, self.kv_pool.device
-        indices, counts, last = [], [], []
-        for pages, L in zip(batch.page_table, batch.kv_lens):
-            n = -(-L // ps)
-            if len(pages) < n:
-                raise ValueError(f"kv_len {L} needs {n} pages of {ps}, page table has {len(pages)}")
-            indices.extend(pages[:n])
-            counts.append(n)
-            last.append(L - (n - 1) * ps)
-        kv_indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        kv_indices = to_device(torch.tensor(indices, dtype=torch.int32), dev)
-        last_len = torch.tensor(last, dtype=torch.int32)
+        kv_indptr, kv_indices, last_len = paged_kv_csr(batch.page_table, batch.kv_lens, ps)
+        kv_indices = to_device(kv_indices, dev)
         pool, dtype = self.kv_pool, self.kv_pool.dtype
         if batch.is_decode and self._triton is not None:  # no plan: the page table and lengths are all it reads
             wrapper = self._triton
