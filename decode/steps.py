@@ -77,6 +77,7 @@ def decode_batch(seqs: list, prev: Step | None, pool, states, dev: torch.device)
     runner to move over in one asynchronous copy. ``pool``: the :class:`~epdserve.kvcache.page_pool.PagePool`;
     ``states``: the scheduler's :class:`~epdserve.kvcache.state_slots.StateSlots`."""
     idx = [s.msg.prompt_len + s.launched - 1 for s in seqs]  # sequence index of each input token
+    page = pool.page_size  # each input token's KV slot: page * page_size + offset (PagePool.slots, inlined)
     rows = [s.row if s.launched > len(s.output_ids) else -1 for s in seqs]
     input_ids = torch.tensor([s.output_ids[-1] if r < 0 else 0 for s, r in zip(seqs, rows)], dtype=torch.int64)
     if prev is not None and any(r >= 0 for r in rows):
@@ -87,7 +88,7 @@ def decode_batch(seqs: list, prev: Step | None, pool, states, dev: torch.device)
         input_ids=input_ids,
         positions=decode_positions(torch.tensor(idx, dtype=torch.int64),
                                    torch.tensor([s.mrope_delta for s in seqs], dtype=torch.int64)),
-        out_slots=torch.tensor([pool.slots(s.pages, i, i + 1)[0] for s, i in zip(seqs, idx)], dtype=torch.int64),
+        out_slots=torch.tensor([s.pages[i // page] * page + i % page for s, i in zip(seqs, idx)], dtype=torch.int64),
         q_lens=[1] * len(seqs),
         kv_lens=[i + 1 for i in idx],
         page_table=[s.pages for s in seqs],
