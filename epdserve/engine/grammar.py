@@ -9,9 +9,9 @@ cached by their kind and text, so a schema repeated by many requests compiles on
 compile fails its request only.
 
 Each step's host work is two batched xgrammar calls (:class:`GrammarMasker`): one fills every constrained row's
-bitmask (``BatchGrammarMatcher`` on the calling thread), one advances every matcher over its sampled
-token (:func:`accept_tokens`); the bitmask lives in one reused (pinned, on CUDA) host buffer and reaches the device in
-one asynchronous copy. The grammars see the tokenizer's own ids only (:func:`grammar_vocab_size`): the ids a
+bitmask (``BatchGrammarMatcher`` on the calling thread), one advances every matcher over its sampled token
+(:func:`accept_tokens`); the bitmask lives in one reused (pinned, on CUDA) host buffer and reaches the device in one
+asynchronous copy. The grammars see the tokenizer's own ids only (:func:`grammar_vocab_size`): the ids a
 checkpoint pads its logits with are masked on the device instead, since xgrammar handles each of them one by one in
 every fill and every accept.
 
@@ -172,9 +172,9 @@ class GrammarMasker:
     xgrammar batched matchers (one per scheduler; not thread-safe).
 
     Per call: every live matcher's bitmask row is filled in one ``BatchGrammarMatcher`` call (on the calling
-    thread: see :data:`_FILL_THREADS`), the unconstrained rows' are set to
-    all-allowed, and the whole buffer reaches the device in one asynchronous copy (from pinned memory on CUDA),
-    where xgrammar's kernel applies it to every row.
+    thread: see :data:`_FILL_THREADS`), the unconstrained rows' are set to all-allowed, and the whole buffer reaches
+    the device in one asynchronous copy (from pinned memory on CUDA), where xgrammar's kernel applies it to every
+    row.
 
     Args:
         device: where the logits live.
