@@ -32,7 +32,7 @@ from PIL import Image
 
 from epdserve.device import resolve_device, resolve_dtype
 from epdserve.encoder.tower_compile import can_compile, compile_blocks, warm_shadow
-from epdserve.encoder.vision_weights import load_vision_state_dict, vision_class
+from epdserve.encoder.vision_weights import load_vision_state_dict, pad_mlp_intermediate, vision_class
 from epdserve.logging_setup import process_age_s
 
 log = logging.getLogger("epdserve.encoder")
@@ -126,14 +126,16 @@ class VisionEncoder:
                 Ignored for Qwen3-VL (see :attr:`tower`).
             compile: on CUDA in fp16/bf16, run each vision block and the merger through ``torch.compile``
                 (``dynamic=True``: one compiled block serves every block and every patch count). Inductor fuses
-                the tower's float32 RMSNorm and rotary arithmetic and pads the MLP's GEMMs (Qwen2.5-VL's
-                intermediate size 3420 is not a multiple of 8, which sends eager bf16 GEMMs to slow unaligned
-                kernels): 2.4x less GPU time per batch on an H100 (docs/performance.md). Compiling takes
+                the tower's float32 RMSNorm and rotary arithmetic (docs/performance.md). Compiling takes
                 seconds: the tower runs eagerly until :meth:`compile_tower` (any thread) and then
                 :meth:`finish_compile` (the tower's thread) have run. Ignored on the CPU, which keeps exact
                 parity with transformers.
             gpu_jpeg_decode: on CUDA, :meth:`decode` decodes JPEGs on the GPU (nvJPEG, see there). Ignored on the
                 CPU.
+
+        On CUDA in fp16/bf16 the MLP's intermediate width is zero-padded to a multiple of 64 when it is not
+        aligned (Qwen2.5-VL's 3420; :func:`~epdserve.encoder.vision_weights.pad_mlp_intermediate`), which keeps
+        its GEMMs on cuBLAS's Hopper kernels. The CPU keeps transformers' layout.
 
         Raises:
             ValueError: unsupported model type, missing or unexpected vision tensors, processor/tower mismatch,
@@ -187,6 +189,8 @@ class VisionEncoder:
         if missing or unexpected:
             raise ValueError(f"vision tower weights of {self.model_path} do not match {vision_cls.__name__}: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if fast_path:
+            pad_mlp_intermediate(model)
         self.model = model.eval().requires_grad_(False)
         self.gpu_jpeg_decode = gpu_jpeg_decode and self.device.type == "cuda"
         self.compile_pending = compile and fast_path and can_compile()

@@ -117,7 +117,7 @@ def test_cuda_graphs_match_eager_and_stay_bounded(tiny_model_path):
 @needs_cuda
 @torch.inference_mode()
 def test_compiled_tower_matches_eager_and_composes_with_graphs(tiny_model_path):
-    # torch.compile fuses the float32 norm/rotary arithmetic and pads GEMMs: the same math in another order, so
+    # torch.compile fuses the float32 norm/rotary arithmetic: the same math in another order, so
     # equal to the eager tower up to bf16 rounding, alone and captured in CUDA graphs; the CPU never compiles.
     eager = VisionEncoder(tiny_model_path, "cuda", "bfloat16")
     assert not eager.compiled and not VisionEncoder(tiny_model_path, "cpu", "float32", compile=True).compiled
