@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from .client import request_body
-from .datasets import DATASETS, DatasetOptions, build_requests
+from .datasets import DATASETS, DatasetOptions, build_requests, with_output_lens
 from .metrics import parse_slo, summarize
 from .plot import plot_run, plot_sweep
 from .report import format_summary, format_sweep, run_payload, sweep_payload, write_json
@@ -104,6 +104,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="send ignore_eos: false")
     g.add_argument("--temperature", type=float, help="sampling temperature to send (default: the server's)")
     g.add_argument("--extra-body", type=json.loads, default={}, metavar="JSON", help="fields merged into every body")
+    g.add_argument("--output-lens-from", metavar="FILE",
+                   help="each request's max_completion_tokens from what the request at its position got in an "
+                        "earlier --output-json (e.g. a JSON-schema run, for a plain run of equal token counts)")
 
     g = p.add_argument_group("output")
     g.add_argument("--output-json", metavar="FILE", help="write every request record and the summary")
@@ -215,6 +218,9 @@ def _one_run(args, model: str, url: str, headers: dict[str, str], rate: float, s
     if not args.disable_tqdm:
         print(f"preparing {args.warmup} + {num} requests ({args.dataset}, seed {seed})", file=sys.stderr)
     requests = build_requests(opts, args.warmup + num)
+    if args.output_lens_from:
+        with open(args.output_lens_from) as f:
+            requests = with_output_lens(requests, json.load(f))
     bodies = [request_body(r, model, ignore_eos=args.ignore_eos, temperature=args.temperature,
                            extra_body=args.extra_body) for r in requests]
     load = LoadConfig(request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,

@@ -9,7 +9,7 @@ so a seed names a request set exactly.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,30 @@ class DatasetOptions:
     video_frames: int = 16
     video_fps: float = 2.0
     video_dir: str | None = None
+
+
+def with_output_lens(requests: list[BenchRequest], run: dict[str, Any]) -> list[BenchRequest]:
+    """``requests`` with each one's ``max_completion_tokens`` set to the ``completion_tokens`` its position got in
+    ``run``, an earlier ``--output-json`` with at least as many requests and the same warm-up count (another seed
+    of the same dataset keeps the server's caches cold).
+
+    Why: a JSON schema ends some outputs early. An A/B of constrained against plain decoding then compares runs of
+    different loads (shorter requests free their slots sooner, so more prefills run between the decode steps);
+    the constrained run's lengths replayed in the plain run make the token counts, and so the load, equal.
+
+    Raises:
+        ValueError: ``run`` has no record for one of ``requests``' positions, or that request failed there.
+    """
+    records = [*run.get("warmup_requests", []), *run.get("requests", [])]
+    warmup = len(run.get("warmup_requests", []))
+    lens = {r["index"] + warmup: r.get("completion_tokens") for r in records}  # index counts from the first measured
+    out = []
+    for i, req in enumerate(requests):
+        n = lens.get(i)
+        if not n:
+            raise ValueError(f"the earlier run has no completed request at position {i} (index {i - warmup})")
+        out.append(replace(req, max_completion_tokens=int(n)))
+    return out
 
 
 def build_requests(opts: DatasetOptions, num: int) -> list[BenchRequest]:

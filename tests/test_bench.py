@@ -17,7 +17,7 @@ from PIL import Image
 
 from epdserve.bench.cli import chat_url, main
 from epdserve.bench.client import RequestRecord
-from epdserve.bench.datasets import DatasetOptions, build_requests
+from epdserve.bench.datasets import DatasetOptions, build_requests, with_output_lens
 from epdserve.bench.metrics import parse_slo
 from epdserve.bench.runner import arrival_offsets
 from epdserve.bench.stub import StubBehavior, StubServer
@@ -403,3 +403,27 @@ def test_video_dir_dataset_reads_the_files(tmp_path):
     (tmp_path / "a.mp4").unlink()
     with pytest.raises(FileNotFoundError, match="no files"):
         build_requests(DatasetOptions(name="video-dir", video_dir=str(tmp_path)), 1)
+
+
+def test_output_lens_replayed_from_an_earlier_run(tmp_path):
+    # A JSON schema ends outputs early; the plain run of an A/B asks each request for the count it got there.
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    with StubServer(StubBehavior()) as stub:
+        assert _run(stub.url, "--num-prompts", "4", "--warmup", "1", "--output-json", str(first)) == 0
+        doc = _load(first)
+        got = [6, 3, 1, 7, 2]  # as a constrained run would have them: the warm-up's first, then by index
+        doc["warmup_requests"][0]["completion_tokens"] = got[0]
+        for r in doc["requests"]:
+            r["completion_tokens"] = got[1 + r["index"]]
+        first.write_text(json.dumps(doc))
+        n0 = len(stub.state.bodies)
+        assert _run(stub.url, "--num-prompts", "4", "--warmup", "1", "--output-lens-from", str(first),
+                    "--output-json", str(second)) == 0
+        sent = [b["max_completion_tokens"] for b in stub.state.bodies[n0:]]
+    assert sorted(sent) == sorted(got) and sent[0] == got[0]  # the warm-up goes first; the rest by concurrency
+    assert sorted(r["completion_tokens"] for r in _load(second)["requests"]) == sorted(got[1:])
+    doc["requests"][2]["completion_tokens"] = None  # a failed request has no count to replay
+    reqs = build_requests(DatasetOptions(name="random-mm", seed=0, input_len=8, output_len=8,
+                                         image_sizes=((32, 32),)), 5)
+    with pytest.raises(ValueError, match="no completed request at position"):
+        with_output_lens(reqs, doc)
