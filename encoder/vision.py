@@ -99,7 +99,10 @@ class VisionEncoder:
         hidden_size: width of the embeddings (the language model's hidden size).
         image_processor: the checkpoint's transformers image processor.
         video_processor: the checkpoint's transformers video processor (:meth:`preprocess_video`).
-        model: the vision tower (transformers module, eval mode, no grad).
+        model: the vision tower (transformers module, eval mode, no grad). On CUDA in fp16/bf16 its MLP's
+            intermediate width is zero-padded to a multiple of 64 when not aligned (Qwen2.5-VL's 3420;
+            :func:`~epdserve.encoder.vision_weights.pad_mlp_intermediate`), which keeps its GEMMs on cuBLAS's
+            Hopper kernels; the CPU keeps transformers' layout.
         compiled: whether the tower's blocks and merger run through ``torch.compile`` (see ``compile``).
         compile_pending: ``compile`` was asked for and the tower still runs eagerly: :meth:`compile_tower`, then
             :meth:`finish_compile`, are still to run.
@@ -132,10 +135,6 @@ class VisionEncoder:
                 parity with transformers.
             gpu_jpeg_decode: on CUDA, :meth:`decode` decodes JPEGs on the GPU (nvJPEG, see there). Ignored on the
                 CPU.
-
-        On CUDA in fp16/bf16 the MLP's intermediate width is zero-padded to a multiple of 64 when it is not
-        aligned (Qwen2.5-VL's 3420; :func:`~epdserve.encoder.vision_weights.pad_mlp_intermediate`), which keeps
-        its GEMMs on cuBLAS's Hopper kernels. The CPU keeps transformers' layout.
 
         Raises:
             ValueError: unsupported model type, missing or unexpected vision tensors, processor/tower mismatch,
