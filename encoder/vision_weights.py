@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
 # transformers 5 names the tower ``model.visual``; checkpoints written by older versions (and the hub's
 # Qwen2-VL / Qwen2.5-VL releases) name it ``visual``. transformers 5 itself still saves the older layout.
@@ -124,19 +125,13 @@ def pad_mlp_intermediate(model: torch.nn.Module, multiple: int = 64) -> int:
         width = ups[0].out_features
         if width % 8 == 0:
             continue
-        width = -(-width // multiple) * multiple
-        for up in ups:
-            up.weight = torch.nn.Parameter(_pad(up.weight, 0, width), requires_grad=False)
+        extra = -(-width // multiple) * multiple - width
+        width += extra
+        for up in ups:  # F.pad's pairs count from the last dim: (0, 0, 0, extra) appends rows
+            up.weight = torch.nn.Parameter(F.pad(up.weight, (0, 0, 0, extra)), requires_grad=False)
             if up.bias is not None:
-                up.bias = torch.nn.Parameter(_pad(up.bias, 0, width), requires_grad=False)
+                up.bias = torch.nn.Parameter(F.pad(up.bias, (0, extra)), requires_grad=False)
             up.out_features = width
-        downs[0].weight = torch.nn.Parameter(_pad(downs[0].weight, 1, width), requires_grad=False)
+        downs[0].weight = torch.nn.Parameter(F.pad(downs[0].weight, (0, extra)), requires_grad=False)
         downs[0].in_features = width
     return width
-
-
-def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``t`` with zeros appended along ``dim`` up to ``size``."""
-    shape = list(t.shape)
-    shape[dim] = size - shape[dim]
-    return torch.cat([t, t.new_zeros(shape)], dim=dim).contiguous()
