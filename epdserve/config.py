@@ -123,6 +123,8 @@ class LMServerConfig:
                                   "'[mooncake]')")
     tp: int = _f(1, "tensor-parallel ranks: this process is rank 0 and starts ranks 1..tp-1 (one GPU each)")
     base_gpu_id: int = _f(0, "TP rank r runs on cuda:(base_gpu_id + r) (when the device is cuda or auto)")
+    disable_custom_all_reduce: bool = _f(False, "TP on CUDA: every all-reduce through NCCL, none through the "
+                                                "one-shot kernel over symmetric memory (decode-sized messages)")
 
 
 @dataclass
@@ -261,6 +263,7 @@ class LaunchConfig:
                                       "prefill_gpus[i] + r; one value for every server, or one per server")
     decode_gpus: list[int] = _f([0], "first GPU of each decode server (as --prefill-gpus)")
     kv_transfer: str = _like(LMServerConfig, "kv_transfer")
+    disable_custom_all_reduce: bool = _like(LMServerConfig, "disable_custom_all_reduce")
     encoder_cuda_graphs: int = _like(EncoderConfig, "cuda_graphs")
     prefill_cuda_graph_max_tokens: int = _like(PrefillConfig, "cuda_graph_max_tokens")
     prefill_chunked_prefill_size: int = _like(PrefillConfig, "chunked_prefill_size")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from cluster import at_baseline, details, wait_for
 from conftest import launched
 from test_e2e import _chat, _hf_reference, _openai_messages, _resolve, hf  # noqa: F401  (hf: a fixture)
@@ -137,14 +138,43 @@ def _follower_pid(zmq_addr: str) -> int:
 
 def test_killed_tp_rank_fails_its_server_only(launch, references, tiny_model_path, photo_paths):
     """A stream on each decode server; kill TP rank 1 of decode 0: its stream ends with an error event, decode 0
-    goes down (the launch serves on), the stream on decode 1 goes on producing tokens, new requests are served,
-    and every server still up is back at rest."""
+    goes down (the launch serves on), the stream on decode 1 goes on producing tokens, new requests are served
+    (greedy outputs equal transformers'), and every server still up is back at rest."""
     url, log = launch
+    _kill_decode0_rank1(url, log, tiny_model_path)
+    for case in CASES:
+        _check(url, tiny_model_path, photo_paths, references, case)
+    assert wait_for(lambda: not [p for p in at_baseline(details(url)) if not p.startswith("decode0")], 30), \
+        at_baseline(details(url))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_killed_tp_rank_on_cuda_fails_its_server_only(gpu_test_models, tmp_path_factory):
+    """The same on two GPUs: decode 0 TP=2 on cuda:0,1 (NCCL, CUDA graphs, where rank 0 waits in a collective with
+    the dead peer instead of raising), decode 1 on cuda:1. Its stream ends with an error event, decode 1 serves on,
+    new requests are served, the servers left come back to rest, and Ctrl-C stops the launch with exit 0."""
+    pytest.importorskip("flashinfer")
+    model = gpu_test_models[0]
+    with launched(model, tmp_path_factory.mktemp("multi-cuda"), "--device", "cuda", "--num-pages", "4096",
+                  "--num-decodes", "2", "--decode-tp", "2,1", "--decode-gpus", "0,1") as (url, log):
+        _kill_decode0_rank1(url, log, model)
+        for i in range(3):
+            resp = _chat(url, model, [{"role": "user", "content": f"Count to {i + 3}."}], max_completion_tokens=8)
+            assert len(resp["choices"][0]["token_ids"]) == 8
+        assert wait_for(lambda: not [p for p in at_baseline(details(url)) if not p.startswith("decode0")], 30), \
+            at_baseline(details(url))
+
+
+def _kill_decode0_rank1(url: str, log: Path, model: str) -> None:
+    """Open a stream on each of the two decode servers, SIGKILL TP rank 1 of decode 0, and check: decode 0's
+    stream ends with one error event and no finish, decode 1's goes on (20 more tokens), /health answers, decode 0
+    is marked down and its rank 0 exited 1 with the launch serving on."""
     addr0 = details(url, fresh=False)["stages"]["decode"][0]["addr"]
     with contextlib.ExitStack() as stack:
         streams = {}
         for name in ("x", "y"):
-            r, rid, lines = _open_stream(stack, url, tiny_model_path, f"Run {name}. {FILLER}", 3000)
+            r, rid, lines = _open_stream(stack, url, model, f"Run {name}. {FILLER}", 3000)
             streams[_placement(log, rid)[1]] = (r, lines)
         assert sorted(streams) == [0, 1]
         os.kill(_follower_pid(addr0), signal.SIGKILL)
@@ -165,7 +195,3 @@ def test_killed_tp_rank_fails_its_server_only(launch, references, tiny_model_pat
     assert wait_for(lambda: [s["up"] for s in details(url, fresh=False)["stages"]["decode"]] == [False, True], 20)
     # Its rank 0 failed what it held, exited 1, and the launcher left the others serving.
     assert wait_for(lambda: "decode0 (code 1) exited; the other servers of its role serve on" in log.read_text(), 20)
-    for case in CASES:
-        _check(url, tiny_model_path, photo_paths, references, case)
-    assert wait_for(lambda: not [p for p in at_baseline(details(url)) if not p.startswith("decode0")], 30), \
-        at_baseline(details(url))

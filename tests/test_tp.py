@@ -11,6 +11,7 @@ The GPU test (2 GPUs, NCCL, decode CUDA graphs) checks TP=2 greedy output equals
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ import pytest
 import torch
 import zmq
 from test_e2e import _chat, _hf_reference, _openai_messages, _resolve, hf  # noqa: F401  (hf: a fixture)
+from test_tp_shutdown import STOP_WITHIN_S
 
 from epdserve.engine.distributed import TPGroup
 from epdserve.prefill.embed_gate import EmbeddingGate
@@ -91,6 +93,19 @@ def test_launch_places_stages_and_tp_ranks(tiny_model_path):
     assert (flag("prefill", "--tp"), flag("prefill", "--base-gpu-id")) == ("2", "1")
     assert (flag("decode", "--tp"), flag("decode", "--base-gpu-id")) == ("4", "3")
     assert flag("encoder0", "--device") == "cpu"  # GPU ids apply on CUDA only
+    assert "--no-disable-custom-all-reduce" in cmds["decode"]
+    cmds = plan_launch(dataclasses.replace(cfg, disable_custom_all_reduce=True), tiny_model_path, False).commands
+    assert "--disable-custom-all-reduce" in cmds["prefill"] and "--disable-custom-all-reduce" in cmds["decode"]
+
+
+def test_one_shot_all_reduce_is_for_cuda_groups_only():
+    """The one-shot path needs CUDA ranks in an initialised group; anything else all-reduces as before (gloo,
+    NCCL), so a CPU TP group never builds one. On two GPUs it is the default: the TP GPU tests run through it."""
+    from epdserve.engine.symm_all_reduce import SymmMemAllReduce
+
+    assert SymmMemAllReduce.create(torch.device("cpu")) is None
+    assert SymmMemAllReduce.create(torch.device("cuda", 0)) is None  # no process group here
+    assert TPGroup.single().one_shot is None
 
 
 # ---------------------------------------------------------------------------------------------------- servers
@@ -388,17 +403,21 @@ def test_tp2_greedy_equals_tp1_on_two_gpus(tmp_path_factory, gpu_model):
                                                  f"gpu-{ptp}{dtp}-{i}", steps, 5)
                               for i, q in enumerate(prompts)]
         finally:
-            exits[ptp, dtp] = (_stop_all(procs), logs)
+            sent = time.monotonic()
+            exits[ptp, dtp] = (_stop_all(procs), logs, time.monotonic() - sent)
     for pair in ((2, 2), (2, 1)):
         for i, (want, got) in enumerate(zip(outs[1, 1], outs[pair])):
             problem = _greedy_close(want, got)
             assert problem is None, f"prompt {i}: prefill/decode TP {pair} vs TP=1: {problem}"
     # Checked after the outputs, so a shutdown problem does not hide whether the outputs agree.
-    for (ptp, dtp), (codes, logs) in exits.items():
+    for (ptp, dtp), (codes, logs, took) in exits.items():
         tails = "\n".join(f"--- {k}:\n" + "\n".join(p.read_text().splitlines()[-15:]) for k, p in logs.items())
         assert codes == {"prefill": 0, "decode": 0}, f"TP {ptp}/{dtp} exit codes {codes}\n{tails}"
+        # Issue 48: a TP server on CUDA is gone within 10 s of SIGINT (NCCL communicators destroyed, ranks joined).
+        assert took < STOP_WITHIN_S, f"TP {ptp}/{dtp}: the servers took {took:.1f} s to exit\n{tails}"
+    stops = ", ".join(f"{p}/{d} {took:.1f} s" for (p, d), (_, _, took) in exits.items())
     print(f"TP 2/2 and 2/1 vs 1/1: {len(prompts)} prompts x {steps} greedy tokens agree (near-ties allowed); "
-          "every server exited 0")
+          f"every server exited 0 (SIGINT to exit: {stops})")
 
 
 # ------------------------------------------------------------------------------------ last: a rank dies

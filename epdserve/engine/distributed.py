@@ -15,10 +15,12 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from epdserve.engine.symm_all_reduce import SymmMemAllReduce
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +37,13 @@ class TPGroup:
         rank: 0 .. size-1; rank 0 is the server process (sockets, scheduler, sampling).
         size: number of ranks.
         device: the device this rank computes on (collectives move tensors there).
+        one_shot: the one-shot all-reduce for small CUDA messages (decode steps), or None (NCCL / gloo only).
     """
 
     rank: int
     size: int
     device: torch.device
+    one_shot: SymmMemAllReduce | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> TPGroup:
@@ -47,11 +51,14 @@ class TPGroup:
         return cls(0, 1, torch.device(device))
 
     @classmethod
-    def init(cls, rank: int, size: int, *, port: int, device: torch.device) -> TPGroup:
+    def init(cls, rank: int, size: int, *, port: int, device: torch.device,
+             custom_all_reduce: bool = True) -> TPGroup:
         """Join the ``size``-rank group whose rank 0 listens on ``127.0.0.1:port`` (blocks until all joined).
 
         NCCL when ``device`` is CUDA (its communicator is created at once, bound to ``device``), else gloo.
         This initialises ``torch.distributed``'s default group of this process: one TP group per process.
+        On CUDA with ``custom_all_reduce`` (every rank must pass the same), small all-reduces take the one-shot
+        kernel over symmetric memory (:mod:`epdserve.engine.symm_all_reduce`) where the GPUs allow it.
 
         Raises:
             RuntimeError: the rendezvous fails or times out (``torch.distributed``).
@@ -66,12 +73,17 @@ class TPGroup:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=size, timeout=_COLLECTIVE_TIMEOUT, **kw)
         log.debug("TP rank %d of %d joined on %s", rank, size, device)
-        return cls(rank, size, device)
+        one_shot = SymmMemAllReduce.create(device) if custom_all_reduce and device.type == "cuda" else None
+        return cls(rank, size, device, one_shot)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks in place; returns ``x``."""
+        """Sum ``x`` over the ranks in place; returns ``x``. Small CUDA messages take the one-shot kernel when the
+        group has one, the rest NCCL (gloo on the CPU)."""
         if self.size > 1:
-            dist.all_reduce(x)
+            if self.one_shot is not None and self.one_shot.fits(x):
+                self.one_shot(x)
+            else:
+                dist.all_reduce(x)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = args.tp_rank
     _watch_parent()
     engine = start_kv_engine(cfg)  # this rank's own, for its pool shard
-    tp = TPGroup.init(rank, cfg.tp, port=args.dist_port, device=rank_device(cfg.device, cfg.base_gpu_id, rank))
+    tp = TPGroup.init(rank, cfg.tp, port=args.dist_port, device=rank_device(cfg.device, cfg.base_gpu_id, rank),
+                      custom_all_reduce=not cfg.disable_custom_all_reduce)
     runner = build_runner(cfg, cfg.model_path, tp, args.graph_bs)
     register_kv_engine(engine, runner)
     writes = RankWrites.for_runner(engine, runner) if engine is not None and args.role == "prefill" else None

@@ -327,7 +327,8 @@ def _start_rank0(cfg, model_path, cuda_graph_max_bs, device, dist_port, procs) -
 
     threading.Thread(target=watch, name="tp-start-watchdog", daemon=True).start()
     try:
-        tp = TPGroup.init(0, cfg.tp, port=dist_port, device=device)
+        tp = TPGroup.init(0, cfg.tp, port=dist_port, device=device,
+                           custom_all_reduce=not cfg.disable_custom_all_reduce)
         return build_runner(cfg, model_path, tp, cuda_graph_max_bs)
     finally:
         done.set()

@@ -73,7 +73,8 @@ def plan_launch(cfg: LaunchConfig, model_path: str, on_gpus: bool) -> LaunchPlan
     exe = [sys.executable, "-m", "epdserve", "--log-level", level, "--log-format", active_format()]
     common = ["--model-path", model_path, "--dtype", cfg.dtype]
     lm = [*common, "--device", cfg.device, "--page-size", str(cfg.page_size), "--num-pages", str(cfg.num_pages),
-          "--kv-transfer", cfg.kv_transfer]
+          "--kv-transfer", cfg.kv_transfer,
+          "--disable-custom-all-reduce" if cfg.disable_custom_all_reduce else "--no-disable-custom-all-reduce"]
 
     def add(name: str, role: str, args: list[str], metrics_port: int, gpus: list[int]) -> None:
         plan.commands[name] = [*exe, role, *args, "--metrics-port", str(metrics_port)]
