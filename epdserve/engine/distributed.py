@@ -73,7 +73,7 @@ class TPGroup:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=size, timeout=_COLLECTIVE_TIMEOUT, **kw)
         log.debug("TP rank %d of %d joined on %s", rank, size, device)
-        one_shot = SymmMemAllReduce.create(device) if custom_all_reduce and device.type == "cuda" else None
+        one_shot = SymmMemAllReduce.create(device) if custom_all_reduce else None
         return cls(rank, size, device, one_shot)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

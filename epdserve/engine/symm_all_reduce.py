@@ -49,8 +49,12 @@ class SymmMemAllReduce:
         either all ranks take part in the rendezvous or none does.
 
         Returns:
-            None where the one-shot path is not available (no such op in this torch, a GPU pair without P2P, or
-            the allocation failed): the group then all-reduces through NCCL only.
+            None where the one-shot path is not available (not CUDA, no process group, no such op in this torch,
+            a GPU pair without P2P): the group then all-reduces through NCCL only.
+
+        Raises:
+            RuntimeError: the symmetric allocation or its rendezvous fails (``torch.distributed``); the server does
+                not start rather than have its ranks disagree on the path.
         """
         if device.type != "cuda" or not dist.is_initialized():
             return None

@@ -96,7 +96,7 @@ class Codec:
 
         # msgpack walks the message in C and calls this only for what it cannot pack itself (messages and
         # tensors), so long lists of ids and page tables cost no Python per element: a TP decode step's
-        # TPForward at batch 128 went from 3.5 ms to well under a tenth of that on a slow core.
+        # TPForward at batch 128 took 4.4 ms to encode that way on a 2-core machine, 0.27 ms this way.
         def default(value: Any) -> Any:
             if isinstance(value, tensor_type):
                 frames.append(tensor_bytes(value))
