@@ -61,6 +61,35 @@ def test_equals_a_float64_reference_on_the_interpreter(interpreter, M, inter, K,
     assert float(bound.max()) < 1e-3 * float(want.abs().max())
 
 
+@pytest.mark.parametrize("M,inter,K,with_residual", [(1, 40, 100, True), (4, 70, 200, True), (3, 33, 64, False)])
+def test_norm_folded_in_equals_a_float64_reference(interpreter, M, inter, K, with_residual):
+    x, w = _case(M, inter, K, "cpu", torch.float32, seed=M + inter + K)
+    g = torch.Generator().manual_seed(K)
+    r = torch.randn(M, K, generator=g) if with_residual else None
+    gamma = 1 + 0.5 * torch.randn(K, generator=g)
+    got, r_out = mod.norm_gate_up_silu(x, w, gamma, 1e-6, r, block_n=16, block_k=32)
+    if r is None:
+        assert r_out is x
+    else:  # one float32 rounding of the sum: exactly torch's
+        assert torch.equal(r_out, x + r)
+    s = x.double() + (0 if r is None else r.double())
+    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma.double()
+    gate, up, g_mag, u_mag = _products(normed, w)
+    want = F.silu(gate) * up
+    # the normed row's float32 error ((K + 8) u relative per element: a K-term sum of squares, rsqrt and two
+    # products), then the dot products' block_k + K / block_k roundings, as in the test above
+    n = 32 + -(-K // 32) + K + 8
+    dg, du = n * 2.0**-24 * g_mag, n * 2.0**-24 * u_mag
+    bound = SILU_LIPSCHITZ * dg * (up.abs() + du) + F.silu(gate).abs() * du
+    bound += 8 * 2.0**-24 * (want.abs() + bound)
+    assert got.shape == (M, inter)
+    assert bool(((got.double() - want).abs() <= bound).all())
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        mod.norm_gate_up_silu(torch.zeros(5, K), w, gamma, 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        mod.norm_gate_up_silu(x, w, gamma, 1e-6, torch.zeros(M, K + 1))
+
+
 def test_bad_inputs_raise():
     x, w = torch.zeros(2, 32), torch.zeros(40, 32)
     with pytest.raises(ValueError, match="M <= 64"):

@@ -145,6 +145,7 @@ def _before_wait(lines: list[str]) -> list[str]:
 
 def _kernels():
     from epdserve.attention import triton_decode
+    from epdserve.models import decode_gemv
     from epdserve.models import gate_up_silu as gus
 
     bf16 = "*bf16"
@@ -157,19 +158,32 @@ def _kernels():
                                           BLOCK_N=32, DIRECT=False, PRECISION=None), dict(num_warps=4, num_stages=2)),
         "merge": (merge, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": bf16},
                   dict(HEAD_DIM=128, NUM_SPLITS=32, SPLITS_POW2=32), dict(num_warps=4)),
-        "gate_up_silu": (gus._kernel(), {"x": bf16, "w": bf16, "y": bf16},
-                         dict(BM=16, BN=32, BK=128, IEEE=False), dict(num_warps=4, num_stages=3)),
+        "gate_up_silu": (gus._kernel(), {"x": bf16, "w": bf16, "y": bf16, "r": bf16, "r_out": bf16, "gamma": bf16,
+                                         "eps": "fp32"},
+                         dict(BM=16, BN=32, BK=128, IEEE=False, NORM=False, RESID=False, NM=4, BKN=16),
+                         dict(num_warps=4, num_stages=3)),
+        "norm_gate_up_silu": (gus._kernel(), {"x": bf16, "w": bf16, "y": bf16, "r": bf16, "r_out": bf16,
+                                              "gamma": bf16, "eps": "fp32"},
+                              dict(BM=16, BN=32, BK=128, IEEE=False, NORM=True, RESID=True, NM=4, BKN=2048),
+                              dict(num_warps=4, num_stages=3)),
+        "norm_gemv": (decode_gemv._kernel(), {p: bf16 for p in ("x", "r", "r_out", "gamma", "w", "bias", "y")}
+                      | {"eps": "fp32"}, dict(BM=4, BN=8, BK=2048, NORM=True, RESID=True, BIAS=True),
+                      dict(num_warps=4)),
     }
 
 
-@pytest.mark.parametrize("name", ["split", "merge", "gate_up_silu"])
+@pytest.mark.parametrize("name", ["split", "merge", "gate_up_silu", "norm_gate_up_silu", "norm_gemv"])
 def test_each_kernel_waits_for_the_previous_one_before_touching_its_outputs(name):
     kernel, pointers, constexprs, options = _kernels()[name]
     lines = _ptx(kernel, pointers, constexprs | {"PDL": True}, launch_pdl=True, **options)
     early = _before_wait(lines)
-    if name == "gate_up_silu":  # the first gate and up weight tiles only: 2 x 32 x 128 bf16 over 128 threads
+    loaded = sum(16 if ".v4.b32" in line else 0 for line in early)  # bytes per thread in 16-byte loads
+    if name in ("gate_up_silu", "norm_gate_up_silu"):  # the first gate and up weight tiles only: 2 x 32 x 128
+        assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)  # bf16 / 128 threads
+        assert loaded == 2 * 32 * 128 * 2 // 128
+    elif name == "norm_gemv":  # loads only (weights, bias, norm weight); the whole 8 x 2048 weight slice among them
         assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
-        assert sum(16 if ".v4.b32" in line else 0 for line in early) == 2 * 32 * 128 * 2 // 128
+        assert loaded >= 8 * 2048 * 2 // 128
     else:
         assert early == []
     off = _ptx(kernel, pointers, constexprs | {"PDL": False}, **options)

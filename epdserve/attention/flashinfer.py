@@ -31,6 +31,19 @@ from epdserve.kvcache.page_table import paged_kv_csr
 _WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
+def graph_prefill_workspace_bytes(num_qo_heads: int, num_kv_heads: int, head_dim: int, max_tokens: int,
+                                  num_sm: int) -> int:
+    """Bytes of float workspace that flashinfer's prefill plan in CUDA-graph mode may take for one request of up to
+    ``max_tokens`` new tokens: its split-KV partial outputs ``tmp_v`` and ``tmp_s``, ``num_qo_heads * padded_batch *
+    cta_tile_q * (head_dim + 1)`` float32, where ``padded_batch = max(2 * num_sm // num_kv_heads, query tiles)``
+    (flashinfer 0.6 ``PrefillPlan`` / ``PrefillSplitQOKVIndptr`` in ``attention/scheduler.cuh``; tiles of at most 128
+    packed rows, ``max_tokens * num_qo_heads / num_kv_heads`` of them). Qwen3-VL-30B-A3B's 32 query heads over 4 KV
+    heads at 2048 tokens need 273 MB, more than the 256 MB workspace the other presets fit in (the plan then
+    failed: "Buffer overflow when allocating memory for batch_prefill_tmp_s")."""
+    rows = max(128 * (2 * num_sm // num_kv_heads), max_tokens * (num_qo_heads // num_kv_heads) + 128)
+    return num_qo_heads * rows * (head_dim + 1) * 4 + (1 << 20)
+
+
 def decode_kernel_kwargs(num_qo_heads: int, num_kv_heads: int) -> dict:
     """``BatchDecodeWithPagedKVCacheWrapper`` arguments choosing its kernel for a head layout: the tensor-core
     kernel on flashinfer's FA2 backend from 4 query heads per KV head up (SGLang's threshold), else the
@@ -117,9 +130,15 @@ class FlashInferBackend(AttentionBackend):
         kv_indptr = torch.zeros(2, dtype=torch.int32, device=dev)
         indices = torch.zeros(self.kv_pool.num_pages + 1, dtype=torch.int32, device=dev)
         last = torch.zeros(1, dtype=torch.int32, device=dev)
+        need = graph_prefill_workspace_bytes(self.num_qo_heads, self.kv_pool.num_kv_heads, self.kv_pool.head_dim,
+                                             max(token_counts, default=0),
+                                             torch.cuda.get_device_properties(dev).multi_processor_count)
+        # Graph prefills never run beside the other wrappers either: one larger workspace of their own if needed.
+        workspace = self._workspace if need <= self._workspace.numel() else torch.empty(need, dtype=torch.uint8,
+                                                                                        device=dev)
         for n in token_counts:
             self._graph_prefill[n] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace, kv_layout="NHD", backend=self._prefill_backend, use_cuda_graph=True,
+                workspace, kv_layout="NHD", backend=self._prefill_backend, use_cuda_graph=True,
                 qo_indptr_buf=qo_indptr,
                 paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last)
 

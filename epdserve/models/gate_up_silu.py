@@ -80,13 +80,14 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gate_up_silu_kernel(x, w, y, M, I, K, x_stride, w_stride, y_stride, BM: tl.constexpr, BN: tl.constexpr,
-                            BK: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    def gate_up_silu_kernel(x, w, y, M, I, K, x_stride, w_stride, y_stride, r, r_out, gamma, eps, r_stride,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                            PDL: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr, NM: tl.constexpr,
+                            BKN: tl.constexpr):
         rows = tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
         row_ok, col_ok = rows < M, cols < I
-        x_ptrs = x + rows[:, None] * x_stride + ks[None, :]
         # int64: 2I * K of a large MLP would not fit int32 offsets
         gate_ptrs = w + cols[:, None].to(tl.int64) * w_stride + ks[None, :]
         up_ptrs = w + (cols[:, None] + I).to(tl.int64) * w_stride + ks[None, :]
@@ -99,7 +100,31 @@ def _kernel():
         if PDL:  # x is the previous kernel's output (epdserve.device.supports_pdl)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        rstd = tl.full((BM,), 0.0, tl.float32)
+        if NORM:  # each row's 1 / RMS over the whole K first (NM <= 4 rows of at most BKN elements, from L2)
+            kn = tl.arange(0, BKN)
+            for m in tl.static_range(NM):
+                if m < M:
+                    s = tl.load(x + m * x_stride + kn, mask=kn < K, other=0.0).to(tl.float32)
+                    if RESID:
+                        s += tl.load(r + m * r_stride + kn, mask=kn < K, other=0.0).to(tl.float32)
+                    # tl.sum's own combine (tl.sum itself does not run on the CPU interpreter)
+                    ss = tl.reduce(s * s, 0, tl.standard._sum_combine)
+                    rstd = tl.where(rows == m, tl.rsqrt(ss / K + eps), rstd)
+        write = tl.program_id(0) == 0
+        # The projection's input tile: x, or with NORM rmsnorm(x (+ r)) rounded to x's dtype (flashinfer's
+        # fused_add_rmsnorm arithmetic), the sum stored as the new residual by program 0. Written out twice (here
+        # and in the loop): the interpreter cannot call a nested @triton.jit helper.
+        ok = row_ok[:, None] & k_ok[None, :]
+        a = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=ok, other=0.0)
+        if NORM:
+            s = a.to(tl.float32)
+            if RESID:
+                s += tl.load(r + rows[:, None] * r_stride + ks[None, :], mask=ok, other=0.0).to(tl.float32)
+                if write:
+                    tl.store(r_out + rows[:, None] * K + ks[None, :], s.to(a.dtype), mask=ok)
+            gk = tl.load(gamma + ks, mask=k_ok, other=0.0).to(tl.float32)
+            a = (s * rstd[:, None] * gk[None, :]).to(a.dtype)
         zero = tl.full((BM, BN), 0.0, tl.float32)
         if IEEE:  # float32 inputs (interpreter tests): no tf32 rounding of the operands
             gate = tl.dot(a, tl.trans(bg), zero, input_precision="ieee")
@@ -109,7 +134,16 @@ def _kernel():
             up = tl.dot(a, tl.trans(bu), zero)
         for k0 in range(BK, K, BK):
             k_ok = (k0 + ks) < K  # K's tail: masked lanes load zeros, which add nothing to either sum
-            a = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            ok = row_ok[:, None] & k_ok[None, :]
+            a = tl.load(x + rows[:, None] * x_stride + (k0 + ks)[None, :], mask=ok, other=0.0)
+            if NORM:
+                s = a.to(tl.float32)
+                if RESID:
+                    s += tl.load(r + rows[:, None] * r_stride + (k0 + ks)[None, :], mask=ok, other=0.0).to(tl.float32)
+                    if write:
+                        tl.store(r_out + rows[:, None] * K + (k0 + ks)[None, :], s.to(a.dtype), mask=ok)
+                gk = tl.load(gamma + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                a = (s * rstd[:, None] * gk[None, :]).to(a.dtype)
             w_ok = col_ok[:, None] & k_ok[None, :]
             bg = tl.load(gate_ptrs + k0, mask=w_ok, other=0.0)
             bu = tl.load(up_ptrs + k0, mask=w_ok, other=0.0)
@@ -182,15 +216,62 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: i
             launch options.
     """
     _check(x, w, block_n, block_k, num_warps, num_stages)
+    return _launch(x, w, None, None, 0.0, block_n, block_k, num_warps, num_stages)[0]
+
+
+NORM_MAX_M = 4  # rows that norm_gate_up_silu takes: its per-row RMS pass is unrolled over them
+
+
+def norm_gate_up_silu(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None, block_n: int = 64, block_k: int = 128,
+                      num_warps: int = 4, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gate_up_silu` of ``rmsnorm(x + residual)`` in one launch, for ``M <= NORM_MAX_M`` rows: the add +
+    RMSNorm kernel before the MLP folded into it (issue 44). Every program computes each row's RMS itself (the row
+    is a few KB in L2); program 0 also stores the new residual. The norm is flashinfer's ``fused_add_rmsnorm``
+    arithmetic: the sum in float32 (stored rounded), ``s * rsqrt(mean(s^2) + eps) * gamma`` over the unrounded sum,
+    rounded to ``x``'s dtype before the projection (see :mod:`epdserve.models.decode_gemv`).
+
+    Args:
+        x: ``[M, K]`` (the attention block's output), ``M <= NORM_MAX_M``, ``K <= 4096``.
+        w, block_n, block_k, num_warps, num_stages: as for :func:`gate_up_silu`.
+        gamma: ``[K]`` RMSNorm weight (``x``'s dtype); eps: its epsilon.
+        residual: ``[M, K]`` residual stream, or None (``x`` alone is normed and returned as the residual).
+
+    Returns:
+        ``(silu(gate) * up [M, I], x + residual [M, K])`` in ``x``'s dtype; the residual is a new tensor (or ``x``).
+
+    Raises:
+        ValueError: as :func:`gate_up_silu`, more than ``NORM_MAX_M`` rows or K over 4096, a norm weight or
+            residual of another shape, dtype or device, a residual whose rows are not contiguous.
+    """
+    _check(x, w, block_n, block_k, num_warps, num_stages)
+    if x.shape[0] > NORM_MAX_M or x.shape[1] > 4096:
+        raise ValueError(f"norm_gate_up_silu takes at most {NORM_MAX_M} rows and K <= 4096, got {list(x.shape)}")
+    for name, t, shape in (("norm weight", gamma, (x.shape[1],)), ("residual", residual, tuple(x.shape))):
+        if t is not None and (tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(f"norm_gate_up_silu {name} must be {list(shape)} {x.dtype} on {x.device}, got "
+                             f"{list(t.shape)} {t.dtype} on {t.device}")
+    if residual is not None and residual.shape[1] > 1 and residual.stride(1) != 1:
+        raise ValueError(f"norm_gate_up_silu needs residual rows contiguous, got strides {residual.stride()}")
+    y, r_out = _launch(x, w, gamma, residual, eps, block_n, block_k, num_warps, num_stages)
+    return y, (x if residual is None else r_out)
+
+
+def _launch(x, w, gamma, residual, eps, block_n, block_k, num_warps, num_stages):
     (M, K), inter = x.shape, w.shape[0] // 2
     y = torch.empty(M, inter, dtype=x.dtype, device=x.device)
+    r_out = torch.empty_like(x) if residual is not None else None
     if M == 0 or inter == 0:
-        return y
+        return y, r_out
     if K == 0:  # no launch for an empty sum: silu(0) * 0
-        return y.zero_()
+        return y.zero_(), r_out
     block_m = max(16, 1 << (M - 1).bit_length())  # tl.dot's minimum tile is 16 rows; masked rows load zeros
-    _kernel()[(-(-inter // block_n),)](x, w, y, M, inter, K, x.stride(0), w.stride(0), y.stride(0), BM=block_m,
-                                       BN=block_n, BK=block_k, IEEE=x.dtype == torch.float32,
-                                       PDL=(pdl := supports_pdl(x.device)), num_warps=num_warps,
-                                       num_stages=num_stages, launch_pdl=pdl)
-    return y
+    pdl = supports_pdl(x.device)
+    norm_k = max(16, 1 << (K - 1).bit_length()) if gamma is not None else 16  # one constexpr for every K without
+    _kernel()[(-(-inter // block_n),)](
+        x, w, y, M, inter, K, x.stride(0), w.stride(0), y.stride(0), residual if residual is not None else x,
+        r_out if r_out is not None else x, gamma if gamma is not None else x, float(eps),
+        residual.stride(0) if residual is not None else 0, BM=block_m, BN=block_n, BK=block_k,
+        IEEE=x.dtype == torch.float32, PDL=pdl, NORM=gamma is not None, RESID=residual is not None,
+        NM=NORM_MAX_M, BKN=norm_k, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+    return y, r_out

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdserve.engine.distributed import TPGroup
+from epdserve.models import decode_gemv
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,12 @@ class ColumnParallelLinear(nn.Module):
         out = sum(length for _, _, length in parts)
         self.weight = nn.Parameter(torch.empty(out, in_features))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        self.fused = False  # CUDA kernels (the model's use_fused_ops): decode-sized products through decode_gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, in]`` -> ``[T, sum of part lengths]`` (this rank's output features, part after part)."""
+        if self.fused:
+            return decode_gemv.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
@@ -115,11 +119,12 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.start, local = split_evenly(in_features, tp, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, local))
+        self.fused = False  # CUDA kernels (the model's use_fused_ops): decode-sized products through decode_gemv
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``[T, in / size]`` (this rank's features) -> ``[T, out]``, summed over the ranks (``reduce`` False: this
         rank's partial product, for a caller that sums it with others in one all-reduce)."""
-        y = F.linear(x, self.weight)
+        y = decode_gemv.linear(x, self.weight) if self.fused else F.linear(x, self.weight)
         return self.tp.all_reduce(y) if reduce else y
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:

@@ -38,7 +38,7 @@ from torch import nn
 from epdserve.attention.base import AttentionBackend
 from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
-from epdserve.models import gate_up_silu
+from epdserve.models import decode_gemv, gate_up_silu
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                       VocabParallelEmbedding, head_shard, split_evenly)
@@ -161,7 +161,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: _Rope, attn: AttentionBackend) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``."""
-        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        return self.attend(self.qkv_proj(x), rope, attn)
+
+    def attend(self, qkv: torch.Tensor, rope: _Rope, attn: AttentionBackend) -> torch.Tensor:
+        """The block after the qkv projection: ``qkv`` ``[T, (hq + 2 hkv) * head_dim]`` -> ``[T, hidden]``."""
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         written = False
         if rope.table is not None:  # in place on the strided views of the qkv output: no copies
             written = rope_and_kv_write(q, k, v, self.d, rope.table, attn, self.layer_id)
@@ -213,6 +217,8 @@ class DecoderLayer(nn.Module):
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, residual)`` ``[T, hidden]`` each -> the same after this block; the block's output is
         ``x + residual`` (kept apart so the next norm can fuse the add). ``residual`` None: first block."""
+        if self._norms_in_projections(x):
+            return self._forward_norms_in_projections(x, residual, rope, attn)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -220,6 +226,23 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, rope, attn)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _norms_in_projections(self, x: torch.Tensor) -> bool:
+        """Whether this forward folds both norms into the projections after them (fused ops, a dense MLP, a
+        decode batch of at most :data:`decode_gemv.FOLD_NORMS_MAX_M` rows): see :mod:`epdserve.models.decode_gemv`."""
+        return (self.input_layernorm.fused and isinstance(self.mlp, MLP) and self.mlp.fused
+                and x.shape[0] <= decode_gemv.FOLD_NORMS_MAX_M and decode_gemv.fits(x, self.self_attn.qkv_proj.weight))
+
+    def _forward_norms_in_projections(self, x: torch.Tensor, residual: torch.Tensor | None, rope: _Rope,
+                                      attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with add + RMSNorm inside the qkv GEMV and the gate_up + SiLU kernel: two kernels fewer
+        per layer, the projections' weights loaded while the kernel before them runs."""
+        ln1, ln2, qkv_proj = self.input_layernorm, self.post_attention_layernorm, self.self_attn.qkv_proj
+        qkv, residual = decode_gemv.norm_gemv(x, qkv_proj.weight, qkv_proj.bias, ln1.weight, ln1.eps, residual)
+        x = self.self_attn.attend(qkv, rope, attn)
+        act, residual = gate_up_silu.norm_gate_up_silu(x, self.mlp.gate_up_proj.weight, ln2.weight, ln2.eps, residual,
+                                                       *gate_up_silu.config_for(x.shape[0]))
+        return self.mlp.down_proj(act), residual
 
 
 # Checkpoint projection names -> (fused parameter, index of the part within it).
@@ -289,7 +312,7 @@ class Qwen2VLLanguageModel(nn.Module):
             _flashinfer()
         self.fused_ops = enabled
         for m in self.modules():
-            if isinstance(m, (RMSNorm, MLP)):
+            if isinstance(m, (RMSNorm, MLP, ColumnParallelLinear, RowParallelLinear)):
                 m.fused = enabled
         return self
 

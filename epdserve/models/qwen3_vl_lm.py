@@ -46,9 +46,8 @@ class Qwen3Attention(Attention):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: _Rope, attn) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``."""
-        qkv = self.qkv_proj(x)
+    def attend(self, qkv: torch.Tensor, rope: _Rope, attn) -> torch.Tensor:
+        """The block after the qkv projection: ``qkv`` ``[T, (hq + 2 hkv) * head_dim]`` -> ``[T, hidden]``."""
         if rope.table is not None and self.q_norm.fused:  # CUDA: norms and RoPE in one kernel
             target = attn.kv_write(self.layer_id, qkv.dtype)
             q, k = qk_norm_rope(qkv, self.hq, self.hkv, self.d, self.q_norm.weight, self.k_norm.weight,

@@ -1,0 +1,190 @@
+"""Decode-sized projections (M <= 4 rows) as one Triton GEMV that loads its whole weight slice before it waits for
+the kernel before it, optionally with the RMSNorm (and residual add) in front of the projection folded in.
+
+Why (issue 44): at batch 1 the 3B preset's qkv (10.5 MB of weights) and o (8.4 MB) projections took 6.1 us each
+in cuBLAS on an H200, 1.4-1.7 TB/s, and each of the two fused add + RMSNorm kernels around them another 2.5 us
+(docs/performance.md, ninth session): a kernel's fixed cost (launch, the DRAM latency of its first loads, its
+tail) and not the bandwidth sets their time. Here each program holds ``BN`` output columns over the whole K in
+registers: it loads them under programmatic dependent launch (PDL, :func:`epdserve.device.supports_pdl`) *before*
+``griddepcontrol.wait``, so the weights stream in while the previous kernel still runs (weights are never
+written), and after the wait only the activation row (a few KB, from L2) and the products remain. With the norm
+folded in, every program recomputes the row's RMS from ``x (+ residual)``, which costs a K-element reduction per
+program and removes a kernel. This is the weight prefetch of Hazy Research's decode megakernel ("Look Ma, No
+Bubbles", 2025) applied kernel by kernel.
+
+Arithmetic, as the unfused CUDA path computes it (flashinfer's ``fused_add_rmsnorm`` then ``F.linear``):
+``s = x + residual`` in float32, stored rounded as the new residual; ``n = s * rsqrt(mean(s^2) + eps) * gamma`` in
+float32 over the unrounded ``s``, rounded to the activation dtype; ``y = n @ W.T (+ bias)`` accumulated in float32
+and rounded once. So the result differs from the unfused one only by the summation orders (one ulp of the
+activation dtype where a sum lands near a rounding boundary).
+
+Shapes and dtypes: ``x`` ``[M, K]`` with ``M <= MAX_M`` and ``K <= MAX_K``; ``w`` ``[N, K]``; output ``[M, N]``
+in ``x``'s dtype. bf16/fp16 on CUDA (float32 too on the CPU, through Triton's interpreter, for the tests). One
+launch, grid ``cdiv(N, BN)``; CUDA-graph safe. Callers check :func:`fits` and fall back to the unfused path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from epdserve.device import supports_pdl
+
+MAX_M = 4  # rows per call; each row is a separate pass over the registers' weights
+# Rows up to which a decoder layer folds its two add + RMSNorm kernels into the projections after them. Measured on
+# an H200 (3B preset, decode step GPU time against the unfolded path with the GEMVs): 0.98x at 1 row, but 1.09x at
+# 2 and 1.13x at 4, where each row's two block-wide reductions (its RMS, then the products) run one after another.
+FOLD_NORMS_MAX_M = 1
+# The whole K of a program's columns sits in registers (BN * K * 2 bytes per program). At K = 3584 and 4096 (the 7B
+# and 8B presets' hidden size) a program needs 8 warps and ~230 registers a thread, one program fits an SM, and the
+# decode step was slower than cuBLAS's: 1.18x at 1 row on the 7B preset (H200). Those keep the cuBLAS path.
+MAX_K = 2048
+
+_CUDA_DTYPES = (torch.bfloat16, torch.float16)
+_CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def config_for(k: int) -> tuple[int, int]:
+    """``(block_n, num_warps)`` for a K of ``k`` (at most :data:`MAX_K`): 8 columns, 4 warps, 32 KB of bf16 weights
+    per program at K = 2048. On an H200 (3B preset, qkv and o at K = 2048) 4 x 4, 8 x 8 and 16 x 8 were no faster."""
+    return (8, 4)
+
+
+def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`gemv` / :func:`norm_gemv` take ``x`` ``[M, K]`` and ``w`` ``[N, K]``: CUDA, bf16/fp16 of one
+    dtype, ``1 <= M <= MAX_M``, ``K <= MAX_K``, rows contiguous."""
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_M and x.shape[1] <= MAX_K
+            and x.dtype in _CUDA_DTYPES and w.dtype == x.dtype and w.dim() == 2 and w.shape[1] == x.shape[1]
+            and x.stride(1) == 1 and w.stride(1) == 1)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def norm_gemv_kernel(x, r, r_out, gamma, w, bias, y, M, N, K, eps, x_stride, r_stride, w_stride, y_stride,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
+                         RESID: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr):
+        pid = tl.program_id(0)
+        cols = pid * BN + tl.arange(0, BN)
+        ks = tl.arange(0, BK)
+        col_ok, k_ok = cols < N, ks < K
+        # Everything that does not depend on the previous kernel first: the weight slice, bias and norm weight.
+        wt = tl.load(w + cols[:, None].to(tl.int64) * w_stride + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        b = tl.full((BN,), 0.0, tl.float32)
+        if BIAS:
+            b = tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)
+        g = tl.full((BK,), 0.0, tl.float32)
+        if NORM:
+            g = tl.load(gamma + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        dt = y.dtype.element_ty
+        for m in tl.static_range(BM):
+            if m < M:
+                v = tl.load(x + m * x_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
+                if RESID:
+                    v += tl.load(r + m * r_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
+                    if pid == 0:
+                        tl.store(r_out + m * K + ks, v.to(dt), mask=k_ok)
+                # tl.sum's own combine function: tl.sum itself does not run on the CPU interpreter
+                if NORM:  # flashinfer's order: s * rsqrt(mean(s^2) + eps) * gamma, over the unrounded sum
+                    ss = tl.reduce(v * v, 0, tl.standard._sum_combine)
+                    v = (v * tl.rsqrt(ss / K + eps) * g).to(dt).to(tl.float32)
+                acc = tl.reduce(wt.to(tl.float32) * v[None, :], 1, tl.standard._sum_combine) + b
+                tl.store(y + m * y_stride + cols, acc.to(dt), mask=col_ok)
+
+    return norm_gemv_kernel
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+           gamma: torch.Tensor | None) -> None:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"decode GEMV needs x [M, K] and w [N, K], got x {list(x.shape)}, w {list(w.shape)}")
+    if not 0 <= x.shape[0] <= MAX_M or x.shape[1] > MAX_K:
+        raise ValueError(f"decode GEMV takes at most {MAX_M} rows and K <= {MAX_K}, got x {list(x.shape)}")
+    allowed = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
+    others = [t for t in (w, bias, residual, gamma) if t is not None]
+    if x.dtype not in allowed or any(t.dtype != x.dtype or t.device != x.device for t in others):
+        raise ValueError(f"decode GEMV needs every tensor on {x.device} in one dtype among "
+                         f"{[str(d) for d in allowed]}, got x {x.dtype} and {[str(t.dtype) for t in others]}")
+    if x.stride(1) != 1 or w.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+        raise ValueError("decode GEMV needs rows of x, w and residual contiguous")
+    if bias is not None and bias.shape != (w.shape[0],):
+        raise ValueError(f"decode GEMV bias must be [{w.shape[0]}], got {list(bias.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"decode GEMV residual must be {list(x.shape)}, got {list(residual.shape)}")
+    if gamma is not None and gamma.shape != (x.shape[1],):
+        raise ValueError(f"decode GEMV norm weight must be [{x.shape[1]}], got {list(gamma.shape)}")
+
+
+def _launch(x, w, bias, residual, gamma, eps, block_n, num_warps):
+    (M, K), N = x.shape, w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    r_out = torch.empty_like(x) if residual is not None else None
+    if M == 0 or N == 0:
+        return y, r_out
+    if block_n is None:
+        block_n, num_warps = config_for(K)
+    pdl = supports_pdl(x.device)
+    _kernel()[(-(-N // block_n),)](
+        x, residual if residual is not None else x, r_out if r_out is not None else x,
+        gamma if gamma is not None else x, w, bias if bias is not None else x, y, M, N, K, float(eps),
+        x.stride(0), residual.stride(0) if residual is not None else 0, w.stride(0), y.stride(0),
+        BM=MAX_M, BN=block_n, BK=max(16, 1 << (K - 1).bit_length()), NORM=gamma is not None,
+        RESID=residual is not None, BIAS=bias is not None, PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
+    return y, r_out
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
+         num_warps: int = 4) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for ``M <= MAX_M`` rows, the weights loaded before the PDL wait (module docstring).
+
+    Args:
+        x: ``[M, K]``, rows contiguous; bf16/fp16 on CUDA (float32 too on the CPU's interpreter).
+        w: ``[N, K]``, rows contiguous, ``x``'s dtype and device. bias: ``[N]`` or None.
+        block_n, num_warps: launch options (None: :func:`config_for`).
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype, accumulated in float32.
+
+    Raises:
+        ValueError: more than ``MAX_M`` rows, K over ``MAX_K``, mismatched shapes, dtypes or devices, rows that are
+            not contiguous.
+    """
+    _check(x, w, bias, None, None)
+    return _launch(x, w, bias, None, None, 0.0, block_n, num_warps)[0]
+
+
+def norm_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor, eps: float,
+              residual: torch.Tensor | None = None, block_n: int | None = None,
+              num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rmsnorm(x + residual) @ w.T (+ bias), x + residual)`` in one launch (``residual`` None: ``x`` alone is
+    normed and returned as the residual), with flashinfer's ``fused_add_rmsnorm`` arithmetic (module docstring).
+
+    Args:
+        x: ``[M, K]`` hidden states (the previous block's output), rows contiguous.
+        w, bias, block_n, num_warps: as for :func:`gemv`.
+        gamma: ``[K]`` RMSNorm weight; eps: its epsilon.
+        residual: ``[M, K]`` residual stream or None (the first block).
+
+    Returns:
+        ``(y [M, N], residual [M, K])``, both in ``x``'s dtype; the residual is a new tensor (or ``x``).
+
+    Raises:
+        ValueError: as :func:`gemv`, and a norm weight or residual of the wrong shape.
+    """
+    _check(x, w, bias, residual, gamma)
+    y, r_out = _launch(x, w, bias, residual, gamma, eps, block_n, num_warps)
+    return y, (x if residual is None else r_out)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gemv` where it :func:`fits`, ``F.linear`` otherwise. Same shapes and result as ``F.linear``."""
+    return gemv(x, w, bias) if fits(x, w) else F.linear(x, w, bias)

@@ -1,0 +1,102 @@
+"""The decode GEMV with the add + RMSNorm folded in (Triton, epdserve.models.decode_gemv): on the CPU through Triton's
+interpreter in float32 against a float64 reference with a bound from float32's rounding (ragged N and K, 1-4 rows,
+bias, row strides), the new residual exactly ``x + residual``; in bf16 the norm's rounding as flashinfer's; the
+errors and the fallback of :func:`linear`. On CUDA the decode path runs it inside the GPU suite's greedy parity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from epdserve.models import decode_gemv as mod
+
+U32 = 2.0**-24
+
+
+def _case(M: int, N: int, K: int, dtype: torch.dtype, seed: int, stride_pad: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K + stride_pad, generator=g).to(dtype)[:, :K]
+    r = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K + stride_pad, generator=g) * K ** -0.5).to(dtype)[:, :K]
+    bias = torch.randn(N, generator=g).to(dtype)
+    gamma = (1 + 0.5 * torch.randn(K, generator=g)).to(dtype)
+    return x, r, w, bias, gamma
+
+
+def _normed64(x, r, gamma, eps):
+    s = x.double() + (0 if r is None else r.double())
+    return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * gamma.double()
+
+
+@pytest.mark.parametrize("M,N,K,bias,pad", [(1, 40, 100, True, 0), (3, 17, 64, False, 3), (4, 70, 130, True, 5),
+                                            (2, 8, 7, False, 0)])
+def test_gemv_equals_a_float64_reference(interpreter, M, N, K, bias, pad):
+    x, _, w, b, _ = _case(M, N, K, torch.float32, seed=M * N + K, stride_pad=pad)
+    b = b if bias else None
+    got = mod.gemv(x, w, b, block_n=8).double()
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    # each product rounded once, then K additions (and the bias) in some order: the gamma_n bound
+    n = K + 2
+    bound = n * U32 / (1 - n * U32) * (x.double().abs() @ w.double().abs().T + (0 if b is None else b.abs()))
+    assert got.shape == (M, N)
+    assert bool(((got - want).abs() <= bound).all())
+    # the bound tells a wrong kernel apart: one term of K missing moves a column by ~1e-2 of its size
+    assert float(bound.max()) < 1e-4
+
+
+@pytest.mark.parametrize("M,N,K,with_residual", [(1, 40, 100, True), (4, 33, 130, True), (2, 24, 64, False)])
+def test_norm_gemv_equals_a_float64_reference(interpreter, M, N, K, with_residual):
+    x, r, w, b, gamma = _case(M, N, K, torch.float32, seed=7 * M + N)
+    r = r if with_residual else None
+    eps = 1e-6
+    y, r_out = mod.norm_gemv(x, w, b, gamma, eps, r, block_n=8)
+    if r is None:
+        assert r_out is x
+    else:  # one float32 rounding of the sum: exactly torch's
+        assert torch.equal(r_out, x + r)
+    n64 = _normed64(x, r, gamma, eps)
+    want = n64 @ w.double().T + b.double()
+    # the normed row: a float32 sum of K squares and a few products: relative error <= (K + 8) u per element;
+    # then the dot product's K + 2 roundings
+    mag = n64.abs() @ w.double().abs().T + b.double().abs()
+    bound = (2 * K + 12) * U32 * mag
+    assert bool(((y.double() - want).abs() <= bound).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter rounds bf16 otherwise)")
+@pytest.mark.parametrize("M,N,K", [(1, 2560, 2048), (4, 2048, 2048), (3, 5120, 1536)])
+def test_norm_gemv_in_bf16_rounds_like_flashinfer(M, N, K):
+    x, r, w, b, gamma = (t.cuda() for t in _case(M, N, K, torch.bfloat16, seed=3))
+    y, r_out = mod.norm_gemv(x, w, b, gamma, 1e-6, r)
+    assert mod.fits(x, w)
+    assert torch.equal(r_out, (x.float() + r.float()).to(torch.bfloat16))
+    # flashinfer's fused_add_rmsnorm: the norm over the unrounded float32 sum, rounded once to bf16; then the
+    # projection accumulated in float32 and rounded once
+    s = x.float() + r.float()
+    n = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma.float()).to(torch.bfloat16)
+    want = n.float() @ w.float().T + b.float()
+    # one bf16 rounding of the output, plus normed elements one bf16 ulp apart where float32's sums round apart
+    bound = 2.0**-8 * want.abs() + 2.0**-8 * (n.float().abs() @ w.float().abs().T) * 2.0**-4 + 1e-6
+    assert bool(((y.float() - want).abs() <= bound).all())
+    assert torch.equal(mod.gemv(n, w, b), mod.linear(n, w, b))
+
+
+def test_errors_and_the_fallback(interpreter):
+    x, r, w, b, gamma = _case(5, 16, 32, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        mod.gemv(x, w)
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        mod.gemv(torch.zeros(1, mod.MAX_K + 1), torch.zeros(4, mod.MAX_K + 1))
+    with pytest.raises(ValueError, match="bias"):
+        mod.gemv(x[:1], w, b[:3])
+    with pytest.raises(ValueError, match="one dtype"):
+        mod.gemv(x[:1], w.double())
+    with pytest.raises(ValueError, match="residual"):
+        mod.norm_gemv(x[:1], w, None, gamma, 1e-6, r[:2])
+    with pytest.raises(ValueError, match="norm weight"):
+        mod.norm_gemv(x[:1], w, None, gamma[:5], 1e-6)
+    # on the CPU nothing fits: linear is F.linear, bit for bit
+    assert not mod.fits(x[:1], w)
+    assert torch.equal(mod.linear(x, w, b), F.linear(x, w, b))
