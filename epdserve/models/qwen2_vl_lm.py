@@ -13,7 +13,9 @@ Two implementations of the small operations (norms, residual adds, RoPE, SiLU-an
   and SiLU-and-mul are one Triton kernel instead, :mod:`epdserve.models.gate_up_silu`), and RoPE in place
   (:mod:`epdserve.models.rope_inplace`, flashinfer's ``apply_rope_with_cos_sin_cache_inplace`` arithmetic in a
   Triton kernel that compiles in a second where flashinfer's takes ~27 s on a fresh machine), which also writes K
-  and V into the KV cache where the backend allows it (:func:`rope_and_kv_write`). A decode
+  and V into the KV cache where the backend allows it (:func:`rope_and_kv_write`). Decode batches of at most 4 rows
+  run qkv and o_proj as :mod:`epdserve.models.decode_gemv` GEMVs (hidden size up to 2048), and at one row fold both
+  add + RMSNorm kernels into the qkv GEMV and the gate_up + SiLU kernel (:meth:`DecoderLayer.forward`). A decode
   step of a 36-layer model launched ~39 kernels per layer with torch ops, ~2-3 us each on the GPU even inside a
   CUDA graph; fused, it launches ~11. They round differently from transformers (RMSNorm multiplies by the weight
   in float32), so GPU outputs are close to, not bit-equal with, the CPU reference.
