@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from epdserve.models import moe_decode as mod  # noqa: F401 (the interpreter fixture rebuilds mod._kernel)
 from epdserve.models.moe_experts import METHODS, default_method, experts_loop, run_experts
 from epdserve.models.qwen3_vl_moe_lm import route
 
@@ -58,14 +59,15 @@ def test_capturable_paths_trace_whole_with_no_host_sync(method, dtype):
 
 def test_default_method_and_unknown_method():
     assert default_method(torch.zeros(1)) == "loop"
-    assert set(METHODS) == {"loop", "grouped", "gathered"}
+    assert set(METHODS) == {"loop", "grouped", "gathered", "fused"}
     with pytest.raises(ValueError, match="unknown experts method"):
-        run_experts(*_case(2), method="fused")
+        run_experts(*_case(2), method="bogus")
 
 
-def test_every_method_serves_the_tiny_moe_lm_alike(tiny_qwen3_vl_moe_path):
+def test_every_method_serves_the_tiny_moe_lm_alike(interpreter, tiny_qwen3_vl_moe_path):
     """The tiny Qwen3-VL-MoE through epdserve's runner: a prefill and greedy decode steps give the same logits with
-    the experts forced onto each method as on the loop (bitwise for grouped)."""
+    the experts forced onto each method as on the loop (bitwise for grouped; the fused kernels on Triton's
+    interpreter)."""
     from test_model_runtime import Pages
     from test_qwen3_vl_model import Seq3, greedy
 
@@ -84,13 +86,14 @@ def test_every_method_serves_the_tiny_moe_lm_alike(tiny_qwen3_vl_moe_path):
         results[method] = greedy(runner, Seq3(ids, [], Pages(16, seed=1).take(2), 16), 6)
     first, tokens = results["loop"]
     assert torch.equal(results["grouped"][0], first) and results["grouped"][1] == tokens
-    torch.testing.assert_close(results["gathered"][0], first, rtol=1e-5, atol=1e-5)
-    assert results["gathered"][1] == tokens
+    for method in ("gathered", "fused"):
+        torch.testing.assert_close(results[method][0], first, rtol=1e-5, atol=1e-5)
+        assert results[method][1] == tokens
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("method", ["grouped", "gathered"])
+@pytest.mark.parametrize("method", ["grouped", "gathered", "fused"])
 def test_capturable_paths_replay_in_a_cuda_graph(method):
     """On the GPU: the method captured in a CUDA graph, replayed on new routing written into its static inputs,
     equals its eager call and stays within bf16 rounding of the loop."""
@@ -107,3 +110,56 @@ def test_capturable_paths_replay_in_a_cuda_graph(method):
     graph.replay()
     torch.testing.assert_close(out, run_experts(x2, gate_up, down, w2, e2, method), rtol=0, atol=0)
     torch.testing.assert_close(out.float(), experts_loop(x2, gate_up, down, w2, e2).float(), rtol=2e-2, atol=2e-2)
+
+
+def _gamma(n: int) -> float:
+    """The float32 bound on n rounded additions or products, relative to the sum of magnitudes (Higham's gamma_n)."""
+    return n * 2.0**-24 / (1 - n * 2.0**-24)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_fused_kernels_match_float64_on_the_interpreter(interpreter, tokens):
+    """The two Triton kernels (epdserve.models.moe_decode) under Triton's CPU interpreter, float32, against the same
+    arithmetic in float64, within float32's rounding bound propagated through SiLU, the down product and the
+    weighted sum of the k slots (and the loop agrees with them within the same bound)."""
+    x, gate_up, down, weights, experts = _case(tokens, seed=11 + tokens)
+    got = run_experts(x, gate_up, down, weights, experts, "fused").double()
+    silu = torch.nn.functional.silu
+    want = torch.zeros(tokens, HIDDEN, dtype=torch.float64)
+    bound = torch.zeros_like(want)
+    for t in range(tokens):
+        xt = x[t].double()
+        for j in range(TOP_K):
+            e, w = int(experts[t, j]), float(weights[t, j])
+            gu, d = gate_up[e].double(), down[e].double()
+            h, mag = gu @ xt, gu.abs() @ xt.abs()
+            g, u, dg, du = h[:INTER], h[INTER:], _gamma(HIDDEN) * mag[:INTER], _gamma(HIDDEN) * mag[INTER:]
+            act = silu(g) * u
+            dact = 1.1 * dg * (u.abs() + du) + silu(g).abs() * du + 4 * 2.0**-24 * act.abs()
+            y = d @ act
+            dy = _gamma(INTER) * (d.abs() @ act.abs()) + d.abs() @ dact
+            want[t] += w * y
+            bound[t] += abs(w) * (dy + _gamma(TOP_K + 1) * y.abs())
+    assert got.shape == want.shape
+    assert bool(((got - want).abs() <= bound).all())
+    loop = experts_loop(x, gate_up, down, weights, experts).double()
+    assert bool(((loop - want).abs() <= bound).all())
+    # the bound still tells a wrong kernel apart: dropping one slot moves outputs by ~1e-1 of their size
+    assert float(bound.max()) < 1e-3 * float(want.abs().max())
+
+
+def test_fused_method_checks_its_inputs():
+    x, gate_up, down, weights, experts = _case(2)
+    with pytest.raises(ValueError, match="fused experts need"):
+        run_experts(x, gate_up, down[:, :, :-1], weights, experts, "fused")
+    with pytest.raises(ValueError, match="one dtype"):
+        run_experts(x.double(), gate_up, down, weights, experts, "fused")
+
+
+def test_the_experts_bench_reads_the_checkpoints_expert_shapes(tiny_qwen3_vl_moe_path, tiny_model_path):
+    from epdserve.bench.moe_experts import expert_shapes
+
+    # the tiny checkpoint's ratios (make-tiny-model --arch qwen3-vl-moe): 32 experts, top 2, hidden 128, width 48
+    assert expert_shapes(tiny_qwen3_vl_moe_path) == (32, 2, 128, 48)
+    with pytest.raises(ValueError, match="not an MoE checkpoint"):
+        expert_shapes(tiny_model_path)

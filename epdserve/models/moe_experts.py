@@ -13,11 +13,17 @@ sum of those SiLU-gated experts' outputs. :func:`run_experts` is the one functio
   ``torch.bmm``; capturable too, where ``grouped_mm`` is not available (float16 or float32 on CUDA, older GPUs),
   at the price of a ``[T * k, 2I, hidden]`` copy of weights per call: small decode batches only.
 
-A maintained fused-MoE kernel (flashinfer's or sgl-kernel's) would be one more method here, chosen on CUDA by
-:func:`default_method`.
+- ``"fused"`` (:func:`epdserve.models.moe_decode.experts_fused`): two Triton kernels for a decode-sized batch
+  (gate_up + SiLU per slot; down with the routing-weighted sum), against the grouped path's ~25 small kernels
+  around its GEMMs; capturable. Not the default until measured against ``"grouped"`` on a GPU.
 
-All methods sum a token's ``k`` expert outputs one at a time in ascending expert id (what ``index_add_`` in the
-loop does), so they differ from the loop only by the GEMMs' own rounding.
+A maintained fused-MoE kernel would be one more method here, chosen on CUDA by :func:`default_method`: flashinfer's
+``cutlass_fused_moe`` JIT-builds TensorRT-LLM's CUTLASS MoE GEMMs for SM90 (fp8 and fp4 instantiations included) on
+first use, a build not yet timed on the device machines; sgl-kernel's wheels are built against other torch releases.
+
+The loop, grouped and gathered methods sum a token's ``k`` expert outputs one at a time in ascending expert id
+(what ``index_add_`` in the loop does), so they differ from the loop only by the GEMMs' own rounding; the fused
+method sums them in float32 and rounds once.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-METHODS = ("loop", "grouped", "gathered")
+METHODS = ("loop", "grouped", "gathered", "fused")
 
 
 def default_method(x: torch.Tensor) -> str:
@@ -46,7 +52,7 @@ def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weig
         down: ``[E, hidden, I]``.
         weights: ``[T, k]`` routing weights (``x``'s dtype).
         experts: ``[T, k]`` int64 expert ids in ``[0, E)``, distinct within a row.
-        method: ``"loop"``, ``"grouped"`` or ``"gathered"`` (see the module docstring); None:
+        method: ``"loop"``, ``"grouped"``, ``"gathered"`` or ``"fused"`` (see the module docstring); None:
             :func:`default_method`.
 
     Returns:
@@ -62,6 +68,10 @@ def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weig
         return experts_grouped(x, gate_up, down, weights, experts)
     if method == "gathered":
         return experts_gathered(x, gate_up, down, weights, experts)
+    if method == "fused":
+        from epdserve.models.moe_decode import experts_fused
+
+        return experts_fused(x, gate_up, down, weights, experts)
     raise ValueError(f"unknown experts method {method!r}; expected one of {METHODS}")
 
 

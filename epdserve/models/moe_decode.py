@@ -1,0 +1,125 @@
+"""The routed experts of a decode-sized batch in two Triton kernels: gate_up + SiLU per slot, then down with the
+routing-weighted sum of each token's slots (``run_experts``' ``"fused"`` method, issue 50).
+
+Why: on an H200, Qwen3-VL-30B-A3B's shapes (128 experts, top 8, expert width 768, hidden 2048) decoded one row in
+~170 us per layer against ~28 us of bytes (docs/performance.md, fourteenth session). The ``"grouped"`` path spends
+a decode step on ~25 small kernels per layer around its two grouped GEMMs (sort, argsort, searchsorted, gathers,
+SiLU, the weight multiply, the scatter back, seven slot adds). Here a layer's experts are two launches, as SGLang's
+and vLLM's Triton ``fused_moe`` kernels do it for small batches, without their block alignment (one slot per
+program row: at a few tokens nearly every slot has its own expert):
+
+- :func:`_kernel` ``[0]``, grid ``(S, cdiv(I, BN))`` over the ``S = T * k`` slots: program ``(s, n)`` reads slot
+  ``s``'s expert id and its token's row, and writes ``silu(x @ Wg.T) * (x @ Wu.T)`` for ``BN`` intermediate
+  columns; gate and up are each rounded to the activation dtype first (what the grouped GEMM's bf16 output does).
+- ``[1]``, grid ``(T, cdiv(hidden, BN))``: program ``(t, n)`` adds ``weight_j * (act_j @ Wd_j.T)`` over token
+  ``t``'s ``k`` slots for ``BN`` output columns in float32 and rounds once.
+
+Arithmetic: products accumulate in float32. The ``k`` slot outputs are summed in float32 in top-k order and
+rounded once, where the loop and the grouped path add bf16 results in ascending expert id; so this method equals
+them up to float rounding, not bit for bit (it is the more exact of the two). A slot's expert weights are read by
+its own programs: two tokens on one expert read it twice, which at the few tokens this is for costs little
+against the kernels it saves; larger batches take the grouped GEMMs (:data:`MAX_SLOTS`).
+
+Shapes and dtypes: ``x`` ``[T, hidden]``; ``gate_up`` ``[E, 2I, hidden]`` (gate rows then up rows); ``down``
+``[E, hidden, I]``; ``weights`` ``[T, k]`` (``x``'s dtype); ``experts`` ``[T, k]`` int64 in ``[0, E)``; output
+``[T, hidden]`` in ``x``'s dtype. bf16/fp16 on CUDA, float32 too on the CPU through Triton's interpreter (the tests).
+No host sync, fixed shapes: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MAX_SLOTS = 64  # T * k up to which run_experts' default on CUDA is this method (8 tokens of Qwen3-VL-30B-A3B)
+BLOCK_I, BLOCK_HIDDEN, BLOCK_K = 32, 16, 128  # columns per program of the two kernels, and the K step
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gate_up_silu_slots(x, w, experts, act, K, I, x_stride, w_e_stride, w_n_stride, act_stride,
+                           TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        s = tl.program_id(0)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        ks = tl.arange(0, BK)
+        col_ok = cols < I
+        e = tl.load(experts + s).to(tl.int64)
+        row = x + (s // TOPK) * x_stride
+        gate_ptrs = w + e * w_e_stride + cols[:, None].to(tl.int64) * w_n_stride + ks[None, :]
+        up_ptrs = gate_ptrs + I * w_n_stride
+        # [BN, BK] float32 partial products, reduced once after the K loop (one cross-thread reduction, not one
+        # per step)
+        acc_g = tl.full((BN, BK), 0.0, tl.float32)
+        acc_u = tl.full((BN, BK), 0.0, tl.float32)
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + ks) < K
+            a = tl.load(row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            ok = col_ok[:, None] & k_ok[None, :]
+            acc_g += tl.load(gate_ptrs + k0, mask=ok, other=0.0).to(tl.float32) * a[None, :]
+            acc_u += tl.load(up_ptrs + k0, mask=ok, other=0.0).to(tl.float32) * a[None, :]
+        dt = act.dtype.element_ty
+        # tl.sum's own combine function: tl.sum itself does not run on the CPU interpreter
+        g = tl.reduce(acc_g, 1, tl.standard._sum_combine).to(dt).to(tl.float32)
+        u = tl.reduce(acc_u, 1, tl.standard._sum_combine).to(dt).to(tl.float32)
+        tl.store(act + s * act_stride + cols, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=col_ok)
+
+    @triton.jit
+    def down_weighted_sum(act, w, experts, weights, out, I, N, act_stride, w_e_stride, w_n_stride, out_stride,
+                          TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        ks = tl.arange(0, BK)
+        col_ok = cols < N
+        total = tl.full((BN,), 0.0, tl.float32)
+        for j in tl.static_range(TOPK):
+            s = t * TOPK + j
+            e = tl.load(experts + s).to(tl.int64)
+            ptrs = w + e * w_e_stride + cols[:, None].to(tl.int64) * w_n_stride + ks[None, :]
+            acc = tl.full((BN, BK), 0.0, tl.float32)
+            for k0 in range(0, I, BK):
+                k_ok = (k0 + ks) < I
+                a = tl.load(act + s * act_stride + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                acc += tl.load(ptrs + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a[None, :]
+            total += tl.reduce(acc, 1, tl.standard._sum_combine) * tl.load(weights + s).to(tl.float32)
+        tl.store(out + t * out_stride + cols, total.to(out.dtype.element_ty), mask=col_ok)
+
+    return gate_up_silu_slots, down_weighted_sum
+
+
+def experts_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                  experts: torch.Tensor) -> torch.Tensor:
+    """:func:`~epdserve.models.moe_experts.run_experts` in two launches (module docstring): ``[T, hidden]`` in
+    ``x``'s dtype.
+
+    Raises:
+        ValueError: mismatched shapes, dtypes or devices, or rows that are not contiguous.
+    """
+    (T, hidden), (E, two_i, _), k = x.shape, gate_up.shape, experts.shape[1]
+    inter = two_i // 2
+    if (gate_up.shape[2] != hidden or down.shape != (E, hidden, inter) or weights.shape != experts.shape
+            or experts.shape[0] != T or two_i % 2):
+        raise ValueError(f"fused experts need x [T, H], gate_up [E, 2I, H], down [E, H, I], weights and experts "
+                         f"[T, k]; got {list(x.shape)}, {list(gate_up.shape)}, {list(down.shape)}, "
+                         f"{list(weights.shape)}, {list(experts.shape)}")
+    if len({t.dtype for t in (x, gate_up, down, weights)}) != 1 or len({t.device for t in (x, gate_up, down,
+                                                                                           weights, experts)}) != 1:
+        raise ValueError("fused experts need x, gate_up, down and weights of one dtype, every tensor on one device")
+    if min(x.stride(1), gate_up.stride(2), down.stride(2)) != 1:
+        raise ValueError("fused experts need rows of x, gate_up and down contiguous")
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    experts, weights = experts.contiguous(), weights.contiguous()
+    act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
+    first, second = _kernel()
+    first[(T * k, -(-inter // BLOCK_I))](x, gate_up, experts, act, hidden, inter, x.stride(0), gate_up.stride(0),
+                                        gate_up.stride(1), act.stride(0), TOPK=k, BN=BLOCK_I, BK=BLOCK_K)
+    second[(T, -(-hidden // BLOCK_HIDDEN))](act, down, experts, weights, out, inter, hidden, act.stride(0),
+                                            down.stride(0), down.stride(1), out.stride(0), TOPK=k, BN=BLOCK_HIDDEN,
+                                            BK=BLOCK_K)
+    return out
