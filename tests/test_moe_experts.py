@@ -163,3 +163,35 @@ def test_the_experts_bench_reads_the_checkpoints_expert_shapes(tiny_qwen3_vl_moe
     assert expert_shapes(tiny_qwen3_vl_moe_path) == (32, 2, 128, 48)
     with pytest.raises(ValueError, match="not an MoE checkpoint"):
         expert_shapes(tiny_model_path)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 16, 4), (5, 128, 8), (3, 60, 2)])
+def test_fused_routing_matches_route_on_the_interpreter(interpreter, tokens, experts, top_k):
+    """The routing kernel (softmax, top-k, renormalisation in one launch) against ``route``, float32: the same
+    experts in the same order, weights within float32 rounding."""
+    g = torch.Generator().manual_seed(tokens * experts)
+    x, gate = torch.randn(tokens, 32, generator=g), torch.randn(experts, 32, generator=g)
+    weights, ids = mod.route_fused(x, gate, top_k)
+    want_w, want_ids = route(x, gate, top_k)
+    assert ids.dtype == torch.int64 and weights.dtype == x.dtype
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="top_k <= experts"):
+        mod.route_fused(x, gate[:1], 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_routing_on_cuda_picks_the_same_experts():
+    """bf16 on the GPU: the routing kernel picks route's experts wherever the k-th and (k+1)-th probabilities are
+    apart (Triton's exp is not torch's: a near-tie may fall either way), with weights within bf16 rounding."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 2048, device="cuda", generator=g, dtype=torch.bfloat16)
+    gate = torch.randn(128, 2048, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    weights, ids = mod.route_fused(x, gate, 8)
+    want_w, want_ids = route(x, gate, 8)
+    probs = torch.softmax(torch.nn.functional.linear(x, gate), dim=-1, dtype=torch.float32).topk(9).values
+    apart = (probs[:, 7] - probs[:, 8]) > 1e-5
+    assert apart.sum() > 32
+    assert torch.equal(ids[apart], want_ids[apart])
+    torch.testing.assert_close(weights[apart].float(), want_w[apart].float(), rtol=1e-2, atol=1e-3)

@@ -14,6 +14,9 @@ program row: at a few tokens nearly every slot has its own expert):
 - ``[1]``, grid ``(T, cdiv(hidden, BN))``: program ``(t, n)`` adds ``weight_j * (act_j @ Wd_j.T)`` over token
   ``t``'s ``k`` slots for ``BN`` output columns in float32 and rounds once.
 
+:func:`route_fused` is the router's softmax, top-k and renormalisation in one kernel after the router GEMM (five
+launches fewer per layer than :func:`~epdserve.models.qwen3_vl_moe_lm.route`'s torch ops).
+
 Arithmetic: products accumulate in float32. The ``k`` slot outputs are summed in float32 in top-k order and
 rounded once, where the loop and the grouped path add bf16 results in ascending expert id; so this method equals
 them up to float rounding, not bit for bit (it is the more exact of the two). A slot's expert weights are read by
@@ -88,7 +91,52 @@ def _kernel():
             total += tl.reduce(acc, 1, tl.standard._sum_combine) * tl.load(weights + s).to(tl.float32)
         tl.store(out + t * out_stride + cols, total.to(out.dtype.element_ty), mask=col_ok)
 
-    return gate_up_silu_slots, down_weighted_sum
+    @triton.jit
+    def softmax_topk(logits, weights, experts, E, stride, TOPK: tl.constexpr, BE: tl.constexpr):
+        # One row: float32 softmax over the E router logits, the top k by repeated argmax (the lowest id first
+        # among equal probabilities), renormalised over those k.
+        t = tl.program_id(0)
+        ids = tl.arange(0, BE)
+        z = tl.load(logits + t * stride + ids, mask=ids < E, other=float("-inf")).to(tl.float32)
+        z = z - tl.reduce(z, 0, tl.standard._elementwise_max)
+        p = tl.exp(z)
+        p = p / tl.reduce(p, 0, tl.standard._sum_combine)
+        left = tl.where(ids < E, p, -1.0)
+        picked = tl.full((BE,), 0.0, tl.float32)
+        for j in tl.static_range(TOPK):
+            top = tl.reduce(left, 0, tl.standard._elementwise_max)
+            first = tl.reduce(tl.where(left == top, ids, BE), 0, tl.standard._elementwise_min)
+            tl.store(experts + t * TOPK + j, first.to(tl.int64))
+            picked = tl.where(ids == first, top, picked)
+            left = tl.where(ids == first, -1.0, left)
+        total = tl.reduce(picked, 0, tl.standard._sum_combine)
+        for j in tl.static_range(TOPK):
+            e = tl.load(experts + t * TOPK + j)
+            w = tl.reduce(tl.where(ids == e, picked, 0.0), 0, tl.standard._sum_combine) / total
+            tl.store(weights + t * TOPK + j, w.to(weights.dtype.element_ty))
+
+    return gate_up_silu_slots, down_weighted_sum, softmax_topk
+
+
+def route_fused(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`epdserve.models.qwen3_vl_moe_lm.route` with the router GEMM then one Triton kernel for the float32
+    softmax, the top k (repeated argmax; ties to the lowest id) and the renormalisation: ``[T, k]`` weights in
+    ``x``'s dtype and int64 ids, in descending probability. Up to float rounding of the softmax (Triton's ``exp``
+    against torch's), the same routing; a top-k tie between two experts may pick the other one than ``torch.topk``.
+
+    Raises:
+        ValueError: more than 1024 experts or fewer than ``top_k``.
+    """
+    logits = torch.nn.functional.linear(x, gate_weight)
+    T, E = logits.shape
+    if not top_k <= E <= 1024:
+        raise ValueError(f"route_fused takes top_k <= experts <= 1024, got {top_k} of {E}")
+    weights = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
+    experts = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    if T:
+        _kernel()[2][(T,)](logits, weights, experts, E, logits.stride(0), TOPK=top_k,
+                           BE=max(16, 1 << (E - 1).bit_length()))
+    return weights, experts
 
 
 def experts_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -116,7 +164,7 @@ def experts_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
         return out
     experts, weights = experts.contiguous(), weights.contiguous()
     act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
-    first, second = _kernel()
+    first, second, _ = _kernel()
     first[(T * k, -(-inter // BLOCK_I))](x, gate_up, experts, act, hidden, inter, x.stride(0), gate_up.stride(0),
                                         gate_up.stride(1), act.stride(0), TOPK=k, BN=BLOCK_I, BK=BLOCK_K)
     second[(T, -(-hidden // BLOCK_HIDDEN))](act, down, experts, weights, out, inter, hidden, act.stride(0),
