@@ -74,6 +74,15 @@ _CUDA_DTYPES = (torch.bfloat16, torch.float16)
 _CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+# The kernel, in order: weight offsets in int64 (2I * K of a large MLP would not fit int32). The first K step is
+# peeled: its weight tiles are loaded before the PDL wait, so under PDL they stream in while the kernel before this
+# one (the add + RMSNorm making x) finishes; weights are never written. With NORM, each row's 1 / RMS over the whole
+# K (at most NM = 4 rows of BKN elements, from L2; reduced with tl.sum's own combine function, as tl.sum itself does
+# not run on the CPU interpreter), then each input tile is rmsnorm(x (+ r)) rounded to x's dtype (flashinfer's
+# fused_add_rmsnorm arithmetic) and program 0 stores the sum as the new residual; that load is written out twice,
+# peeled and in the loop, as the interpreter cannot call a nested @triton.jit helper. At the end, the unfused path's
+# roundings: cuBLAS rounds gate_up to the activation dtype and flashinfer loads it back to float32, so rounding here
+# too keeps the two paths equal up to the summation order, not one rounding apart.
 @functools.cache
 def _kernel():
     import triton
@@ -88,11 +97,8 @@ def _kernel():
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
         row_ok, col_ok = rows < M, cols < I
-        # int64: 2I * K of a large MLP would not fit int32 offsets
         gate_ptrs = w + cols[:, None].to(tl.int64) * w_stride + ks[None, :]
         up_ptrs = w + (cols[:, None] + I).to(tl.int64) * w_stride + ks[None, :]
-        # The first K step is peeled: its weight tiles are loaded before the PDL wait, so that under PDL they stream
-        # in while the kernel before this one (the add + RMSNorm making x) finishes. Weights are never written.
         k_ok = ks < K
         w_ok = col_ok[:, None] & k_ok[None, :]
         bg = tl.load(gate_ptrs, mask=w_ok, other=0.0)
@@ -101,20 +107,16 @@ def _kernel():
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         rstd = tl.full((BM,), 0.0, tl.float32)
-        if NORM:  # each row's 1 / RMS over the whole K first (NM <= 4 rows of at most BKN elements, from L2)
+        if NORM:
             kn = tl.arange(0, BKN)
             for m in tl.static_range(NM):
                 if m < M:
                     s = tl.load(x + m * x_stride + kn, mask=kn < K, other=0.0).to(tl.float32)
                     if RESID:
                         s += tl.load(r + m * r_stride + kn, mask=kn < K, other=0.0).to(tl.float32)
-                    # tl.sum's own combine (tl.sum itself does not run on the CPU interpreter)
                     ss = tl.reduce(s * s, 0, tl.standard._sum_combine)
                     rstd = tl.where(rows == m, tl.rsqrt(ss / K + eps), rstd)
         write = tl.program_id(0) == 0
-        # The projection's input tile: x, or with NORM rmsnorm(x (+ r)) rounded to x's dtype (flashinfer's
-        # fused_add_rmsnorm arithmetic), the sum stored as the new residual by program 0. Written out twice (here
-        # and in the loop): the interpreter cannot call a nested @triton.jit helper.
         ok = row_ok[:, None] & k_ok[None, :]
         a = tl.load(x + rows[:, None] * x_stride + ks[None, :], mask=ok, other=0.0)
         if NORM:
@@ -154,8 +156,6 @@ def _kernel():
                 gate = tl.dot(a, tl.trans(bg), gate)
                 up = tl.dot(a, tl.trans(bu), up)
         dt = y.dtype.element_ty
-        # The unfused path's roundings: cuBLAS rounds gate_up to the activation dtype, flashinfer loads it back to
-        # float32; rounding here too keeps the two paths equal up to the summation order, not one rounding apart.
         g = gate.to(dt).to(tl.float32)
         u = up.to(dt).to(tl.float32)
         out = g / (1.0 + tl.exp(-g)) * u  # flashinfer's silu: val / (1.0f + __expf(-val))
