@@ -92,28 +92,26 @@ def _kernel():
         tl.store(out + t * out_stride + cols, total.to(out.dtype.element_ty), mask=col_ok)
 
     @triton.jit
-    def softmax_topk(logits, weights, experts, E, stride, TOPK: tl.constexpr, BE: tl.constexpr):
+    def softmax_topk(logits, weights, experts, E, stride, TOPK: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
         # One row: float32 softmax over the E router logits, the top k by repeated argmax (the lowest id first
-        # among equal probabilities), renormalised over those k.
+        # among equal probabilities), renormalised over those k; the picks stay in registers until one store each.
         t = tl.program_id(0)
         ids = tl.arange(0, BE)
         z = tl.load(logits + t * stride + ids, mask=ids < E, other=float("-inf")).to(tl.float32)
-        z = z - tl.reduce(z, 0, tl.standard._elementwise_max)
-        p = tl.exp(z)
-        p = p / tl.reduce(p, 0, tl.standard._sum_combine)
-        left = tl.where(ids < E, p, -1.0)
-        picked = tl.full((BE,), 0.0, tl.float32)
+        p = tl.exp(z - tl.reduce(z, 0, tl.standard._elementwise_max))
+        left = tl.where(ids < E, p / tl.reduce(p, 0, tl.standard._sum_combine), -1.0)
+        slot = tl.arange(0, KP)
+        pick_id = tl.full((KP,), 0, tl.int32)
+        pick_p = tl.full((KP,), 0.0, tl.float32)
         for j in tl.static_range(TOPK):
             top = tl.reduce(left, 0, tl.standard._elementwise_max)
             first = tl.reduce(tl.where(left == top, ids, BE), 0, tl.standard._elementwise_min)
-            tl.store(experts + t * TOPK + j, first.to(tl.int64))
-            picked = tl.where(ids == first, top, picked)
+            pick_id = tl.where(slot == j, first, pick_id)
+            pick_p = tl.where(slot == j, top, pick_p)
             left = tl.where(ids == first, -1.0, left)
-        total = tl.reduce(picked, 0, tl.standard._sum_combine)
-        for j in tl.static_range(TOPK):
-            e = tl.load(experts + t * TOPK + j)
-            w = tl.reduce(tl.where(ids == e, picked, 0.0), 0, tl.standard._sum_combine) / total
-            tl.store(weights + t * TOPK + j, w.to(weights.dtype.element_ty))
+        total = tl.reduce(pick_p, 0, tl.standard._sum_combine)
+        tl.store(experts + t * TOPK + slot, pick_id.to(tl.int64), mask=slot < TOPK)
+        tl.store(weights + t * TOPK + slot, (pick_p / total).to(weights.dtype.element_ty), mask=slot < TOPK)
 
     return gate_up_silu_slots, down_weighted_sum, softmax_topk
 
@@ -135,7 +133,7 @@ def route_fused(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int) -> tuple
     experts = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     if T:
         _kernel()[2][(T,)](logits, weights, experts, E, logits.stride(0), TOPK=top_k,
-                           BE=max(16, 1 << (E - 1).bit_length()))
+                           BE=max(16, 1 << (E - 1).bit_length()), KP=max(2, 1 << (top_k - 1).bit_length()))
     return weights, experts
 
 
