@@ -34,8 +34,9 @@ from epdserve.device import supports_pdl
 
 MAX_M = 4  # rows per call; each row is a separate pass over the registers' weights
 # Rows up to which a decoder layer folds its two add + RMSNorm kernels into the projections after them. Measured on
-# an H200 (3B preset, decode step GPU time against the unfolded path with the GEMVs): 0.98x at 1 row, but 1.09x at
-# 2 and 1.13x at 4, where each row's two block-wide reductions (its RMS, then the products) run one after another.
+# an H200 (3B preset, decode step GPU time, the folded norms alone against the unfolded path): 0.98x at 1 row, but
+# 1.05x at 2 and 1.12x at 4, where each row's two block-wide reductions (its RMS, then the products) run one after
+# another.
 FOLD_NORMS_MAX_M = 1
 # The whole K of a program's columns sits in registers (BN * K * 2 bytes per program). At K = 3584 and 4096 (the 7B
 # and 8B presets' hidden size) a program needs 8 warps and ~230 registers a thread, one program fits an SM, and the
