@@ -40,13 +40,12 @@ import argparse
 import contextlib
 import functools
 import json
-import statistics
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from epdserve.bench.step import copy_bandwidth
+from epdserve.bench.step import copy_bandwidth, graph_us_per_call
 from epdserve.device import supports_pdl
 from epdserve.models import gate_up_silu as fused_mlp
 
@@ -199,22 +198,7 @@ def _blas(lt: bool):
 def _time(fn, x: torch.Tensor, weights: list[torch.Tensor], lt: bool, reps: int = 20) -> float:
     """Median microseconds per call of ``fn(x, w)`` over ``weights``, replayed from one CUDA graph."""
     with _blas(lt):
-        for w in weights[:2]:
-            fn(x, w)  # compile / pick kernels outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for w in weights:
-                fn(x, w)
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(weights))
-    return statistics.median(times[3:])
+        return graph_us_per_call([functools.partial(fn, x, w) for w in weights], reps)
 
 
 def measure(name: str, n: int, k: int, copies: int, m: int, device: torch.device) -> list[Row]:

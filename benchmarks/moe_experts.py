@@ -16,12 +16,13 @@ float32 loop first; a method off by more than bf16 rounding is reported and not 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 
 import torch
 
-from epdserve.bench.step import copy_bandwidth
+from epdserve.bench.step import copy_bandwidth, graph_us_per_call
 from epdserve.models.config import ModelConfig
 from epdserve.models.moe_experts import experts_loop, run_experts
 from epdserve.models.qwen3_vl_moe_lm import route
@@ -57,22 +58,7 @@ def _layers(n: int, e: int, k: int, hidden: int, inter: int, tokens: int, dev: t
 
 def _time_us(method: str, layers: list, reps: int = 20) -> float:
     """Median microseconds per call of ``method`` over ``layers``, replayed from one CUDA graph."""
-    for args in layers[:2]:
-        run_experts(*args, method=method)  # compile and pick kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in layers:
-            run_experts(*args, method=method)
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(layers))
-    return statistics.median(times[3:])
+    return graph_us_per_call([functools.partial(run_experts, *args, method=method) for args in layers], reps)
 
 
 def measure(e: int, k: int, hidden: int, inter: int, tokens: int, n_layers: int, bw: float) -> list[dict]:
