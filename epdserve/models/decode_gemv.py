@@ -47,10 +47,9 @@ _CUDA_DTYPES = (torch.bfloat16, torch.float16)
 _CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def config_for(k: int) -> tuple[int, int]:
-    """``(block_n, num_warps)`` for a K of ``k`` (at most :data:`MAX_K`): 8 columns, 4 warps, 32 KB of bf16 weights
-    per program at K = 2048. On an H200 (3B preset, qkv and o at K = 2048) 4 x 4, 8 x 8 and 16 x 8 were no faster."""
-    return (8, 4)
+# Launch shape: 8 output columns per program over 4 warps (32 KB of bf16 weights at K = 2048, 64 registers a thread).
+# On an H200 (3B preset, qkv and o at K = 2048) 4 x 4, 8 x 8 and 16 x 8 (columns x warps) were no faster.
+BLOCK_N, NUM_WARPS = 8, 4
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -94,7 +93,7 @@ def _kernel():
                     v += tl.load(r + m * r_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
                     if pid == 0:
                         tl.store(r_out + m * K + ks, v.to(dt), mask=k_ok)
-                # tl.sum's own combine function: tl.sum itself does not run on the CPU interpreter
+                # (reductions through tl.sum's own combine function: tl.sum does not run on the CPU interpreter)
                 if NORM:  # flashinfer's order: s * rsqrt(mean(s^2) + eps) * gamma, over the unrounded sum
                     ss = tl.reduce(v * v, 0, tl.standard._sum_combine)
                     v = (v * tl.rsqrt(ss / K + eps) * g).to(dt).to(tl.float32)
@@ -131,8 +130,6 @@ def _launch(x, w, bias, residual, gamma, eps, block_n, num_warps):
     r_out = torch.empty_like(x) if residual is not None else None
     if M == 0 or N == 0:
         return y, r_out
-    if block_n is None:
-        block_n, num_warps = config_for(K)
     pdl = supports_pdl(x.device)
     _kernel()[(-(-N // block_n),)](
         x, residual if residual is not None else x, r_out if r_out is not None else x,
@@ -143,14 +140,14 @@ def _launch(x, w, bias, residual, gamma, eps, block_n, num_warps):
     return y, r_out
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
-         num_warps: int = 4) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = BLOCK_N,
+         num_warps: int = NUM_WARPS) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for ``M <= MAX_M`` rows, the weights loaded before the PDL wait (module docstring).
 
     Args:
         x: ``[M, K]``, rows contiguous; bf16/fp16 on CUDA (float32 too on the CPU's interpreter).
         w: ``[N, K]``, rows contiguous, ``x``'s dtype and device. bias: ``[N]`` or None.
-        block_n, num_warps: launch options (None: :func:`config_for`).
+        block_n, num_warps: launch options (:data:`BLOCK_N`, :data:`NUM_WARPS`).
 
     Returns:
         ``[M, N]`` in ``x``'s dtype, accumulated in float32.
@@ -164,8 +161,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, blo
 
 
 def norm_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor, eps: float,
-              residual: torch.Tensor | None = None, block_n: int | None = None,
-              num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+              residual: torch.Tensor | None = None, block_n: int = BLOCK_N,
+              num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rmsnorm(x + residual) @ w.T (+ bias), x + residual)`` in one launch (``residual`` None: ``x`` alone is
     normed and returned as the residual), with flashinfer's ``fused_add_rmsnorm`` arithmetic (module docstring).
 
