@@ -114,14 +114,27 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual
     if x.dtype not in allowed or any(t.dtype != x.dtype or t.device != x.device for t in others):
         raise ValueError(f"decode GEMV needs every tensor on {x.device} in one dtype among "
                          f"{[str(d) for d in allowed]}, got x {x.dtype} and {[str(t.dtype) for t in others]}")
-    if x.stride(1) != 1 or w.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
-        raise ValueError("decode GEMV needs rows of x, w and residual contiguous")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("decode GEMV needs rows of x and w contiguous")
     if bias is not None and bias.shape != (w.shape[0],):
         raise ValueError(f"decode GEMV bias must be [{w.shape[0]}], got {list(bias.shape)}")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"decode GEMV residual must be {list(x.shape)}, got {list(residual.shape)}")
-    if gamma is not None and gamma.shape != (x.shape[1],):
-        raise ValueError(f"decode GEMV norm weight must be [{x.shape[1]}], got {list(gamma.shape)}")
+    check_norm_inputs("decode GEMV", x, gamma, residual)
+
+
+def check_norm_inputs(who: str, x: torch.Tensor, gamma: torch.Tensor | None, residual: torch.Tensor | None) -> None:
+    """The norm folded into a projection (:func:`norm_gemv`, :func:`~epdserve.models.gate_up_silu.norm_gate_up_silu`)
+    takes a norm weight ``[K]`` and a residual ``[M, K]`` with contiguous rows, both in ``x``'s dtype and on its
+    device (either may be None where the caller has none).
+
+    Raises:
+        ValueError: naming ``who`` and the input that is not so.
+    """
+    for name, t, shape in (("norm weight", gamma, (x.shape[1],)), ("residual", residual, tuple(x.shape))):
+        if t is not None and (tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(f"{who} {name} must be {list(shape)} {x.dtype} on {x.device}, got {list(t.shape)} "
+                             f"{t.dtype} on {t.device}")
+    if residual is not None and residual.shape[1] > 1 and residual.stride(1) != 1:
+        raise ValueError(f"{who} needs residual rows contiguous, got strides {residual.stride()}")
 
 
 def _launch(x, w, bias, residual, gamma, eps, block_n, num_warps):

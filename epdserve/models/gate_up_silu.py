@@ -34,6 +34,7 @@ import functools
 import torch
 
 from epdserve.device import supports_pdl
+from epdserve.models.decode_gemv import check_norm_inputs
 
 # (block_n, block_k, num_warps, num_stages) to benchmark on Hopper for M 1..64. Each program streams 2 * block_n
 # weight rows: block_n 32 gives 344 programs for I = 11008 (2.6 per SM of 132), 128 gives 86. A stage holds two
@@ -247,12 +248,7 @@ def norm_gate_up_silu(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, eps
     _check(x, w, block_n, block_k, num_warps, num_stages)
     if x.shape[0] > NORM_MAX_M or x.shape[1] > 4096:
         raise ValueError(f"norm_gate_up_silu takes at most {NORM_MAX_M} rows and K <= 4096, got {list(x.shape)}")
-    for name, t, shape in (("norm weight", gamma, (x.shape[1],)), ("residual", residual, tuple(x.shape))):
-        if t is not None and (tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device):
-            raise ValueError(f"norm_gate_up_silu {name} must be {list(shape)} {x.dtype} on {x.device}, got "
-                             f"{list(t.shape)} {t.dtype} on {t.device}")
-    if residual is not None and residual.shape[1] > 1 and residual.stride(1) != 1:
-        raise ValueError(f"norm_gate_up_silu needs residual rows contiguous, got strides {residual.stride()}")
+    check_norm_inputs("norm_gate_up_silu", x, gamma, residual)
     y, r_out = _launch(x, w, gamma, residual, eps, block_n, block_k, num_warps, num_stages)
     return y, (x if residual is None else r_out)
 
@@ -267,7 +263,8 @@ def _launch(x, w, gamma, residual, eps, block_n, block_k, num_warps, num_stages)
         return y.zero_(), r_out
     block_m = max(16, 1 << (M - 1).bit_length())  # tl.dot's minimum tile is 16 rows; masked rows load zeros
     pdl = supports_pdl(x.device)
-    norm_k = max(16, 1 << (K - 1).bit_length()) if gamma is not None else 16  # one constexpr for every K without
+    # the RMS pass's width; without a norm one value, so the plain kernel compiles once for every K
+    norm_k = max(16, 1 << (K - 1).bit_length()) if gamma is not None else 16
     _kernel()[(-(-inter // block_n),)](
         x, w, y, M, inter, K, x.stride(0), w.stride(0), y.stride(0), residual if residual is not None else x,
         r_out if r_out is not None else x, gamma if gamma is not None else x, float(eps),
