@@ -100,3 +100,41 @@ def test_errors_and_the_fallback(interpreter):
     # on the CPU nothing fits: linear is F.linear, bit for bit
     assert not mod.fits(x[:1], w)
     assert torch.equal(mod.linear(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("M,N,K,split", [(1, 40, 300, 128), (3, 17, 64, 64), (2, 9, 50, 2048)])
+def test_down_parts_sum_to_the_product(interpreter, monkeypatch, M, N, K, split):
+    """Split-K partials: ``cdiv(K, SPLIT_K)`` of them, each the product over its slice of K; their sum the product."""
+    monkeypatch.setattr(mod, "SPLIT_K", split)
+    x, _, w, _, _ = _case(M, N, K, torch.float32, seed=K + N)
+    parts = mod.down_parts(x, w)
+    assert parts.shape == (-(-K // split), M, N) and parts.dtype == torch.float32
+    for p in range(parts.shape[0]):  # each part is its own slice's product: a wrong slice is off by O(1)
+        sl = slice(p * split, (p + 1) * split)
+        torch.testing.assert_close(parts[p].double(), x[:, sl].double() @ w[:, sl].double().T, rtol=0, atol=1e-5)
+    n = K + 2
+    bound = n * U32 / (1 - n * U32) * (x.double().abs() @ w.double().abs().T) * 2
+    assert bool(((parts.double().sum(0) - x.double() @ w.double().T).abs() <= bound).all())
+    assert torch.equal(mod.merge_parts(parts, torch.float32), parts.sum(0))
+    assert mod.merge_parts(x, torch.bfloat16) is x
+
+
+@pytest.mark.parametrize("S", [1, 3])
+def test_norm_gemv_sums_parts_before_the_residual_add(interpreter, S):
+    """The next block's qkv GEMV takes the previous block's down parts: the same result as on their sum."""
+    M, N, K = 2, 24, 64
+    g = torch.Generator().manual_seed(S)
+    parts = torch.randn(S, M, K, generator=g)
+    _, r, w, b, gamma = _case(M, N, K, torch.float32, seed=11)
+    y, r_out = mod.norm_gemv(parts, w, b, gamma, 1e-6, r)
+    merged = mod.merge_parts(parts, torch.float32)
+    assert torch.equal(r_out, merged + r)
+    want = _normed64(merged, r, gamma, 1e-6) @ w.double().T + b.double()
+    mag = _normed64(merged, r, gamma, 1e-6).abs() @ w.double().abs().T + b.double().abs()
+    assert bool(((y.double() - want).abs() <= (2 * K + 12 + 2 * S) * U32 * mag).all())
+    with pytest.raises(ValueError, match="parts"):
+        mod.norm_gemv(parts, w, b, gamma, 1e-6)  # parts need the residual they add to
+    with pytest.raises(ValueError, match="parts"):
+        mod.norm_gemv(parts.double(), w, b, gamma, 1e-6, r)
+    with pytest.raises(ValueError, match="down_parts"):
+        mod.down_parts(parts[0], w[:, :K - 1])

@@ -166,13 +166,15 @@ def _kernels():
                                               "gamma": bf16, "eps": "fp32"},
                               dict(BM=16, BN=32, BK=128, IEEE=False, NORM=True, RESID=True, NM=4, BKN=2048),
                               dict(num_warps=4, num_stages=3)),
-        "norm_gemv": (decode_gemv._kernel(), {p: bf16 for p in ("x", "r", "r_out", "gamma", "w", "bias", "y")}
+        "norm_gemv": (decode_gemv._kernel()[0], {p: bf16 for p in ("x", "r", "r_out", "gamma", "w", "bias", "y")}
                       | {"eps": "fp32"}, dict(BM=4, BN=8, BK=2048, NORM=True, RESID=True, BIAS=True),
                       dict(num_warps=4)),
+        "down_parts": (decode_gemv._kernel()[1], {"x": bf16, "w": bf16, "parts": "*fp32"},
+                       dict(BM=4, BN=8, BK=2048), dict(num_warps=4)),
     }
 
 
-@pytest.mark.parametrize("name", ["split", "merge", "gate_up_silu", "norm_gate_up_silu", "norm_gemv"])
+@pytest.mark.parametrize("name", ["split", "merge", "gate_up_silu", "norm_gate_up_silu", "norm_gemv", "down_parts"])
 def test_each_kernel_waits_for_the_previous_one_before_touching_its_outputs(name):
     kernel, pointers, constexprs, options = _kernels()[name]
     lines = _ptx(kernel, pointers, constexprs | {"PDL": True}, launch_pdl=True, **options)
@@ -181,7 +183,7 @@ def test_each_kernel_waits_for_the_previous_one_before_touching_its_outputs(name
     if name in ("gate_up_silu", "norm_gate_up_silu"):  # the first gate and up weight tiles only: 2 x 32 x 128
         assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)  # bf16 / 128 threads
         assert loaded == 2 * 32 * 128 * 2 // 128
-    elif name == "norm_gemv":  # loads only (weights, bias, norm weight); the whole 8 x 2048 weight slice among them
+    elif name in ("norm_gemv", "down_parts"):  # loads only (weights, bias, norm weight); the whole 8 x 2048 slice
         assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
         assert loaded >= 8 * 2048 * 2 // 128
     else:

@@ -18,6 +18,13 @@ float32 over the unrounded ``s``, rounded to the activation dtype; ``y = n @ W.T
 and rounded once. So the result differs from the unfused one only by the summation orders (one ulp of the
 activation dtype where a sum lands near a rounding boundary).
 
+At one row the down projection (K = the MLP's width, too wide for one program's registers) runs split-K:
+:func:`down_parts` gives each program ``BN`` columns of one ``SPLIT_K``-wide slice of K, loaded before the wait, and
+writes float32 partial products ``[S, M, N]``; the next block's :func:`norm_gemv` sums them (rounded once to the
+activation dtype, as cuBLAS rounds its output) before the residual add, and whatever else takes a block's output
+calls :func:`merge_parts`. This replaces cuBLAS's split-K GEMM and its separate reduce kernel: the 3B preset's
+decode step at one row took 0.96x the time on an H200 (docs/performance.md, fifteenth session).
+
 Shapes and dtypes: ``x`` ``[M, K]`` with ``M <= MAX_M`` and ``K <= MAX_K``; ``w`` ``[N, K]``; output ``[M, N]``
 in ``x``'s dtype. bf16/fp16 on CUDA (float32 too on the CPU, through Triton's interpreter, for the tests). One
 launch, grid ``cdiv(N, BN)``; CUDA-graph safe. Callers check :func:`fits` and fall back to the unfused path.
@@ -47,6 +54,9 @@ _CUDA_DTYPES = (torch.bfloat16, torch.float16)
 _CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+# K per program of the split-K down projection (32 KB of bf16 weights a program at BLOCK_N = 8, as for qkv and o).
+SPLIT_K = 2048
+
 # Launch shape: 8 output columns per program over 4 warps (32 KB of bf16 weights at K = 2048, 64 registers a thread).
 # On an H200 (3B preset, qkv and o at K = 2048) 4 x 4, 8 x 8 and 16 x 8 (columns x warps) were no faster.
 BLOCK_N, NUM_WARPS = 8, 4
@@ -66,9 +76,9 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def norm_gemv_kernel(x, r, r_out, gamma, w, bias, y, M, N, K, eps, x_stride, r_stride, w_stride, y_stride,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
-                         RESID: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr):
+    def norm_gemv_kernel(x, S, r, r_out, gamma, w, bias, y, M, N, K, eps, x_stride, x_part_stride, r_stride,
+                         w_stride, y_stride, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         NORM: tl.constexpr, RESID: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         cols = pid * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
@@ -88,7 +98,11 @@ def _kernel():
         dt = y.dtype.element_ty
         for m in tl.static_range(BM):
             if m < M:
-                v = tl.load(x + m * x_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
+                # x: S >= 1 parts summed in float32 and rounded once (S = 1, x in the activation dtype: exact)
+                v = tl.full((BK,), 0.0, tl.float32)
+                for p in range(S):
+                    v += tl.load(x + p * x_part_stride + m * x_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
+                v = v.to(dt).to(tl.float32)
                 if RESID:
                     v += tl.load(r + m * r_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
                     if pid == 0:
@@ -100,7 +114,26 @@ def _kernel():
                 acc = tl.reduce(wt.to(tl.float32) * v[None, :], 1, tl.standard._sum_combine) + b
                 tl.store(y + m * y_stride + cols, acc.to(dt), mask=col_ok)
 
-    return norm_gemv_kernel
+    @triton.jit
+    def gemv_parts_kernel(x, w, parts, M, N, K, x_stride, w_stride, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, PDL: tl.constexpr):
+        # program (n, p): BN columns over K slice p, whose weights load before the wait; float32 partials out
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        p = tl.program_id(1)
+        ks = p * BK + tl.arange(0, BK)
+        col_ok, k_ok = cols < N, ks < K
+        wt = tl.load(w + cols[:, None].to(tl.int64) * w_stride + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        for m in tl.static_range(BM):
+            if m < M:
+                v = tl.load(x + m * x_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
+                acc = tl.reduce(wt.to(tl.float32) * v[None, :], 1, tl.standard._sum_combine)
+                tl.store(parts + (p * M + m) * N + cols, acc, mask=col_ok)
+
+    return norm_gemv_kernel, gemv_parts_kernel
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
@@ -137,18 +170,18 @@ def check_norm_inputs(who: str, x: torch.Tensor, gamma: torch.Tensor | None, res
         raise ValueError(f"{who} needs residual rows contiguous, got strides {residual.stride()}")
 
 
-def _launch(x, w, bias, residual, gamma, eps, block_n, num_warps):
-    (M, K), N = x.shape, w.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    r_out = torch.empty_like(x) if residual is not None else None
+def _launch(x, w, bias, residual, gamma, eps, block_n, num_warps, dtype):
+    (M, K), N, S = x.shape[-2:], w.shape[0], x.shape[0] if x.dim() == 3 else 1
+    y = torch.empty(M, N, dtype=dtype, device=x.device)
+    r_out = torch.empty(M, K, dtype=dtype, device=x.device) if residual is not None else None
     if M == 0 or N == 0:
         return y, r_out
     pdl = supports_pdl(x.device)
-    _kernel()[(-(-N // block_n),)](
-        x, residual if residual is not None else x, r_out if r_out is not None else x,
+    _kernel()[0][(-(-N // block_n),)](
+        x, S, residual if residual is not None else x, r_out if r_out is not None else x,
         gamma if gamma is not None else x, w, bias if bias is not None else x, y, M, N, K, float(eps),
-        x.stride(0), residual.stride(0) if residual is not None else 0, w.stride(0), y.stride(0),
-        BM=MAX_M, BN=block_n, BK=max(16, 1 << (K - 1).bit_length()), NORM=gamma is not None,
+        x.stride(-2), x.stride(0) if S > 1 else 0, residual.stride(0) if residual is not None else 0, w.stride(0),
+        y.stride(0), BM=MAX_M, BN=block_n, BK=max(16, 1 << (K - 1).bit_length()), NORM=gamma is not None,
         RESID=residual is not None, BIAS=bias is not None, PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
     return y, r_out
 
@@ -170,7 +203,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, blo
             not contiguous.
     """
     _check(x, w, bias, None, None)
-    return _launch(x, w, bias, None, None, 0.0, block_n, num_warps)[0]
+    return _launch(x, w, bias, None, None, 0.0, block_n, num_warps, x.dtype)[0]
 
 
 def norm_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor, eps: float,
@@ -180,20 +213,66 @@ def norm_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gamma
     normed and returned as the residual), with flashinfer's ``fused_add_rmsnorm`` arithmetic (module docstring).
 
     Args:
-        x: ``[M, K]`` hidden states (the previous block's output), rows contiguous.
+        x: ``[M, K]`` hidden states (the previous block's output), rows contiguous; or that output as
+            :func:`down_parts`' float32 partial products ``[S, M, K]``, summed and rounded to ``residual``'s dtype
+            first.
         w, bias, block_n, num_warps: as for :func:`gemv`.
         gamma: ``[K]`` RMSNorm weight; eps: its epsilon.
-        residual: ``[M, K]`` residual stream or None (the first block).
+        residual: ``[M, K]`` residual stream, or None (the first block; ``x`` then not in parts).
 
     Returns:
-        ``(y [M, N], residual [M, K])``, both in ``x``'s dtype; the residual is a new tensor (or ``x``).
+        ``(y [M, N], residual [M, K])``, both in the activation dtype; the residual is a new tensor (or ``x``).
 
     Raises:
-        ValueError: as :func:`gemv`, and a norm weight or residual of the wrong shape.
+        ValueError: as :func:`gemv`, a norm weight or residual of the wrong shape, parts without a residual.
     """
-    _check(x, w, bias, residual, gamma)
-    y, r_out = _launch(x, w, bias, residual, gamma, eps, block_n, num_warps)
+    if x.dim() == 3:
+        if residual is None or x.dtype != torch.float32 or x.shape[1:] != residual.shape or x.stride(-1) != 1:
+            raise ValueError(f"norm_gemv takes parts [S, M, K] float32 with a residual [M, K], got x {list(x.shape)} "
+                             f"{x.dtype}, residual {None if residual is None else list(residual.shape)}")
+        _check(residual, w, bias, None, gamma)
+    else:
+        _check(x, w, bias, residual, gamma)
+    dtype = residual.dtype if residual is not None else x.dtype
+    y, r_out = _launch(x, w, bias, residual, gamma, eps, block_n, num_warps, dtype)
     return y, (x if residual is None else r_out)
+
+
+def down_parts(x: torch.Tensor, w: torch.Tensor, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """``x @ w.T`` as split-K float32 partial products (module docstring): ``[S, M, N]``, ``S = cdiv(K,
+    SPLIT_K)``; their sum is the product. For a block's last projection at one row, whose parts the next block's
+    :func:`norm_gemv` sums (others: :func:`merge_parts`).
+
+    Args:
+        x: ``[M, K]``, ``M <= MAX_M``, any K; w: ``[N, K]``; rows contiguous, one dtype (as :func:`gemv`).
+
+    Raises:
+        ValueError: as :func:`gemv` (K unbounded here).
+    """
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or not 0 <= x.shape[0] <= MAX_M:
+        raise ValueError(f"down_parts needs x [M <= {MAX_M}, K] and w [N, K], got {list(x.shape)}, {list(w.shape)}")
+    allowed = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
+    if x.dtype not in allowed or w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(f"down_parts needs x and w on one device in one dtype among {[str(d) for d in allowed]}, "
+                         f"got {x.dtype} on {x.device} and {w.dtype} on {w.device}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("down_parts needs rows of x and w contiguous")
+    (M, K), N = x.shape, w.shape[0]
+    parts = torch.empty(max(1, -(-K // SPLIT_K)), M, N, dtype=torch.float32, device=x.device)
+    if M and N and K:
+        pdl = supports_pdl(x.device)
+        _kernel()[1][(-(-N // block_n), parts.shape[0])](
+            x, w, parts, M, N, K, x.stride(0), w.stride(0), BM=MAX_M, BN=block_n, BK=SPLIT_K, PDL=pdl,
+            num_warps=num_warps, launch_pdl=pdl)
+    else:
+        parts.zero_()
+    return parts
+
+
+def merge_parts(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A block's output as one ``[M, K]`` tensor of ``dtype``: :func:`down_parts`' ``[S, M, K]`` summed and rounded
+    once; a 2-D ``x`` unchanged."""
+    return x.sum(0).to(dtype) if x.dim() == 3 else x
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -35,8 +35,17 @@ import functools
 
 import torch
 
-MAX_SLOTS = 64  # T * k up to which run_experts' default on CUDA is this method (8 tokens of Qwen3-VL-30B-A3B)
-BLOCK_I, BLOCK_HIDDEN, BLOCK_K = 32, 16, 128  # columns per program of the two kernels, and the K step
+# T * k up to which run_experts' default on CUDA is this method: 16 tokens of Qwen3-VL-30B-A3B, where it took 0.82x
+# the grouped path's time on an H200 (1.06x at 32 tokens; docs/performance.md, fifteenth session)
+MAX_SLOTS = 128
+# Launch options of the two kernels: BN columns per program, a K step of BK, warps and software-pipeline stages.
+# Chosen on an H200 from a sweep over BN, BK, warps and stages at 1-16 tokens (30B-A3B shapes, 12 layers per CUDA
+# graph): against the first choice (BN 32 / 16, BK 128, 4 warps, 3 stages) gate_up took 0.61-0.86x the time and
+# down 0.38-0.72x; at one token 16.3 + 15.5 us for 75.5 MB, 57 % of the copy bandwidth (docs/performance.md,
+# fifteenth session). At one token the down kernel has one program per 8 of 2048 columns: 8 warps keep enough
+# loads in flight.
+GATE_UP_LAUNCH = dict(BN=32, BK=128, num_warps=8, num_stages=4)
+DOWN_LAUNCH = dict(BN=8, BK=128, num_warps=8, num_stages=3)
 
 
 @functools.cache
@@ -117,7 +126,7 @@ def _kernel():
 
 
 def route_fused(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`epdserve.models.qwen3_vl_moe_lm.route` with the router GEMM then one Triton kernel for the float32
+    """:func:`epdserve.models.qwen3_vl_moe_lm.route_torch` with the router GEMM then one Triton kernel for the float32
     softmax, the top k (repeated argmax; ties to the lowest id) and the renormalisation: ``[T, k]`` weights in
     ``x``'s dtype and int64 ids, in descending probability. Up to float rounding of the softmax (Triton's ``exp``
     against torch's), the same routing; a top-k tie between two experts may pick the other one than ``torch.topk``.
@@ -163,9 +172,9 @@ def experts_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     experts, weights = experts.contiguous(), weights.contiguous()
     act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
     first, second, _ = _kernel()
-    first[(T * k, -(-inter // BLOCK_I))](x, gate_up, experts, act, hidden, inter, x.stride(0), gate_up.stride(0),
-                                        gate_up.stride(1), act.stride(0), TOPK=k, BN=BLOCK_I, BK=BLOCK_K)
-    second[(T, -(-hidden // BLOCK_HIDDEN))](act, down, experts, weights, out, inter, hidden, act.stride(0),
-                                            down.stride(0), down.stride(1), out.stride(0), TOPK=k, BN=BLOCK_HIDDEN,
-                                            BK=BLOCK_K)
+    first[(T * k, -(-inter // GATE_UP_LAUNCH["BN"]))](x, gate_up, experts, act, hidden, inter, x.stride(0),
+                                                      gate_up.stride(0), gate_up.stride(1), act.stride(0), TOPK=k,
+                                                      **GATE_UP_LAUNCH)
+    second[(T, -(-hidden // DOWN_LAUNCH["BN"]))](act, down, experts, weights, out, inter, hidden, act.stride(0),
+                                                 down.stride(0), down.stride(1), out.stride(0), TOPK=k, **DOWN_LAUNCH)
     return out

@@ -5,17 +5,18 @@ sum of those SiLU-gated experts' outputs. :func:`run_experts` is the one functio
 - ``"loop"`` (:func:`experts_loop`, the CPU default and the reference): one matmul pair per expert the tokens hit,
   the order of transformers' ``Qwen3VLMoeTextExperts``, so float32 outputs equal transformers' bit for bit. It
   reads the hit experts' ids back to the host once per call: not capturable in a CUDA graph.
-- ``"grouped"`` (:func:`experts_grouped`, the CUDA default): slots sorted by expert on the device, one grouped GEMM
-  for gate/up and one for down (``torch.nn.functional.grouped_mm``: bf16 on CUDA SM >= 80; float32 too on the
-  CPU). Fixed shapes and no host sync, so a decode step (or a prefill graph) can capture it; every expert's
-  weights are read at most once.
+- ``"grouped"`` (:func:`experts_grouped`, the CUDA default above :data:`~epdserve.models.moe_decode.MAX_SLOTS`):
+  slots sorted by expert on the device, one grouped GEMM for gate/up and one for down
+  (``torch.nn.functional.grouped_mm``: bf16 on CUDA SM >= 80; float32 too on the CPU). Fixed shapes and no host
+  sync, so a decode step (or a prefill graph) can capture it; every expert's weights are read at most once.
 - ``"gathered"`` (:func:`experts_gathered`): each slot's expert weights gathered on the device and applied with
   ``torch.bmm``; capturable too, where ``grouped_mm`` is not available (float16 or float32 on CUDA, older GPUs),
   at the price of a ``[T * k, 2I, hidden]`` copy of weights per call: small decode batches only.
 
 - ``"fused"`` (:func:`epdserve.models.moe_decode.experts_fused`): two Triton kernels for a decode-sized batch
   (gate_up + SiLU per slot; down with the routing-weighted sum), against the grouped path's ~25 small kernels
-  around its GEMMs; capturable. Not the default until measured against ``"grouped"`` on a GPU.
+  around its GEMMs; capturable. The CUDA default up to :data:`~epdserve.models.moe_decode.MAX_SLOTS` slots
+  (``T * k``), where it measured faster than ``"grouped"`` on an H200 (docs/performance.md, fifteenth session).
 
 A maintained fused-MoE kernel would be one more method here, chosen on CUDA by :func:`default_method`: flashinfer's
 ``cutlass_fused_moe`` JIT-builds TensorRT-LLM's CUTLASS MoE GEMMs for SM90 (fp8 and fp4 instantiations included) on
@@ -31,14 +32,19 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from epdserve.models.moe_decode import MAX_SLOTS
+
 METHODS = ("loop", "grouped", "gathered", "fused")
 
 
-def default_method(x: torch.Tensor) -> str:
-    """``"grouped"`` for bf16 activations on CUDA (``grouped_mm``'s case), ``"gathered"`` for other CUDA dtypes, and
-    ``"loop"`` on the CPU (the reference; no graphs there)."""
+def default_method(x: torch.Tensor, slots: int) -> str:
+    """The method for ``x`` ``[T, hidden]`` and ``slots = T * k``: ``"loop"`` on the CPU (the reference; no graphs
+    there); on CUDA ``"fused"`` for bf16/fp16 up to :data:`~epdserve.models.moe_decode.MAX_SLOTS` slots (decode
+    batches), ``"grouped"`` for bf16 above (``grouped_mm``'s case), ``"gathered"`` otherwise."""
     if not x.is_cuda:
         return "loop"
+    if x.dtype in (torch.bfloat16, torch.float16) and slots <= MAX_SLOTS:
+        return "fused"
     return "grouped" if x.dtype == torch.bfloat16 else "gathered"
 
 
@@ -61,7 +67,7 @@ def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weig
     Raises:
         ValueError: an unknown ``method``.
     """
-    method = method or default_method(x)
+    method = method or default_method(x, experts.numel())
     if method == "loop":
         return experts_loop(x, gate_up, down, weights, experts)
     if method == "grouped":

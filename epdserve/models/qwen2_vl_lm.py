@@ -221,6 +221,7 @@ class DecoderLayer(nn.Module):
         ``x + residual`` (kept apart so the next norm can fuse the add). ``residual`` None: first block."""
         if self._norms_in_projections(x):
             return self._forward_norms_in_projections(x, residual, rope, attn)
+        x = decode_gemv.merge_parts(x, residual.dtype) if residual is not None else x
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -232,19 +233,26 @@ class DecoderLayer(nn.Module):
     def _norms_in_projections(self, x: torch.Tensor) -> bool:
         """Whether this forward folds both norms into the projections after them (fused ops, a dense MLP, a
         decode batch of at most :data:`decode_gemv.FOLD_NORMS_MAX_M` rows): see :mod:`epdserve.models.decode_gemv`."""
+        if x.dim() == 3:  # the previous block's down projection in parts: only a folding block makes them
+            return isinstance(self.mlp, MLP)
         return (self.input_layernorm.fused and isinstance(self.mlp, MLP) and self.mlp.fused
                 and x.shape[0] <= decode_gemv.FOLD_NORMS_MAX_M and decode_gemv.fits(x, self.self_attn.qkv_proj.weight))
 
     def _forward_norms_in_projections(self, x: torch.Tensor, residual: torch.Tensor | None, rope: _Rope,
                                       attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` with add + RMSNorm inside the qkv GEMV and the gate_up + SiLU kernel: two kernels fewer
-        per layer, the projections' weights loaded while the kernel before them runs."""
+        per layer, the projections' weights loaded while the kernel before them runs. Without TP the output ``x``
+        is the down projection's split-K parts ``[S, 1, hidden]`` (:func:`~epdserve.models.decode_gemv.down_parts`),
+        which the next block's qkv GEMV sums; the model's last norm takes them through ``merge_parts``."""
         ln1, ln2, qkv_proj = self.input_layernorm, self.post_attention_layernorm, self.self_attn.qkv_proj
         qkv, residual = decode_gemv.norm_gemv(x, qkv_proj.weight, qkv_proj.bias, ln1.weight, ln1.eps, residual)
         x = self.self_attn.attend(qkv, rope, attn)
         act, residual = gate_up_silu.norm_gate_up_silu(x, self.mlp.gate_up_proj.weight, ln2.weight, ln2.eps, residual,
                                                        *gate_up_silu.config_for(x.shape[0]))
-        return self.mlp.down_proj(act), residual
+        down = self.mlp.down_proj
+        if down.tp.size == 1:
+            return decode_gemv.down_parts(act, down.weight), residual
+        return down(act), residual
 
 
 # Checkpoint projection names -> (fused parameter, index of the part within it).
@@ -406,6 +414,8 @@ class Qwen2VLLanguageModel(nn.Module):
                 out: torch.Tensor | None) -> torch.Tensor:
         """Final norm and LM head on each request's last row of the last block's ``(x, residual)`` (``residual``
         None: ``x`` is the whole hidden state); see :meth:`forward` for ``out``."""
+        if residual is not None:
+            x = decode_gemv.merge_parts(x, residual.dtype)
         if not batch.is_decode:  # decode has one new token per request: every row is a last row
             last = batch.last_rows
             if last is None:

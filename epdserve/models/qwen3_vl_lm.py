@@ -32,6 +32,7 @@ import torch
 
 from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
+from epdserve.models import decode_gemv
 from epdserve.models.config import ModelConfig
 from epdserve.models.qk_norm_rope import qk_norm_rope
 from epdserve.models.qwen2_vl_lm import Attention, Qwen2VLLanguageModel, RMSNorm, _Rope, _rotate, rope_and_kv_write
@@ -132,7 +133,7 @@ class Qwen3VLLanguageModel(Qwen2VLLanguageModel):
             if i < folds:
                 # The layer's output is x + residual; fold it into one tensor so the features add to the sum,
                 # then let the next layer start as the first one does (residual None).
-                x, residual = x + residual, None
+                x, residual = decode_gemv.merge_parts(x, residual.dtype) + residual, None
                 if i < len(deepstack):
                     x = add_deepstack(x, batch.mm_mask, deepstack[i], rows)
         return self._logits(batch, x, residual, out)

@@ -31,6 +31,7 @@ from torch.nn import functional as F
 from epdserve.engine.distributed import TPGroup
 from epdserve.attention.base import AttentionBackend
 from epdserve.models.config import ModelConfig
+from epdserve.models.moe_decode import route_fused
 from epdserve.models.moe_experts import run_experts
 from epdserve.models.parallel import split_evenly
 from epdserve.models.qwen3_vl_lm import Qwen3VLLanguageModel
@@ -39,7 +40,19 @@ from epdserve.models.qwen3_vl_lm import Qwen3VLLanguageModel
 def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing of Qwen3-VL-MoE: ``x`` ``[T, hidden]`` and ``gate_weight`` ``[E, hidden]`` (same dtype) ->
     ``(weights, experts)``, ``[T, top_k]`` each: the renormalised softmax probabilities in ``x``'s dtype and the
-    int64 expert ids, in descending probability (``torch.topk``'s order, as transformers')."""
+    int64 expert ids, in descending probability.
+
+    On CUDA the softmax, top-k and renormalisation run as one kernel
+    (:func:`~epdserve.models.moe_decode.route_fused`: five launches fewer per layer, a decode step at one row 0.89x
+    on an H200), which may order two near-equal probabilities the other way, or pick the other expert of a tie at
+    the k-th place; elsewhere :func:`route_torch`, transformers' arithmetic."""
+    if x.is_cuda:
+        return route_fused(x, gate_weight, top_k)
+    return route_torch(x, gate_weight, top_k)
+
+
+def route_torch(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route` in torch's ops, the order of transformers' ``Qwen3VLMoeTextTopKRouter`` (the reference)."""
     logits = F.linear(x, gate_weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
