@@ -12,7 +12,6 @@ import torch
 from epdserve.device import to_device
 from epdserve.engine.forward_batch import ForwardBatch
 from epdserve.engine.sampling import token_logprobs
-from epdserve.models.mrope import decode_positions
 from epdserve.wire.messages import TokenLogprob
 
 
@@ -75,22 +74,37 @@ def decode_batch(seqs: list, prev: Step | None, pool, states, dev: torch.device)
     ``prompt_len + launched - 1``. A request whose newest token is still on the device (sampled by ``prev``, the
     step in flight) takes it from there without a host round trip; the rest is built on the CPU, for the model
     runner to move over in one asynchronous copy. ``pool``: the :class:`~epdserve.kvcache.page_pool.PagePool`;
-    ``states``: the scheduler's :class:`~epdserve.kvcache.state_slots.StateSlots`."""
+    ``states``: the scheduler's :class:`~epdserve.kvcache.state_slots.StateSlots`.
+
+    In the steady state (the same requests as ``prev``, in its row order) the input ids are ``prev``'s sampled
+    ids as they are: no host-to-device copy and no kernel. That and building the positions as one list are host
+    time a decode step spends whatever its batch: on two H200s a TP-2 decode step at one request was host-bound,
+    and the gather of the ids took 12 % of its scheduler's time (docs/performance.md, fifteenth session)."""
     idx = [s.msg.prompt_len + s.launched - 1 for s in seqs]  # sequence index of each input token
     page = pool.page_size  # each input token's KV slot: page * page_size + offset (PagePool.slots, inlined)
     rows = [s.row if s.launched > len(s.output_ids) else -1 for s in seqs]
-    input_ids = torch.tensor([s.output_ids[-1] if r < 0 else 0 for s, r in zip(seqs, rows)], dtype=torch.int64)
-    if prev is not None and any(r >= 0 for r in rows):
-        rows_t = to_device(torch.tensor(rows, dtype=torch.int64), dev)
-        input_ids = torch.where(rows_t >= 0, prev.tokens[rows_t.clamp(min=0)], to_device(input_ids, dev))
+    pos = [i + s.mrope_delta for s, i in zip(seqs, idx)]  # decode_positions: the same index on all three axes
     return ForwardBatch(
         is_decode=True,
-        input_ids=input_ids,
-        positions=decode_positions(torch.tensor(idx, dtype=torch.int64),
-                                   torch.tensor([s.mrope_delta for s in seqs], dtype=torch.int64)),
+        input_ids=_input_ids(seqs, rows, prev, dev),
+        positions=torch.tensor([pos, pos, pos], dtype=torch.int64),
         out_slots=torch.tensor([s.pages[i // page] * page + i % page for s, i in zip(seqs, idx)], dtype=torch.int64),
         q_lens=[1] * len(seqs),
         kv_lens=[i + 1 for i in idx],
         page_table=[s.pages for s in seqs],
         state_slots=states.slots([s.key for s in seqs]),
     )
+
+
+def _input_ids(seqs: list, rows: list[int], prev: Step | None, dev: torch.device) -> torch.Tensor:
+    """``[B]`` int64: row b's newest token, from ``prev.tokens[rows[b]]`` where ``rows[b] >= 0`` (sampled by the
+    step in flight), else from the host."""
+    if prev is None or max(rows, default=-1) < 0:
+        return torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64)
+    if min(rows) >= 0:
+        if rows == list(range(len(rows))):
+            return prev.tokens[:len(rows)]
+        return prev.tokens[to_device(torch.tensor(rows, dtype=torch.int64), dev)]
+    host = torch.tensor([s.output_ids[-1] if r < 0 else 0 for s, r in zip(seqs, rows)], dtype=torch.int64)
+    rows_t = to_device(torch.tensor(rows, dtype=torch.int64), dev)
+    return torch.where(rows_t >= 0, prev.tokens[rows_t.clamp(min=0)], to_device(host, dev))
