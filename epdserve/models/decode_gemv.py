@@ -137,21 +137,22 @@ def _kernel():
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-           gamma: torch.Tensor | None) -> None:
+           gamma: torch.Tensor | None, who: str = "decode GEMV", max_k: int | None = MAX_K) -> None:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"decode GEMV needs x [M, K] and w [N, K], got x {list(x.shape)}, w {list(w.shape)}")
-    if not 0 <= x.shape[0] <= MAX_M or x.shape[1] > MAX_K:
-        raise ValueError(f"decode GEMV takes at most {MAX_M} rows and K <= {MAX_K}, got x {list(x.shape)}")
+        raise ValueError(f"{who} needs x [M, K] and w [N, K], got x {list(x.shape)}, w {list(w.shape)}")
+    if not 0 <= x.shape[0] <= MAX_M or (max_k is not None and x.shape[1] > max_k):
+        raise ValueError(f"{who} takes at most {MAX_M} rows{'' if max_k is None else f' and K <= {max_k}'}, got x "
+                         f"{list(x.shape)}")
     allowed = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
     others = [t for t in (w, bias, residual, gamma) if t is not None]
     if x.dtype not in allowed or any(t.dtype != x.dtype or t.device != x.device for t in others):
-        raise ValueError(f"decode GEMV needs every tensor on {x.device} in one dtype among "
+        raise ValueError(f"{who} needs every tensor on {x.device} in one dtype among "
                          f"{[str(d) for d in allowed]}, got x {x.dtype} and {[str(t.dtype) for t in others]}")
     if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError("decode GEMV needs rows of x and w contiguous")
+        raise ValueError(f"{who} needs rows of x and w contiguous")
     if bias is not None and bias.shape != (w.shape[0],):
-        raise ValueError(f"decode GEMV bias must be [{w.shape[0]}], got {list(bias.shape)}")
-    check_norm_inputs("decode GEMV", x, gamma, residual)
+        raise ValueError(f"{who} bias must be [{w.shape[0]}], got {list(bias.shape)}")
+    check_norm_inputs(who, x, gamma, residual)
 
 
 def check_norm_inputs(who: str, x: torch.Tensor, gamma: torch.Tensor | None, residual: torch.Tensor | None) -> None:
@@ -249,14 +250,7 @@ def down_parts(x: torch.Tensor, w: torch.Tensor, block_n: int = BLOCK_N, num_war
     Raises:
         ValueError: as :func:`gemv` (K unbounded here).
     """
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or not 0 <= x.shape[0] <= MAX_M:
-        raise ValueError(f"down_parts needs x [M <= {MAX_M}, K] and w [N, K], got {list(x.shape)}, {list(w.shape)}")
-    allowed = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
-    if x.dtype not in allowed or w.dtype != x.dtype or w.device != x.device:
-        raise ValueError(f"down_parts needs x and w on one device in one dtype among {[str(d) for d in allowed]}, "
-                         f"got {x.dtype} on {x.device} and {w.dtype} on {w.device}")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError("down_parts needs rows of x and w contiguous")
+    _check(x, w, None, None, None, who="down_parts", max_k=None)
     (M, K), N = x.shape, w.shape[0]
     parts = torch.empty(max(1, -(-K // SPLIT_K)), M, N, dtype=torch.float32, device=x.device)
     if M and N and K:
