@@ -211,3 +211,32 @@ def test_auto_decode_kernel_is_triton_where_measured():
     assert decode_kernel("flashinfer", 128) == "flashinfer" and decode_kernel("triton", 256) == "triton"
     with pytest.raises(ValueError, match="unknown decode attention backend"):
         decode_kernel("fa3", 128)
+
+
+def test_graph_plan_packs_one_copy_that_reads_as_the_eager_plan():
+    """TritonDecode.prepare for a CUDA graph writes indptr, lengths and indices into one static buffer (one copy a
+    step) at fixed offsets; the views the captured kernels read equal the eager plan's tensors, for a batch smaller
+    than the largest graph and again for another batch (the same views, new contents)."""
+    from types import SimpleNamespace
+
+    from epdserve.attention.triton_decode_plan import TritonDecode
+    from epdserve.kvcache.page_table import paged_kv_csr
+
+    plan = object.__new__(TritonDecode)  # no CUDA device here: the fields __init__ would read from it
+    plan.kv_pool = SimpleNamespace(device=torch.device("cpu"), num_pages=64, num_kv_heads=2)
+    plan.scale, plan.num_sms, plan._plan = 1.0, 132, None
+    plan.enable_cuda_graphs(8)
+    views = None
+    for page_table, kv_lens in (([[3, 9, 4], [7], [12, 13]], [40, 5, 17]), ([[1], [2, 6]], [16, 20])):
+        indptr, indices, _ = paged_kv_csr(page_table, kv_lens, 16)
+        plan.prepare(indptr, indices, kv_lens, cuda_graph=False)
+        eager = plan._plan
+        plan.prepare(indptr, indices, kv_lens, cuda_graph=True)
+        graph = plan._plan
+        assert graph[3] == eager[3]
+        for got, want in zip(graph[:3], eager[:3]):
+            assert torch.equal(got[:want.numel()], want)
+        assert graph[0].numel() == len(kv_lens) + 1 and graph[2].numel() == len(kv_lens)
+        if views is None:
+            views = [t.data_ptr() for t in graph[:3]]
+        assert [t.data_ptr() for t in graph[:3]] == views  # the pointers a captured graph holds

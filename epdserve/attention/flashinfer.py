@@ -154,7 +154,6 @@ class FlashInferBackend(AttentionBackend):
         """
         ps, dev = self.kv_pool.page_size, self.kv_pool.device
         kv_indptr, kv_indices, last_len = paged_kv_csr(batch.page_table, batch.kv_lens, ps)
-        kv_indices = to_device(kv_indices, dev)
         pool, dtype = self.kv_pool, self.kv_pool.dtype
         if batch.is_decode and self._triton is not None:  # no plan: the page table and lengths are all it reads
             wrapper = self._triton
@@ -162,7 +161,7 @@ class FlashInferBackend(AttentionBackend):
         elif batch.is_decode:
             wrapper = self._graph_decode[batch.batch_size] if cuda_graph else self._decode
             self._wait_previous_plan(wrapper)
-            wrapper.plan(kv_indptr.pin_memory(), kv_indices, last_len.pin_memory(), self.num_qo_heads,
+            wrapper.plan(kv_indptr.pin_memory(), to_device(kv_indices, dev), last_len.pin_memory(), self.num_qo_heads,
                          pool.num_kv_heads, pool.head_dim, ps, q_data_type=dtype, kv_data_type=dtype,
                          sm_scale=self.scale, non_blocking=True)
             self._planned_now(wrapper)
@@ -172,8 +171,9 @@ class FlashInferBackend(AttentionBackend):
             wrapper = self._graph_prefill[int(batch.input_ids.shape[0])] if cuda_graph else self._prefill
             self._wait_previous_plan(wrapper)
             qo_indptr = torch.tensor([0] + list(batch.q_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_len, self.num_qo_heads, pool.num_kv_heads,
-                         pool.head_dim, ps, causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scale)
+            wrapper.plan(qo_indptr, kv_indptr, to_device(kv_indices, dev), last_len, self.num_qo_heads,
+                         pool.num_kv_heads, pool.head_dim, ps, causal=True, q_data_type=dtype, kv_data_type=dtype,
+                         sm_scale=self.scale)
             self._planned_now(wrapper)
         self._wrapper = wrapper
         self._out_slots = batch.out_slots.to(dev)

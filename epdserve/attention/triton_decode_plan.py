@@ -43,37 +43,42 @@ class TritonDecode:
     def __init__(self, kv_pool: KVPool, scale: float):
         self.kv_pool, self.scale = kv_pool, scale
         self.num_sms = torch.cuda.get_device_properties(kv_pool.device).multi_processor_count
-        self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._static: tuple[torch.Tensor, int] | None = None  # enable_cuda_graphs
         self._plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
     def enable_cuda_graphs(self, max_bs: int) -> None:
-        """Static index buffers for graphs of up to ``max_bs`` requests (room for every page of the pool plus one
-        padding page per row); :meth:`prepare` with ``cuda_graph`` fills them."""
-        dev, i32 = self.kv_pool.device, torch.int32
-        self._static = (torch.zeros(max_bs + 1, dtype=i32, device=dev),
-                        torch.zeros(self.kv_pool.num_pages + max_bs, dtype=i32, device=dev),
-                        torch.zeros(max_bs, dtype=i32, device=dev))
+        """Static index buffers for graphs of up to ``max_bs`` requests, in one int32 device buffer so that a step's
+        indices go over in one copy: ``kv_indptr`` at 0 (``max_bs + 1``), the KV lengths at ``max_bs + 1``
+        (``max_bs``), ``kv_indices`` from ``2 * max_bs + 1`` (room for every page of the pool plus one padding page
+        per row); :meth:`prepare` with ``cuda_graph`` fills them."""
+        size = 2 * max_bs + 1 + self.kv_pool.num_pages + max_bs
+        self._static = (torch.zeros(size, dtype=torch.int32, device=self.kv_pool.device), max_bs)
 
     def prepare(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: list[int], cuda_graph: bool) -> None:
-        """Lay out a decode batch: ``kv_indptr`` int32 ``[B + 1]`` on the host, ``kv_indices`` int32 on the pool's
-        device, ``kv_lens`` the B KV lengths. ``cuda_graph``: into the static buffers (stream-ordered copies, no
-        host sync), else into fresh device tensors.
+        """Lay out a decode batch: ``kv_indptr`` int32 ``[B + 1]`` and ``kv_indices`` int32 on the host, ``kv_lens``
+        the B KV lengths. ``cuda_graph``: into the static buffer, as one pinned host buffer and one stream-ordered
+        copy (no host sync; a step's host work at one request on two H200s spent 10 % of its time in this layout's
+        four separate copies, docs/performance.md, fifteenth session), else into fresh device tensors.
 
         Raises:
             RuntimeError: ``cuda_graph`` before :meth:`enable_cuda_graphs`.
         """
         dev, bs = self.kv_pool.device, len(kv_lens)
-        lens = torch.tensor(kv_lens, dtype=torch.int32)
         if not cuda_graph:
-            plan = (to_device(kv_indptr, dev), kv_indices, to_device(lens, dev))
+            plan = (to_device(kv_indptr, dev), to_device(kv_indices, dev),
+                    to_device(torch.tensor(kv_lens, dtype=torch.int32), dev))
         elif self._static is None:
             raise RuntimeError("TritonDecode.prepare(cuda_graph=True) before enable_cuda_graphs")
         else:
-            indptr, indices, lens_buf = self._static
-            indptr[:bs + 1].copy_(kv_indptr.pin_memory(), non_blocking=True)
-            indices[:kv_indices.numel()].copy_(kv_indices, non_blocking=True)
-            lens_buf[:bs].copy_(lens.pin_memory(), non_blocking=True)
-            plan = (indptr[:bs + 1], indices, lens_buf[:bs])
+            packed, max_bs = self._static
+            lens_at, indices_at = max_bs + 1, 2 * max_bs + 1
+            host = torch.empty(indices_at + kv_indices.numel(), dtype=torch.int32, pin_memory=dev.type == "cuda")
+            h = host.numpy()  # numpy slices: no torch op per field
+            h[:bs + 1] = kv_indptr.numpy()
+            h[lens_at:lens_at + bs] = kv_lens
+            h[indices_at:] = kv_indices.numpy()
+            packed[:host.numel()].copy_(host, non_blocking=True)
+            plan = (packed[:bs + 1], packed[indices_at:], packed[lens_at:lens_at + bs])
         self._plan = (*plan, num_kv_splits(bs, self.kv_pool.num_kv_heads, self.num_sms))
 
     def run(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:

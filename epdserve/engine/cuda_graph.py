@@ -72,29 +72,35 @@ def capture_graphs(sizes: list[int], capture_one,
     return graphs, time.monotonic() - t0
 
 
-def host_inputs(batch: ForwardBatch, rows: int, num_rows: int, pad_slots) -> tuple[torch.Tensor, bool]:
+def host_inputs(batch: ForwardBatch, rows: int, num_rows: int, pad_slots,
+                width: int | None = None) -> tuple[torch.Tensor, bool]:
     """The first rows of a graph's static inputs for ``batch`` (token ids, 3 M-RoPE positions, KV slots) in a
-    pinned int64 ``[num_rows, rows]`` host buffer, padded past the batch's tokens with id 0, position 0 and
-    ``pad_slots`` (an int or a ``[rows - T]`` tensor of scratch slots). Rows from 5 on are the caller's.
+    pinned int64 ``[num_rows, width]`` host buffer (``width`` None: ``rows``), padded up to ``rows`` past the batch's
+    tokens with id 0, position 0 and ``pad_slots`` (an int or a ``[rows - T]`` tensor of scratch slots); columns
+    from ``rows`` on are left unset (no graph of ``rows`` reads them). Rows from 5 on are the caller's.
 
     Returns ``(host, ids_on_device)``: with ``ids_on_device`` the ids (the overlap scheduler's last samples, or a
     TP broadcast) are not in ``host``; :func:`upload_inputs` copies them on the device.
     """
     T = len(batch.out_slots)
-    host = torch.empty(num_rows, rows, dtype=torch.int64, pin_memory=True)
+    host = torch.empty(num_rows, width or rows, dtype=torch.int64, pin_memory=True)
     ids_on_device = batch.input_ids.is_cuda
     host[0, :T] = 0 if ids_on_device else batch.input_ids
     host[1:4, :T] = batch.positions
     host[4, :T] = batch.out_slots
-    host[:4, T:] = 0
-    host[4, T:] = pad_slots
+    host[:4, T:rows] = 0
+    host[4, T:rows] = pad_slots
     return host, ids_on_device
 
 
 def upload_inputs(inputs: torch.Tensor, host: torch.Tensor, batch: ForwardBatch, ids_on_device: bool) -> None:
     """Copy ``host`` (from :func:`host_inputs`) into the static ``inputs`` in one non-blocking copy, then the
-    device-side ids."""
-    inputs[:, :host.shape[1]].copy_(host, non_blocking=True)
+    device-side ids. A ``host`` as wide as ``inputs`` goes over as one contiguous copy; a narrower one is a
+    strided destination, which torch copies through a device temporary and a second kernel."""
+    if host.shape == inputs.shape:
+        inputs.copy_(host, non_blocking=True)
+    else:
+        inputs[:, :host.shape[1]].copy_(host, non_blocking=True)
     if ids_on_device:
         inputs[0, :len(batch.input_ids)].copy_(batch.input_ids)
 
@@ -112,13 +118,18 @@ class CudaGraphRunner:
         scratch_state_slot: hybrid models (Qwen3.5): the state pool's scratch slot; the graphs then also take each
             row's state slot from a static buffer (``ForwardBatch.state_slots`` as a device tensor) and padding
             rows read and write this slot. None for models without linear-attention states.
+        tp: the model's TP group. With more than one rank, each graph starts by broadcasting rank 0's input ids
+            over the group (the other ranks' ids are ignored, as :meth:`ModelRunner.forward
+            <epdserve.engine.model_runner.ModelRunner.forward>` documents): inside the graph the broadcast costs
+            the host nothing, where an eager one took 6 % of a TP-2 decode step's host time at one request (two
+            H200s, docs/performance.md, fifteenth session). :attr:`broadcasts_ids` says so.
 
     Raises:
         torch.OutOfMemoryError: the graphs or their buffers do not fit.
     """
 
     def __init__(self, model, backend, *, vocab_size: int, max_bs: int, scratch_page: int, page_size: int,
-                 scratch_state_slot: int | None = None):
+                 scratch_state_slot: int | None = None, tp=None):
         dev = backend.kv_pool.device
         self.model, self.backend = model, backend
         self.sizes = graph_batch_sizes(max_bs)
@@ -132,9 +143,15 @@ class CudaGraphRunner:
             self.inputs[5] = scratch_state_slot
         self.logits = torch.empty(top, vocab_size, dtype=torch.float32, device=dev)
         backend.enable_cuda_graphs(self.sizes)
+        self.broadcasts_ids = tp is not None and tp.size > 1
+        forward = model
+        if self.broadcasts_ids:
+            def forward(batch: ForwardBatch, out: torch.Tensor) -> torch.Tensor:
+                tp.broadcast(batch.input_ids)
+                return model(batch, out=out)
         self.graphs, seconds = capture_graphs(
             self.sizes, lambda bs, pool: capture_forward(
-                model, backend, self._static_batch(bs, [1] * bs, [[scratch_page]] * bs), self.logits[:bs], pool),
+                forward, backend, self._static_batch(bs, [1] * bs, [[scratch_page]] * bs), self.logits[:bs], pool),
             dev)
         log.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.sizes), self.sizes[0], top,
                  seconds)
@@ -167,10 +184,10 @@ class CudaGraphRunner:
         B = batch.batch_size
         bs = next(s for s in self.sizes if s >= B)
         host, ids_on_device = host_inputs(batch, bs, self.inputs.shape[0],
-                                          self.scratch_page * self.backend.kv_pool.page_size)
+                                          self.scratch_page * self.backend.kv_pool.page_size, self.inputs.shape[1])
         if self.scratch_state_slot is not None:
             host[5, :B] = torch.as_tensor(batch.state_slots, dtype=torch.int64)
-            host[5, B:] = self.scratch_state_slot
+            host[5, B:bs] = self.scratch_state_slot
         upload_inputs(self.inputs, host, batch, ids_on_device)
         pad = bs - B
         padded = self._static_batch(bs, list(batch.kv_lens) + [1] * pad,

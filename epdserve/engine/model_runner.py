@@ -163,7 +163,8 @@ class ModelRunner:
         scratch = None if self.state_pool is None else self.state_pool.scratch_slot
         try:
             return CudaGraphRunner(self.model, self.backend, vocab_size=self.config.vocab_size, max_bs=max_bs,
-                                   scratch_page=self.num_pages, page_size=self.page_size, scratch_state_slot=scratch)
+                                   scratch_page=self.num_pages, page_size=self.page_size, scratch_state_slot=scratch,
+                                   tp=self.tp)
         except RuntimeError as e:
             if scratch is None:
                 raise
@@ -222,11 +223,11 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         dev = self.device
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.replay(batch)  # broadcasts rank 0's ids inside the graph (CudaGraphRunner's tp)
         if self.tp.size > 1:
             ids = batch.input_ids.to(dev, torch.int64, non_blocking=True).contiguous()
             batch = dataclasses.replace(batch, input_ids=self.tp.broadcast(ids))
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.replay(batch)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
             return self.prefill_graphs.replay(batch)
         batch = dataclasses.replace(
