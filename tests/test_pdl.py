@@ -145,7 +145,7 @@ def _before_wait(lines: list[str]) -> list[str]:
 
 def _kernels():
     from epdserve.attention import triton_decode
-    from epdserve.models import decode_gemv
+    from epdserve.models import decode_gemv, decode_qkv
     from epdserve.models import gate_up_silu as gus
 
     bf16 = "*bf16"
@@ -171,10 +171,16 @@ def _kernels():
                       dict(num_warps=4)),
         "down_parts": (decode_gemv._kernel()[1], {"x": bf16, "w": bf16, "parts": "*fp32"},
                        dict(BM=4, BN=8, BK=2048), dict(num_warps=4)),
+        "norm_qkv_rope": (decode_qkv._kernel(), {p: bf16 for p in ("x", "r", "r_out", "gamma", "w", "bias", "y", "kc",
+                                                                   "vc")} | {"table": "*fp32", "slots": "*i64",
+                                                                              "eps": "fp32"},
+                          dict(HQ=16, HKV=2, D=128, HALF=64, P=4, BK=2048, RESID=True, BIAS=True, WRITE_KV=True),
+                          dict(num_warps=4)),
     }
 
 
-@pytest.mark.parametrize("name", ["split", "merge", "gate_up_silu", "norm_gate_up_silu", "norm_gemv", "down_parts"])
+@pytest.mark.parametrize("name", ["split", "merge", "gate_up_silu", "norm_gate_up_silu", "norm_gemv", "down_parts",
+                                  "norm_qkv_rope"])
 def test_each_kernel_waits_for_the_previous_one_before_touching_its_outputs(name):
     kernel, pointers, constexprs, options = _kernels()[name]
     lines = _ptx(kernel, pointers, constexprs | {"PDL": True}, launch_pdl=True, **options)
@@ -183,7 +189,8 @@ def test_each_kernel_waits_for_the_previous_one_before_touching_its_outputs(name
     if name in ("gate_up_silu", "norm_gate_up_silu"):  # the first gate and up weight tiles only: 2 x 32 x 128
         assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)  # bf16 / 128 threads
         assert loaded == 2 * 32 * 128 * 2 // 128
-    elif name in ("norm_gemv", "down_parts"):  # loads only (weights, bias, norm weight); the whole 8 x 2048 slice
+    elif name in ("norm_gemv", "down_parts", "norm_qkv_rope"):  # loads only (weights, bias, norm weight, angles);
+        # the whole 8 x 2048 weight slice among them
         assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
         assert loaded >= 8 * 2048 * 2 // 128
     else:

@@ -40,7 +40,7 @@ from torch import nn
 from epdserve.attention.base import AttentionBackend
 from epdserve.engine.distributed import TPGroup
 from epdserve.engine.forward_batch import ForwardBatch
-from epdserve.models import decode_gemv, gate_up_silu
+from epdserve.models import decode_gemv, decode_qkv, gate_up_silu
 from epdserve.models.config import ModelConfig
 from epdserve.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                       VocabParallelEmbedding, head_shard, split_evenly)
@@ -165,17 +165,25 @@ class Attention(nn.Module):
         """``[T, hidden]`` -> ``[T, hidden]``."""
         return self.attend(self.qkv_proj(x), rope, attn)
 
+    # RoPE acts on q and k as the qkv projection leaves them, so one kernel may do both
+    # (epdserve.models.decode_qkv); Qwen3's per-head q/k norms come in between.
+    rope_on_projection = True
+
     def attend(self, qkv: torch.Tensor, rope: _Rope, attn: AttentionBackend) -> torch.Tensor:
         """The block after the qkv projection: ``qkv`` ``[T, (hq + 2 hkv) * head_dim]`` -> ``[T, hidden]``."""
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        written = False
         if rope.table is not None:  # in place on the strided views of the qkv output: no copies
-            written = rope_and_kv_write(q, k, v, self.d, rope.table, attn, self.layer_id)
-            q, k = q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d)
-        else:
-            q = _rotate(q.view(-1, self.hq, self.d), rope.cos, rope.sin)
-            k = _rotate(k.view(-1, self.hkv, self.d), rope.cos, rope.sin)
-        out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d), kv_written=written)
+            return self.attend_rotated(qkv, attn, rope_and_kv_write(q, k, v, self.d, rope.table, attn, self.layer_id))
+        q = _rotate(q.view(-1, self.hq, self.d), rope.cos, rope.sin)
+        k = _rotate(k.view(-1, self.hkv, self.d), rope.cos, rope.sin)
+        out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d))
+        return self.o_proj(out.reshape(-1, self.hq * self.d))
+
+    def attend_rotated(self, qkv: torch.Tensor, attn: AttentionBackend, kv_written: bool) -> torch.Tensor:
+        """:meth:`attend` once q and k in ``qkv`` are rotated (``kv_written``: and K and V are in the KV cache)."""
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        out = attn.forward(self.layer_id, q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d),
+                           v.view(-1, self.hkv, self.d), kv_written=kv_written)
         return self.o_proj(out.reshape(-1, self.hq * self.d))
 
 
@@ -244,9 +252,17 @@ class DecoderLayer(nn.Module):
         per layer, the projections' weights loaded while the kernel before them runs. Without TP the output ``x``
         is the down projection's split-K parts ``[S, 1, hidden]`` (:func:`~epdserve.models.decode_gemv.down_parts`),
         which the next block's qkv GEMV sums; the model's last norm takes them through ``merge_parts``."""
-        ln1, ln2, qkv_proj = self.input_layernorm, self.post_attention_layernorm, self.self_attn.qkv_proj
-        qkv, residual = decode_gemv.norm_gemv(x, qkv_proj.weight, qkv_proj.bias, ln1.weight, ln1.eps, residual)
-        x = self.self_attn.attend(qkv, rope, attn)
+        ln1, ln2, sa = self.input_layernorm, self.post_attention_layernorm, self.self_attn
+        w, b = sa.qkv_proj.weight, sa.qkv_proj.bias
+        if rope.table is not None and sa.rope_on_projection and decode_qkv.fits(x, w, sa.d):
+            # one launch for the norm, the projection, RoPE and the KV write (epdserve.models.decode_qkv)
+            target = attn.kv_write(sa.layer_id, w.dtype)
+            qkv, residual = decode_qkv.norm_qkv_rope(x, w, b, ln1.weight, ln1.eps, residual, sa.d, sa.hq, sa.hkv,
+                                                     rope.table, target)
+            x = sa.attend_rotated(qkv, attn, target is not None)
+        else:
+            qkv, residual = decode_gemv.norm_gemv(x, w, b, ln1.weight, ln1.eps, residual)
+            x = sa.attend(qkv, rope, attn)
         act, residual = gate_up_silu.norm_gate_up_silu(x, self.mlp.gate_up_proj.weight, ln2.weight, ln2.eps, residual,
                                                        *gate_up_silu.config_for(x.shape[0]))
         down = self.mlp.down_proj

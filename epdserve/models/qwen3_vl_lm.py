@@ -47,6 +47,8 @@ class Qwen3Attention(Attention):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
+    rope_on_projection = False  # the q/k norms come between the projection and RoPE
+
     def attend(self, qkv: torch.Tensor, rope: _Rope, attn) -> torch.Tensor:
         """The block after the qkv projection: ``qkv`` ``[T, (hq + 2 hkv) * head_dim]`` -> ``[T, hidden]``."""
         if rope.table is not None and self.q_norm.fused:  # CUDA: norms and RoPE in one kernel
