@@ -138,3 +138,19 @@ def test_norm_gemv_sums_parts_before_the_residual_add(interpreter, S):
         mod.norm_gemv(parts.double(), w, b, gamma, 1e-6, r)
     with pytest.raises(ValueError, match="down_parts"):
         mod.down_parts(parts[0], w[:, :K - 1])
+
+
+def test_norm_gemv_normed_returns_the_rows_it_projected(interpreter):
+    """The MoE front: the same projection and residual as norm_gemv, plus the normed rows themselves."""
+    M, N, K = 1, 24, 64
+    x, r, w, _, gamma = _case(M, N, K, torch.float32, seed=21)
+    y, r_out, normed = mod.norm_gemv_normed(x, w, gamma, 1e-6, r)
+    y2, r2 = mod.norm_gemv(x, w, None, gamma, 1e-6, r)
+    assert torch.equal(y, y2) and torch.equal(r_out, r2)
+    n64 = _normed64(x, r, gamma, 1e-6)
+    assert bool(((normed.double() - n64).abs() <= (K + 8) * U32 * n64.abs() + 1e-12).all())
+    assert float((normed.double() - n64).abs().max()) < 1e-5
+    parts = torch.stack([x, r])  # the previous block's output in parts, summed first
+    y3, r3, normed3 = mod.norm_gemv_normed(parts, w, gamma, 1e-6, r)
+    assert torch.equal(r3, (x + r) + r)
+    torch.testing.assert_close(normed3.double(), _normed64(x + r, r, gamma, 1e-6), rtol=1e-5, atol=1e-6)

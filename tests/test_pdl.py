@@ -166,9 +166,9 @@ def _kernels():
                                               "gamma": bf16, "eps": "fp32"},
                               dict(BM=16, BN=32, BK=128, IEEE=False, NORM=True, RESID=True, NM=4, BKN=2048),
                               dict(num_warps=4, num_stages=3)),
-        "norm_gemv": (decode_gemv._kernel()[0], {p: bf16 for p in ("x", "r", "r_out", "gamma", "w", "bias", "y")}
-                      | {"eps": "fp32"}, dict(BM=4, BN=8, BK=2048, NORM=True, RESID=True, BIAS=True),
-                      dict(num_warps=4)),
+        "norm_gemv": (decode_gemv._kernel()[0], {p: bf16 for p in ("x", "r", "r_out", "n_out", "gamma", "w", "bias",
+                                                                   "y")} | {"eps": "fp32"},
+                      dict(BM=4, BN=8, BK=2048, NORM=True, RESID=True, NORMED=True, BIAS=True), dict(num_warps=4)),
         "down_parts": (decode_gemv._kernel()[1], {"x": bf16, "w": bf16, "parts": "*fp32"},
                        dict(BM=4, BN=8, BK=2048), dict(num_warps=4)),
         "norm_qkv_rope": (decode_qkv._kernel(), {p: bf16 for p in ("x", "r", "r_out", "gamma", "w", "bias", "y", "kc",

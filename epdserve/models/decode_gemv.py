@@ -76,9 +76,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def norm_gemv_kernel(x, S, r, r_out, gamma, w, bias, y, M, N, K, eps, x_stride, x_part_stride, r_stride,
+    def norm_gemv_kernel(x, S, r, r_out, n_out, gamma, w, bias, y, M, N, K, eps, x_stride, x_part_stride, r_stride,
                          w_stride, y_stride, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         NORM: tl.constexpr, RESID: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr):
+                         NORM: tl.constexpr, RESID: tl.constexpr, NORMED: tl.constexpr, BIAS: tl.constexpr,
+                         PDL: tl.constexpr):
         pid = tl.program_id(0)
         cols = pid * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
@@ -111,6 +112,9 @@ def _kernel():
                 if NORM:  # flashinfer's order: s * rsqrt(mean(s^2) + eps) * gamma, over the unrounded sum
                     ss = tl.reduce(v * v, 0, tl.standard._sum_combine)
                     v = (v * tl.rsqrt(ss / K + eps) * g).to(dt).to(tl.float32)
+                    if NORMED:
+                        if pid == 0:
+                            tl.store(n_out + m * K + ks, v.to(dt), mask=k_ok)
                 acc = tl.reduce(wt.to(tl.float32) * v[None, :], 1, tl.standard._sum_combine) + b
                 tl.store(y + m * y_stride + cols, acc.to(dt), mask=col_ok)
 
@@ -171,20 +175,22 @@ def check_norm_inputs(who: str, x: torch.Tensor, gamma: torch.Tensor | None, res
         raise ValueError(f"{who} needs residual rows contiguous, got strides {residual.stride()}")
 
 
-def _launch(x, w, bias, residual, gamma, eps, block_n, num_warps, dtype):
+def _launch(x, w, bias, residual, gamma, eps, block_n, num_warps, dtype, normed=False):
     (M, K), N, S = x.shape[-2:], w.shape[0], x.shape[0] if x.dim() == 3 else 1
     y = torch.empty(M, N, dtype=dtype, device=x.device)
     r_out = torch.empty(M, K, dtype=dtype, device=x.device) if residual is not None else None
+    n_out = torch.empty(M, K, dtype=dtype, device=x.device) if normed else None
     if M == 0 or N == 0:
-        return y, r_out
+        return y, r_out, n_out
     pdl = supports_pdl(x.device)
     _kernel()[0][(-(-N // block_n),)](
         x, S, residual if residual is not None else x, r_out if r_out is not None else x,
-        gamma if gamma is not None else x, w, bias if bias is not None else x, y, M, N, K, float(eps),
-        x.stride(-2), x.stride(0) if S > 1 else 0, residual.stride(0) if residual is not None else 0, w.stride(0),
-        y.stride(0), BM=MAX_M, BN=block_n, BK=max(16, 1 << (K - 1).bit_length()), NORM=gamma is not None,
-        RESID=residual is not None, BIAS=bias is not None, PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
-    return y, r_out
+        n_out if n_out is not None else x, gamma if gamma is not None else x, w, bias if bias is not None else x, y,
+        M, N, K, float(eps), x.stride(-2), x.stride(0) if S > 1 else 0,
+        residual.stride(0) if residual is not None else 0, w.stride(0), y.stride(0), BM=MAX_M, BN=block_n,
+        BK=max(16, 1 << (K - 1).bit_length()), NORM=gamma is not None, RESID=residual is not None, NORMED=normed,
+        BIAS=bias is not None, PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
+    return y, r_out, n_out
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = BLOCK_N,
@@ -227,16 +233,31 @@ def norm_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gamma
     Raises:
         ValueError: as :func:`gemv`, a norm weight or residual of the wrong shape, parts without a residual.
     """
+    dtype = _norm_input_dtype(x, w, bias, residual, gamma)
+    y, r_out, _ = _launch(x, w, bias, residual, gamma, eps, block_n, num_warps, dtype)
+    return y, (x if residual is None else r_out)
+
+
+def norm_gemv_normed(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, eps: float,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`norm_gemv` (no bias) that also returns the normed rows it projected: ``(y [M, N], residual [M, K],
+    normed [M, K])``, for a block whose norm feeds two consumers (an MoE router's GEMV and its experts). Same
+    arguments and errors as :func:`norm_gemv`."""
+    dtype = _norm_input_dtype(x, w, None, residual, gamma)
+    y, r_out, n_out = _launch(x, w, None, residual, gamma, eps, BLOCK_N, NUM_WARPS, dtype, normed=True)
+    return y, (x if residual is None else r_out), n_out
+
+
+def _norm_input_dtype(x, w, bias, residual, gamma) -> torch.dtype:
+    """Check a folded norm's inputs (``x`` 2-D, or split-K parts with a residual); return the activation dtype."""
     if x.dim() == 3:
         if residual is None or x.dtype != torch.float32 or x.shape[1:] != residual.shape or x.stride(-1) != 1:
             raise ValueError(f"norm_gemv takes parts [S, M, K] float32 with a residual [M, K], got x {list(x.shape)} "
                              f"{x.dtype}, residual {None if residual is None else list(residual.shape)}")
         _check(residual, w, bias, None, gamma)
-    else:
-        _check(x, w, bias, residual, gamma)
-    dtype = residual.dtype if residual is not None else x.dtype
-    y, r_out = _launch(x, w, bias, residual, gamma, eps, block_n, num_warps, dtype)
-    return y, (x if residual is None else r_out)
+        return residual.dtype
+    _check(x, w, bias, residual, gamma)
+    return x.dtype
 
 
 def down_parts(x: torch.Tensor, w: torch.Tensor, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS) -> torch.Tensor:

@@ -134,12 +134,16 @@ def route_fused(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int) -> tuple
     Raises:
         ValueError: more than 1024 experts or fewer than ``top_k``.
     """
-    logits = torch.nn.functional.linear(x, gate_weight)
+    return route_logits(torch.nn.functional.linear(x, gate_weight), top_k)
+
+
+def route_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route_fused` from the router's logits ``[T, E]`` (their dtype is the weights')."""
     T, E = logits.shape
     if not top_k <= E <= 1024:
         raise ValueError(f"route_fused takes top_k <= experts <= 1024, got {top_k} of {E}")
-    weights = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
-    experts = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    experts = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
         _kernel()[2][(T,)](logits, weights, experts, E, logits.stride(0), TOPK=top_k,
                            BE=max(16, 1 << (E - 1).bit_length()), KP=max(2, 1 << (top_k - 1).bit_length()))

@@ -211,6 +211,17 @@ class MLP(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up, reduce)
 
+    def forward_with_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                          norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode row's ``(mlp(norm(x + residual)), x + residual)`` with the add + RMSNorm inside the gate_up +
+        SiLU kernel; without TP the output is the down projection's split-K parts ``[S, 1, hidden]``
+        (:func:`~epdserve.models.decode_gemv.down_parts`), which the next block's norm sums."""
+        act, residual = gate_up_silu.norm_gate_up_silu(x, self.gate_up_proj.weight, norm.weight, norm.eps, residual,
+                                                       *gate_up_silu.config_for(x.shape[0]))
+        if self.down_proj.tp.size == 1:
+            return decode_gemv.down_parts(act, self.down_proj.weight), residual
+        return self.down_proj(act), residual
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``; ``attention_cls`` builds ``self_attn``
@@ -241,17 +252,17 @@ class DecoderLayer(nn.Module):
     def _norms_in_projections(self, x: torch.Tensor) -> bool:
         """Whether this forward folds both norms into the projections after them (fused ops, a dense MLP, a
         decode batch of at most :data:`decode_gemv.FOLD_NORMS_MAX_M` rows): see :mod:`epdserve.models.decode_gemv`."""
+        takes_norm = hasattr(self.mlp, "forward_with_norm")  # the dense MLP, an MoE block
         if x.dim() == 3:  # the previous block's down projection in parts: only a folding block makes them
-            return isinstance(self.mlp, MLP)
-        return (self.input_layernorm.fused and isinstance(self.mlp, MLP) and self.mlp.fused
+            return takes_norm
+        return (self.input_layernorm.fused and takes_norm and getattr(self.mlp, "fused", True)
                 and x.shape[0] <= decode_gemv.FOLD_NORMS_MAX_M and decode_gemv.fits(x, self.self_attn.qkv_proj.weight))
 
     def _forward_norms_in_projections(self, x: torch.Tensor, residual: torch.Tensor | None, rope: _Rope,
                                       attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` with add + RMSNorm inside the qkv GEMV and the gate_up + SiLU kernel: two kernels fewer
-        per layer, the projections' weights loaded while the kernel before them runs. Without TP the output ``x``
-        is the down projection's split-K parts ``[S, 1, hidden]`` (:func:`~epdserve.models.decode_gemv.down_parts`),
-        which the next block's qkv GEMV sums; the model's last norm takes them through ``merge_parts``."""
+        """:meth:`forward` with each add + RMSNorm inside the projection after it: the qkv GEMV (with RoPE and the
+        KV write where :mod:`~epdserve.models.decode_qkv` applies), then the MLP's ``forward_with_norm`` (the dense
+        one's output may be split-K parts, which the next norm sums; the last one through ``merge_parts``)."""
         ln1, ln2, sa = self.input_layernorm, self.post_attention_layernorm, self.self_attn
         w, b = sa.qkv_proj.weight, sa.qkv_proj.bias
         if rope.table is not None and sa.rope_on_projection and decode_qkv.fits(x, w, sa.d):
@@ -263,12 +274,7 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = decode_gemv.norm_gemv(x, w, b, ln1.weight, ln1.eps, residual)
             x = sa.attend(qkv, rope, attn)
-        act, residual = gate_up_silu.norm_gate_up_silu(x, self.mlp.gate_up_proj.weight, ln2.weight, ln2.eps, residual,
-                                                       *gate_up_silu.config_for(x.shape[0]))
-        down = self.mlp.down_proj
-        if down.tp.size == 1:
-            return decode_gemv.down_parts(act, down.weight), residual
-        return down(act), residual
+        return self.mlp.forward_with_norm(x, residual, ln2)
 
 
 # Checkpoint projection names -> (fused parameter, index of the part within it).

@@ -31,7 +31,8 @@ from torch.nn import functional as F
 from epdserve.engine.distributed import TPGroup
 from epdserve.attention.base import AttentionBackend
 from epdserve.models.config import ModelConfig
-from epdserve.models.moe_decode import route_fused
+from epdserve.models import decode_gemv
+from epdserve.models.moe_decode import route_fused, route_logits
 from epdserve.models.moe_experts import run_experts
 from epdserve.models.parallel import split_evenly
 from epdserve.models.qwen3_vl_lm import Qwen3VLLanguageModel
@@ -130,6 +131,15 @@ class SparseMoeBlock(nn.Module):
         weights, experts = route(x, self.gate.weight, self.top_k)
         out = self.experts(x, weights, experts)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+    def forward_with_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode row's ``(forward(norm(x + residual)), x + residual)`` on CUDA with the add + RMSNorm inside the
+        router's GEMV, which also hands the normed row to the experts
+        (:func:`~epdserve.models.decode_gemv.norm_gemv_normed`): the norm's kernel and the router's cuBLAS GEMM
+        become one launch whose weights load before the kernel ahead of it ends."""
+        logits, residual, normed = decode_gemv.norm_gemv_normed(x, self.gate.weight, norm.weight, norm.eps, residual)
+        out = self.experts(normed, *route_logits(logits, self.top_k))
+        return (self.tp.all_reduce(out) if self.tp.size > 1 else out), residual
 
 
 def is_sparse_layer(cfg: ModelConfig, layer_id: int) -> bool:
