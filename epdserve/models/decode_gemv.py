@@ -233,7 +233,7 @@ def norm_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gamma
     Raises:
         ValueError: as :func:`gemv`, a norm weight or residual of the wrong shape, parts without a residual.
     """
-    dtype = _norm_input_dtype(x, w, bias, residual, gamma)
+    dtype = norm_input_dtype(x, w, bias, residual, gamma)
     y, r_out, _ = _launch(x, w, bias, residual, gamma, eps, block_n, num_warps, dtype)
     return y, (x if residual is None else r_out)
 
@@ -243,13 +243,20 @@ def norm_gemv_normed(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, eps:
     """:func:`norm_gemv` (no bias) that also returns the normed rows it projected: ``(y [M, N], residual [M, K],
     normed [M, K])``, for a block whose norm feeds two consumers (an MoE router's GEMV and its experts). Same
     arguments and errors as :func:`norm_gemv`."""
-    dtype = _norm_input_dtype(x, w, None, residual, gamma)
+    dtype = norm_input_dtype(x, w, None, residual, gamma)
     y, r_out, n_out = _launch(x, w, None, residual, gamma, eps, BLOCK_N, NUM_WARPS, dtype, normed=True)
     return y, (x if residual is None else r_out), n_out
 
 
-def _norm_input_dtype(x, w, bias, residual, gamma) -> torch.dtype:
-    """Check a folded norm's inputs (``x`` 2-D, or split-K parts with a residual); return the activation dtype."""
+def norm_input_dtype(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                     gamma: torch.Tensor | None) -> torch.dtype:
+    """Check the inputs of a norm folded into a projection (:func:`norm_gemv`, :func:`norm_gemv_normed`,
+    :func:`~epdserve.models.decode_qkv.norm_qkv_rope`): ``x`` ``[M, K]``, or split-K parts ``[S, M, K]`` float32 with a
+    residual; return the activation dtype.
+
+    Raises:
+        ValueError: as :func:`norm_gemv`.
+    """
     if x.dim() == 3:
         if residual is None or x.dtype != torch.float32 or x.shape[1:] != residual.shape or x.stride(-1) != 1:
             raise ValueError(f"norm_gemv takes parts [S, M, K] float32 with a residual [M, K], got x {list(x.shape)} "

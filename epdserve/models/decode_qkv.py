@@ -133,10 +133,7 @@ def norm_qkv_rope(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, g
     row = x[0] if parts else x
     if row.shape[0] != 1:
         raise ValueError(f"norm_qkv_rope takes one row, got x {list(x.shape)}")
-    if parts and (residual is None or x.dtype != torch.float32 or x.stride(-1) != 1):
-        raise ValueError(f"norm_qkv_rope takes parts [S, 1, K] float32 with a residual, got {list(x.shape)} {x.dtype}")
-    decode_gemv._check(residual if parts else x, w, bias, None if parts else residual, gamma)
-    dtype = residual.dtype if parts else x.dtype
+    dtype = decode_gemv.norm_input_dtype(x, w, bias, residual, gamma)
     if table.dtype != torch.float32 or tuple(table.shape) != (1, D) or table.stride(1) != 1:
         raise ValueError(f"norm_qkv_rope needs a float32 [1, {D}] table, got {table.dtype} {list(table.shape)}")
     if kv_write is not None:
