@@ -18,10 +18,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def test_prefill_graph_sizes():
-    assert prefill_graph_sizes(16) == [16]
-    assert prefill_graph_sizes(100) == [16, 32, 64, 100]
+    assert prefill_graph_sizes(1) == [1]
+    assert prefill_graph_sizes(16) == [1, 16]
+    assert prefill_graph_sizes(100) == [1, 16, 32, 64, 100]
     sizes = prefill_graph_sizes(2048)
-    assert sizes[0] == 16 and sizes[-1] == 2048 and sizes == sorted(set(sizes))
+    assert sizes[:2] == [1, 16] and sizes[-1] == 2048 and sizes == sorted(set(sizes))
     assert all(b <= 1.25 * a for a, b in zip(sizes, sizes[1:]) if a >= 256)
     with pytest.raises(ValueError):
         prefill_graph_sizes(0)

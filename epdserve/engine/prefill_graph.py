@@ -31,13 +31,17 @@ from epdserve.engine.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
-_SIZES = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072,
+_SIZES = (1, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072,
           3584, 4096, 5120, 6144, 7168, 8192)
 
 
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
-    """The captured token counts up to ``max_tokens``: a fixed ladder (16 .. 8192, at most 1.25x apart from 256
-    up, so padding costs little GPU time where prefill is compute-bound) and ``max_tokens`` itself.
+    """The captured token counts up to ``max_tokens``: a fixed ladder (1, then 16 .. 8192, at most 1.25x apart from
+    256 up, so padding costs little GPU time where prefill is compute-bound) and ``max_tokens`` itself.
+
+    One token (a prompt whose every other token the radix cache holds) has its own graph: padded to 16 rows it
+    would run the many-row kernels, whereas one row runs the one-row ones (norms folded into the projections, RoPE
+    and the KV write in the qkv GEMV: :mod:`epdserve.models.decode_qkv`), as the eager forward of that row does.
 
     Raises:
         ValueError: ``max_tokens < 1``.
