@@ -122,7 +122,7 @@ class CudaGraphRunner:
             over the group (the other ranks' ids are ignored, as :meth:`ModelRunner.forward
             <epdserve.engine.model_runner.ModelRunner.forward>` documents): inside the graph the broadcast costs
             the host nothing, where an eager one took 6 % of a TP-2 decode step's host time at one request (two
-            H200s, docs/performance.md, fifteenth session). :attr:`broadcasts_ids` says so.
+            H200s, docs/performance.md, fifteenth session).
 
     Raises:
         torch.OutOfMemoryError: the graphs or their buffers do not fit.
@@ -143,9 +143,8 @@ class CudaGraphRunner:
             self.inputs[5] = scratch_state_slot
         self.logits = torch.empty(top, vocab_size, dtype=torch.float32, device=dev)
         backend.enable_cuda_graphs(self.sizes)
-        self.broadcasts_ids = tp is not None and tp.size > 1
         forward = model
-        if self.broadcasts_ids:
+        if tp is not None and tp.size > 1:
             def forward(batch: ForwardBatch, out: torch.Tensor) -> torch.Tensor:
                 tp.broadcast(batch.input_ids)
                 return model(batch, out=out)

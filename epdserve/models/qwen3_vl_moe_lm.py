@@ -128,9 +128,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``."""
-        weights, experts = route(x, self.gate.weight, self.top_k)
-        out = self.experts(x, weights, experts)
-        return self.tp.all_reduce(out) if self.tp.size > 1 else out
+        return self._experts(x, *route(x, self.gate.weight, self.top_k))
 
     def forward_with_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode row's ``(forward(norm(x + residual)), x + residual)`` on CUDA with the add + RMSNorm inside the
@@ -138,8 +136,11 @@ class SparseMoeBlock(nn.Module):
         (:func:`~epdserve.models.decode_gemv.norm_gemv_normed`): the norm's kernel and the router's cuBLAS GEMM
         become one launch whose weights load before the kernel ahead of it ends."""
         logits, residual, normed = decode_gemv.norm_gemv_normed(x, self.gate.weight, norm.weight, norm.eps, residual)
-        out = self.experts(normed, *route_logits(logits, self.top_k))
-        return (self.tp.all_reduce(out) if self.tp.size > 1 else out), residual
+        return self._experts(normed, *route_logits(logits, self.top_k)), residual
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, weights, experts)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 def is_sparse_layer(cfg: ModelConfig, layer_id: int) -> bool:
