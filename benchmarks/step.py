@@ -277,12 +277,37 @@ def graph_gpu_time(runner: ModelRunner, batch_size: int, reps: int = 30) -> floa
     return start.elapsed_time(end) / 1e3 / reps
 
 
+def critical_path(kernels: list[tuple[str, float, float]]) -> tuple[dict[str, float], float]:
+    """Each kernel's share of the stream's critical path: ``kernels`` are ``(name, start, end)`` on one stream, in
+    any order and any time unit; returns ``({name: exclusive time}, idle time)`` in that unit.
+
+    A kernel's exclusive time is the part of ``[start, end]`` after every earlier kernel has ended: under
+    programmatic dependent launch (PDL) a kernel starts while the one before it is still running and waits for it
+    inside (``griddepcontrol.wait``), so its own duration double-counts its predecessor's tail, and the durations
+    of a PDL chain add up to more than the step. The exclusive times and the idle gaps between kernels add up to
+    the span from the first start to the last end.
+    """
+    exclusive: dict[str, float] = {}
+    idle = 0.0
+    done = None
+    for name, start, end in sorted(kernels, key=lambda k: (k[1], k[2])):
+        if done is None:
+            done = start
+        idle += max(0.0, start - done)
+        exclusive[name] = exclusive.get(name, 0.0) + max(0.0, end - max(start, done))
+        done = max(done, end)
+    return exclusive, idle
+
+
 def profile_replays(runner: ModelRunner, batch_size: int, reps: int = 10, top: int = 25) -> list[dict]:
     """The GPU kernels of ``reps`` replays of the graph serving ``batch_size`` (torch.profiler, CUDA activity),
-    the ``top`` by total device time: ``[{name, calls_per_step, us_per_step}]``. Call right after
-    :func:`time_steps`, as :func:`graph_gpu_time`. Empty without graphs."""
+    the ``top`` by critical-path time: ``[{name, calls_per_step, us_per_step, exclusive_us_per_step}]``, where
+    ``us_per_step`` is the kernels' own durations and ``exclusive_us_per_step`` their share of the step once the
+    overlap of PDL launches is taken out (:func:`critical_path`). Call right after :func:`time_steps`, as
+    :func:`graph_gpu_time`. Empty without graphs."""
     if runner.graphs is None or batch_size > runner.graphs.max_bs:
         return []
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     graph = runner.graphs.graphs[next(s for s in runner.graphs.sizes if s >= batch_size)]
@@ -292,9 +317,13 @@ def profile_replays(runner: ModelRunner, batch_size: int, reps: int = 10, top: i
         for _ in range(reps):
             graph.replay()
         torch.cuda.synchronize()
-    rows = [dict(name=e.key[:90], calls_per_step=e.count / reps, us_per_step=e.device_time_total / reps)
+    spans = [(e.name[:90], e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == DeviceType.CUDA]
+    exclusive, _ = critical_path(spans)
+    rows = [dict(name=e.key[:90], calls_per_step=e.count / reps, us_per_step=e.device_time_total / reps,
+                 exclusive_us_per_step=exclusive.get(e.key[:90], 0.0) / reps)
             for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+    return sorted(rows, key=lambda r: -r["exclusive_us_per_step"])[:top]
 
 
 def run_prefills(runner: ModelRunner, args) -> dict:
@@ -391,9 +420,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['roofline_ms']:>12.3f} {100 * r['roofline_fraction']:>11.1f}% {r['tokens_per_s']:>10.0f}")
     for r in rows:
         if r["kernels"]:
-            print(f"batch {r['batch_size']}: top GPU kernels per step (us, calls)")
+            print(f"batch {r['batch_size']}: top GPU kernels per step (us on the critical path, us of their own "
+                  f"durations, calls)")
             for k in r["kernels"]:
-                print(f"  {k['us_per_step']:9.1f} {k['calls_per_step']:6.1f}  {k['name']}")
+                print(f"  {k['exclusive_us_per_step']:9.1f} {k['us_per_step']:9.1f} {k['calls_per_step']:6.1f}  "
+                      f"{k['name']}")
     print_prefills(prefills)
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from epdserve.bench.step import active_weights, expected_experts, lm_params, lm_weights, step_bytes, time_steps
+from epdserve.bench.step import (active_weights, critical_path, expected_experts, lm_params, lm_weights, step_bytes,
+                                 time_steps)
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.models.tiny import make_tiny_model
 
@@ -22,6 +23,16 @@ def test_expected_experts_matches_a_simulation_of_uniform_top_k_routing():
         assert abs(seen - want) < 0.02 * E, (E, k, T, seen, want)
     assert expected_experts(128, 8, 1) == pytest.approx(8)  # one token reads exactly its top-k
     assert expected_experts(128, 8, 0) == 0.0
+
+
+def test_critical_path_takes_out_the_overlap_of_early_launched_kernels():
+    # a: 0-10; b launched early under PDL at 4, waits for a, ends 15; a gap; c 18-20; a again 20-30 with d inside it
+    spans = [("b", 4.0, 15.0), ("a", 0.0, 10.0), ("c", 18.0, 20.0), ("a", 20.0, 30.0), ("d", 22.0, 25.0)]
+    exclusive, idle = critical_path(spans)
+    assert exclusive == {"a": 20.0, "b": 5.0, "c": 2.0, "d": 0.0}
+    assert idle == 3.0
+    assert sum(exclusive.values()) + idle == 30.0  # the span from the first start to the last end
+    assert critical_path([]) == ({}, 0.0)
 
 
 @pytest.fixture(scope="module")
