@@ -148,6 +148,17 @@ def test_fused_kernels_match_float64_on_the_interpreter(interpreter, tokens):
     assert float(bound.max()) < 1e-3 * float(want.abs().max())
 
 
+def test_down_kernel_tile_stays_within_its_register_budget():
+    # the 30B-A3B: 8 slots of 768 (padded to 1024), two columns a program
+    assert mod.down_launch(8, 768) == dict(KP=8, BK=1024, BN=2, num_warps=4)
+    for k, inter in ((8, 768), (8, 1536), (10, 512), (16, 4096), (2, 48), (1, 16)):
+        launch = mod.down_launch(k, inter)
+        rows = launch["KP"] * launch["BN"]
+        assert launch["KP"] >= k and launch["BK"] >= inter and launch["BN"] >= 1
+        assert rows * launch["BK"] <= max(mod.DOWN_TILE, launch["KP"] * launch["BK"])  # one column's tile may exceed
+        assert rows * launch["BK"] // (32 * launch["num_warps"]) <= 128  # weight elements a thread
+
+
 def test_fused_method_checks_its_inputs():
     x, gate_up, down, weights, experts = _case(2)
     with pytest.raises(ValueError, match="fused experts need"):

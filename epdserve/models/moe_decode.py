@@ -12,16 +12,24 @@ program row: at a few tokens nearly every slot has its own expert):
   ``s``'s expert id and its token's row, and writes ``silu(x @ Wg.T) * (x @ Wu.T)`` for ``BN`` intermediate
   columns; gate and up are each rounded to the activation dtype first (what the grouped GEMM's bf16 output does).
 - ``[1]``, grid ``(T, cdiv(hidden, BN))``: program ``(t, n)`` adds ``weight_j * (act_j @ Wd_j.T)`` over token
-  ``t``'s ``k`` slots for ``BN`` output columns in float32 and rounds once.
+  ``t``'s ``k`` slots for ``BN`` output columns in float32 and rounds once. It holds its ``k * BN`` weight rows
+  over the whole ``I`` in registers and loads them under programmatic dependent launch (PDL,
+  :func:`epdserve.device.supports_pdl`) before it waits for the gate_up kernel, as
+  :mod:`epdserve.models.decode_gemv` does for the dense projections: the down weights (a third of the experts'
+  bytes) stream while gate_up runs. The first version looped over the slots with a 128-wide K step after the
+  launch: at one token 15.5 us for 25 MB, 1.6 TB/s (docs/performance.md, fifteenth session).
+
+The three kernels launch under PDL (the routing kernel and gate_up wait first thing: what they read comes from the
+kernel right before them).
 
 :func:`route_fused` is the router's softmax, top-k and renormalisation in one kernel after the router GEMM (five
 launches fewer per layer than :func:`~epdserve.models.qwen3_vl_moe_lm.route`'s torch ops).
 
-Arithmetic: products accumulate in float32. The ``k`` slot outputs are summed in float32 in top-k order and
-rounded once, where the loop and the grouped path add bf16 results in ascending expert id; so this method equals
-them up to float rounding, not bit for bit (it is the more exact of the two). A slot's expert weights are read by
-its own programs: two tokens on one expert read it twice, which at the few tokens this is for costs little
-against the kernels it saves; larger batches take the grouped GEMMs (:data:`MAX_SLOTS`).
+Arithmetic: products accumulate in float32. The ``k`` slot outputs are summed in float32 (a pairwise reduction
+over the slots) and rounded once, where the loop and the grouped path add bf16 results in ascending expert id; so
+this method equals them up to float rounding, not bit for bit (it is the more exact of the two). A slot's expert
+weights are read by its own programs: two tokens on one expert read it twice, which at the few tokens this is for
+costs little against the kernels it saves; larger batches take the grouped GEMMs (:data:`MAX_SLOTS`).
 
 Shapes and dtypes: ``x`` ``[T, hidden]``; ``gate_up`` ``[E, 2I, hidden]`` (gate rows then up rows); ``down``
 ``[E, hidden, I]``; ``weights`` ``[T, k]`` (``x``'s dtype); ``experts`` ``[T, k]`` int64 in ``[0, E)``; output
@@ -35,27 +43,48 @@ import functools
 
 import torch
 
+from epdserve.device import supports_pdl
+
 # T * k up to which run_experts' default on CUDA is this method: 16 tokens of Qwen3-VL-30B-A3B, where it took 0.82x
 # the grouped path's time on an H200 (1.06x at 32 tokens; docs/performance.md, fifteenth session)
 MAX_SLOTS = 128
-# Launch options of the two kernels: BN columns per program, a K step of BK, warps and software-pipeline stages.
+# Launch options of the gate_up kernel: BN columns per program, a K step of BK, warps and software-pipeline stages.
 # Chosen on an H200 from a sweep over BN, BK, warps and stages at 1-16 tokens (30B-A3B shapes, 12 layers per CUDA
-# graph): against the first choice (BN 32 / 16, BK 128, 4 warps, 3 stages) gate_up took 0.61-0.86x the time and
-# down 0.38-0.72x; at one token 16.3 + 15.5 us for 75.5 MB, 57 % of the copy bandwidth (docs/performance.md,
-# fifteenth session). At one token the down kernel has one program per 8 of 2048 columns: 8 warps keep enough
-# loads in flight.
+# graph): against the first choice (BN 32, BK 128, 4 warps, 3 stages) it took 0.61-0.86x the time (docs/performance.md,
+# fifteenth session).
 GATE_UP_LAUNCH = dict(BN=32, BK=128, num_warps=8, num_stages=4)
-DOWN_LAUNCH = dict(BN=8, BK=128, num_warps=8, num_stages=3)
+# The down kernel holds a program's whole weight tile, KP * BN rows of the padded width, in registers (it loads them
+# before its PDL wait): at most this many elements a program, 128 a thread. The 30B-A3B (k = 8, I = 768 padded to
+# 1024): BN = 2, 1,024 programs of 24 KB at one token.
+DOWN_TILE = 16384
+DOWN_MAX_BN = 2
+
+
+def down_launch(top_k: int, inter: int) -> dict:
+    """The down kernel's constexprs and warps for ``top_k`` slots of width ``inter``: ``KP`` (top_k to a power of
+    two), ``BK`` (inter to a power of two, >= 16), ``BN`` (columns a program, as many as :data:`DOWN_TILE` allows,
+    at most :data:`DOWN_MAX_BN`) and ``num_warps`` (4, more where one column's tile alone is larger)."""
+    kp, bk = 1 << (top_k - 1).bit_length(), max(16, 1 << (inter - 1).bit_length())
+    bn = max(1, min(DOWN_MAX_BN, DOWN_TILE // (kp * bk)))
+    return dict(KP=kp, BK=bk, BN=bn, num_warps=min(16, max(4, kp * bn * bk // (32 * 128))))
 
 
 @functools.cache
 def _kernel():
+    """The jitted ``(gate_up_silu_slots, down_weighted_sum, softmax_topk)``; Triton imported on first use."""
     import triton
     import triton.language as tl
 
+    return _gate_up_kernel(triton, tl), _down_kernel(triton, tl), _routing_kernel(triton, tl)
+
+
+def _gate_up_kernel(triton, tl):
     @triton.jit
     def gate_up_silu_slots(x, w, experts, act, K, I, x_stride, w_e_stride, w_n_stride, act_stride,
-                           TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                           TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # the expert ids come from the kernel right before: nothing to load ahead of the wait
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         s = tl.program_id(0)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
@@ -80,28 +109,48 @@ def _kernel():
         u = tl.reduce(acc_u, 1, tl.standard._sum_combine).to(dt).to(tl.float32)
         tl.store(act + s * act_stride + cols, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=col_ok)
 
+    return gate_up_silu_slots
+
+
+def _down_kernel(triton, tl):
     @triton.jit
     def down_weighted_sum(act, w, experts, weights, out, I, N, act_stride, w_e_stride, w_n_stride, out_stride,
-                          TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                          TOPK: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          PDL: tl.constexpr):
+        # Program (t, n): BN output columns of token t. Row r of its [KP * BN, BK] tile is slot r // BN's expert's
+        # column n * BN + r % BN over the whole I (BK >= I). The ids and routing weights were written two kernels
+        # back, by the router, which completed before the gate_up kernel passed its own wait, and that kernel
+        # lets this one start only after that wait: so the expert weights stream in before this wait, while
+        # gate_up still runs. Only the activations (a few KB, from L2) come after it.
         t = tl.program_id(0)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        r = tl.arange(0, KP * BN)
+        j = r // BN
+        cols = tl.program_id(1) * BN + r % BN
         ks = tl.arange(0, BK)
-        col_ok = cols < N
-        total = tl.full((BN,), 0.0, tl.float32)
-        for j in tl.static_range(TOPK):
-            s = t * TOPK + j
-            e = tl.load(experts + s).to(tl.int64)
-            ptrs = w + e * w_e_stride + cols[:, None].to(tl.int64) * w_n_stride + ks[None, :]
-            acc = tl.full((BN, BK), 0.0, tl.float32)
-            for k0 in range(0, I, BK):
-                k_ok = (k0 + ks) < I
-                a = tl.load(act + s * act_stride + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-                acc += tl.load(ptrs + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a[None, :]
-            total += tl.reduce(acc, 1, tl.standard._sum_combine) * tl.load(weights + s).to(tl.float32)
-        tl.store(out + t * out_stride + cols, total.to(out.dtype.element_ty), mask=col_ok)
+        ok = ((j < TOPK) & (cols < N))[:, None] & (ks < I)[None, :]
+        e = tl.load(experts + t * TOPK + j, mask=j < TOPK, other=0).to(tl.int64)
+        wt = tl.load(w + e[:, None] * w_e_stride + cols[:, None].to(tl.int64) * w_n_stride + ks[None, :], mask=ok,
+                     other=0.0)
+        rw = tl.load(weights + t * TOPK + j, mask=j < TOPK, other=0.0).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        a = tl.load(act + (t * TOPK + j)[:, None] * act_stride + ks[None, :], mask=ok, other=0.0)
+        y = tl.reduce(wt.to(tl.float32) * a.to(tl.float32), 1, tl.standard._sum_combine) * rw
+        total = tl.reduce(tl.reshape(y, (KP, BN)), 0, tl.standard._sum_combine)
+        out_cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        tl.store(out + t * out_stride + out_cols, total.to(out.dtype.element_ty), mask=out_cols < N)
 
+    return down_weighted_sum
+
+
+def _routing_kernel(triton, tl):
     @triton.jit
-    def softmax_topk(logits, weights, experts, E, stride, TOPK: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
+    def softmax_topk(logits, weights, experts, E, stride, TOPK: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr,
+                     PDL: tl.constexpr):
+        if PDL:  # the logits are the kernel before's output
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # One row: float32 softmax over the E router logits, the top k by repeated argmax (the lowest id first
         # among equal probabilities), renormalised over those k; the picks stay in registers until one store each.
         t = tl.program_id(0)
@@ -122,7 +171,7 @@ def _kernel():
         tl.store(experts + t * TOPK + slot, pick_id.to(tl.int64), mask=slot < TOPK)
         tl.store(weights + t * TOPK + slot, (pick_p / total).to(weights.dtype.element_ty), mask=slot < TOPK)
 
-    return gate_up_silu_slots, down_weighted_sum, softmax_topk
+    return softmax_topk
 
 
 def route_fused(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,8 +194,10 @@ def route_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
     experts = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
+        pdl = supports_pdl(logits.device)
         _kernel()[2][(T,)](logits, weights, experts, E, logits.stride(0), TOPK=top_k,
-                           BE=max(16, 1 << (E - 1).bit_length()), KP=max(2, 1 << (top_k - 1).bit_length()))
+                           BE=max(16, 1 << (E - 1).bit_length()), KP=max(2, 1 << (top_k - 1).bit_length()), PDL=pdl,
+                           launch_pdl=pdl)
     return weights, experts
 
 
@@ -176,9 +227,12 @@ def experts_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     experts, weights = experts.contiguous(), weights.contiguous()
     act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
     first, second, _ = _kernel()
+    pdl = supports_pdl(x.device)
     first[(T * k, -(-inter // GATE_UP_LAUNCH["BN"]))](x, gate_up, experts, act, hidden, inter, x.stride(0),
                                                       gate_up.stride(0), gate_up.stride(1), act.stride(0), TOPK=k,
-                                                      **GATE_UP_LAUNCH)
-    second[(T, -(-hidden // DOWN_LAUNCH["BN"]))](act, down, experts, weights, out, inter, hidden, act.stride(0),
-                                                 down.stride(0), down.stride(1), out.stride(0), TOPK=k, **DOWN_LAUNCH)
+                                                      PDL=pdl, launch_pdl=pdl, **GATE_UP_LAUNCH)
+    launch = down_launch(k, inter)
+    second[(T, -(-hidden // launch["BN"]))](act, down, experts, weights, out, inter, hidden, act.stride(0),
+                                            down.stride(0), down.stride(1), out.stride(0), TOPK=k, PDL=pdl,
+                                            launch_pdl=pdl, **launch)
     return out
