@@ -147,6 +147,7 @@ def _kernels():
     from epdserve.attention import triton_decode
     from epdserve.models import decode_gemv, decode_qkv
     from epdserve.models import gate_up_silu as gus
+    from epdserve.models import moe_decode
 
     bf16 = "*bf16"
     split, merge = triton_decode._kernel()
@@ -158,14 +159,18 @@ def _kernels():
                                           BLOCK_N=32, DIRECT=False, PRECISION=None), dict(num_warps=4, num_stages=2)),
         "merge": (merge, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": bf16},
                   dict(HEAD_DIM=128, NUM_SPLITS=32, SPLITS_POW2=32), dict(num_warps=4)),
-        "gate_up_silu": (gus._kernel(), {"x": bf16, "w": bf16, "y": bf16, "r": bf16, "r_out": bf16, "gamma": bf16,
+        "gate_up_silu": (gus._kernel()[0], {"x": bf16, "w": bf16, "y": bf16, "r": bf16, "r_out": bf16, "gamma": bf16,
                                          "eps": "fp32"},
                          dict(BM=16, BN=32, BK=128, IEEE=False, NORM=False, RESID=False, NM=4, BKN=16),
                          dict(num_warps=4, num_stages=3)),
-        "norm_gate_up_silu": (gus._kernel(), {"x": bf16, "w": bf16, "y": bf16, "r": bf16, "r_out": bf16,
+        "norm_gate_up_silu": (gus._kernel()[0], {"x": bf16, "w": bf16, "y": bf16, "r": bf16, "r_out": bf16,
                                               "gamma": bf16, "eps": "fp32"},
                               dict(BM=16, BN=32, BK=128, IEEE=False, NORM=True, RESID=True, NM=4, BKN=2048),
                               dict(num_warps=4, num_stages=3)),
+        "norm_gate_up_silu_gemv": (gus._kernel()[1], {"x": bf16, "w": bf16, "y": bf16, "r": bf16, "r_out": bf16,
+                                                         "gamma": bf16, "eps": "fp32"},
+                                   dict(BN=gus.GEMV_BN, BK=2048, NORM=True, RESID=True),
+                                   dict(num_warps=gus.GEMV_WARPS)),
         "norm_gemv": (decode_gemv._kernel()[0], {p: bf16 for p in ("x", "r", "r_out", "n_out", "gamma", "w", "bias",
                                                                    "y")} | {"eps": "fp32"},
                       dict(BM=4, BN=8, BK=2048, NORM=True, RESID=True, NORMED=True, BIAS=True), dict(num_warps=4)),
@@ -176,11 +181,21 @@ def _kernels():
                                                                               "eps": "fp32"},
                           dict(HQ=16, HKV=2, D=128, HALF=64, P=4, BK=2048, RESID=True, BIAS=True, WRITE_KV=True),
                           dict(num_warps=4)),
+        # the MoE experts at Qwen3-VL-30B-A3B's shapes (top 8 of width 768)
+        "moe_routing": (moe_decode._kernel()[2], {"logits": bf16, "weights": bf16, "experts": "*i64"},
+                        dict(TOPK=8, BE=128, KP=8), dict(num_warps=4)),
+        "moe_gate_up": (moe_decode._kernel()[0], {"x": bf16, "w": bf16, "experts": "*i64", "act": bf16},
+                        dict(TOPK=8) | {k: v for k, v in moe_decode.GATE_UP_LAUNCH.items() if k.isupper()},
+                        {k: v for k, v in moe_decode.GATE_UP_LAUNCH.items() if not k.isupper()}),
+        "moe_down": (moe_decode._kernel()[1], {"act": bf16, "w": bf16, "experts": "*i64", "weights": bf16,
+                                               "out": bf16},
+                     dict(TOPK=8) | {k: v for k, v in moe_decode.down_launch(8, 768).items() if k.isupper()},
+                     {k: v for k, v in moe_decode.down_launch(8, 768).items() if not k.isupper()}),
     }
 
 
 @pytest.mark.parametrize("name", ["split", "merge", "gate_up_silu", "norm_gate_up_silu", "norm_gemv", "down_parts",
-                                  "norm_qkv_rope"])
+                                  "norm_qkv_rope", "moe_routing", "moe_gate_up", "moe_down", "norm_gate_up_silu_gemv"])
 def test_each_kernel_waits_for_the_previous_one_before_touching_its_outputs(name):
     kernel, pointers, constexprs, options = _kernels()[name]
     lines = _ptx(kernel, pointers, constexprs | {"PDL": True}, launch_pdl=True, **options)
@@ -193,6 +208,12 @@ def test_each_kernel_waits_for_the_previous_one_before_touching_its_outputs(name
         # the whole 8 x 2048 weight slice among them
         assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
         assert loaded >= 8 * 2048 * 2 // 128
+    elif name == "norm_gate_up_silu_gemv":  # loads only: the whole 4 + 4 x 2048 weight slice and the norm weight
+        assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
+        assert loaded >= 2 * 4 * 2048 * 2 // 128
+    elif name == "moe_down":  # loads only (the expert ids, routing weights, and the 8 experts' 2 x 768 rows)
+        assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
+        assert loaded >= 8 * 2 * 768 * 2 // 128
     else:
         assert early == []
     off = _ptx(kernel, pointers, constexprs | {"PDL": False}, **options)

@@ -22,6 +22,14 @@ Measured on an H200 (benchmarks/decode_gemms.py, 2026-11-29, no flashinfer there
 M = 1, 25.6 at M = 32 and 25.9 at M = 64 (its best of :data:`CONFIGS` at each), the cuBLAS projection alone 24.6,
 25.1 and 26.8 us; with flashinfer's 2.6 us SiLU-and-mul the unfused path is ~27-29 us.
 
+At one row (K <= :data:`GEMV_MAX_K`) a second kernel runs instead, a GEMV in the form of
+:mod:`epdserve.models.decode_gemv`: each program holds :data:`GEMV_BN` gate and as many up rows over the whole K in
+registers, loaded before its PDL wait. Why: in the 3B preset's decode step at one row on an H200 the ``tl.dot``
+kernel took 29.2 us of the critical path per layer for 90 MB (3.1 TB/s; docs/performance.md, seventeenth
+session), the largest share of the step: it can load only its first K step before the wait, and its 344 programs
+are 2.6 waves on 132 multiprocessors, the last one mostly idle; the down projection's GEMV in that form moved 45 MB
+at 3.7 TB/s in the same step. Its sums are tree reductions over K (another float32 order; the same roundings).
+
 Shapes and dtypes: ``x [M, K]``, ``M <= 64``; ``w [2I, K]`` with the gate rows ``[0, I)`` then the up rows
 ``[I, 2I)`` (the model's fused ``gate_up_proj`` weight); output ``[M, I]``. bf16/fp16 on CUDA (float32 too on the
 CPU, through Triton's interpreter, for the tests). One launch, grid ``cdiv(I, block_n)``; CUDA-graph safe.
@@ -53,6 +61,10 @@ CONFIGS: list[tuple[int, int, int, int]] = [
 ]
 
 MAX_M = 64  # above it cuBLAS is faster (see the module docstring): the caller falls back to it
+# One row with K up to this: the GEMV kernel (module docstring), GEMV_BN gate and GEMV_BN up rows over the whole K a
+# program, 32 KB of bf16 weights at K = 2048 (decode_gemv's tile: 64 registers a thread over 4 warps).
+GEMV_MAX_K = 2048
+GEMV_BN, GEMV_WARPS = 4, 4
 
 # The fastest entry of CONFIGS per batch-size range, measured on an H200 with flashinfer's SiLU-and-mul as the
 # baseline (benchmarks/results/h200-2026-11-29-decode-s9/gemms.json): (M at most, config).
@@ -86,9 +98,14 @@ _CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # too keeps the two paths equal up to the summation order, not one rounding apart.
 @functools.cache
 def _kernel():
+    """The jitted ``(gate_up_silu_kernel, gate_up_silu_gemv)``; Triton imported on first use."""
     import triton
     import triton.language as tl
 
+    return _tiled_kernel(triton, tl), _gemv_kernel(triton, tl)
+
+
+def _tiled_kernel(triton, tl):
     @triton.jit
     def gate_up_silu_kernel(x, w, y, M, I, K, x_stride, w_stride, y_stride, r, r_out, gamma, eps, r_stride,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
@@ -165,6 +182,41 @@ def _kernel():
     return gate_up_silu_kernel
 
 
+def _gemv_kernel(triton, tl):
+    @triton.jit
+    def gate_up_silu_gemv(x, w, y, I, K, w_stride, r, r_out, gamma, eps, BN: tl.constexpr, BK: tl.constexpr,
+                          PDL: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr):
+        # One row: BN gate and BN up rows over the whole K in registers, loaded before the wait (with the norm
+        # weight); then the row (normed: its RMS over the whole K, recomputed by every program), two reductions, SiLU
+        pid = tl.program_id(0)
+        cols = pid * BN + tl.arange(0, BN)
+        ks = tl.arange(0, BK)
+        col_ok, k_ok = cols < I, ks < K
+        ok = col_ok[:, None] & k_ok[None, :]
+        wg = tl.load(w + cols[:, None].to(tl.int64) * w_stride + ks[None, :], mask=ok, other=0.0)
+        wu = tl.load(w + (cols[:, None] + I).to(tl.int64) * w_stride + ks[None, :], mask=ok, other=0.0)
+        g = tl.full((BK,), 0.0, tl.float32)
+        if NORM:
+            g = tl.load(gamma + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if PDL:  # x (and the residual) are the previous kernel's output (epdserve.device.supports_pdl)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        dt = y.dtype.element_ty
+        v = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if RESID:
+            v += tl.load(r + ks, mask=k_ok, other=0.0).to(tl.float32)
+            if pid == 0:
+                tl.store(r_out + ks, v.to(dt), mask=k_ok)
+        if NORM:  # flashinfer's order: s * rsqrt(mean(s^2) + eps) * gamma over the unrounded sum, then rounded
+            ss = tl.reduce(v * v, 0, tl.standard._sum_combine)
+            v = (v * tl.rsqrt(ss / K + eps) * g).to(dt).to(tl.float32)
+        gate = tl.reduce(wg.to(tl.float32) * v[None, :], 1, tl.standard._sum_combine).to(dt).to(tl.float32)
+        up = tl.reduce(wu.to(tl.float32) * v[None, :], 1, tl.standard._sum_combine).to(dt).to(tl.float32)
+        tl.store(y + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(dt), mask=col_ok)
+
+    return gate_up_silu_gemv
+
+
 def _is_pow2(v) -> bool:
     return isinstance(v, int) and v >= 1 and not v & (v - 1)
 
@@ -207,6 +259,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: i
         block_k: K per loop step (a power of two >= 16); K need not be a multiple of it.
         num_warps, num_stages: Triton launch options (see :data:`CONFIGS`); 3 stages were the fastest with the
             default 64 x 128 tiles on an H200 (23.9 and 25.6 us at M = 1 and 32, against 26.2 and 30.4 with 4).
+            The tile and launch options do not apply at one row with K <= :data:`GEMV_MAX_K` (the GEMV kernel).
 
     Returns:
         ``[M, I]`` in ``x``'s dtype, contiguous.
@@ -261,11 +314,18 @@ def _launch(x, w, gamma, residual, eps, block_n, block_k, num_warps, num_stages)
         return y, r_out
     if K == 0:  # no launch for an empty sum: silu(0) * 0
         return y.zero_(), r_out
-    block_m = max(16, 1 << (M - 1).bit_length())  # tl.dot's minimum tile is 16 rows; masked rows load zeros
     pdl = supports_pdl(x.device)
+    if M == 1 and K <= GEMV_MAX_K:
+        _kernel()[1][(-(-inter // GEMV_BN),)](
+            x, w, y, inter, K, w.stride(0), residual if residual is not None else x,
+            r_out if r_out is not None else x, gamma if gamma is not None else x, float(eps), BN=GEMV_BN,
+            BK=max(16, 1 << (K - 1).bit_length()), PDL=pdl, NORM=gamma is not None, RESID=residual is not None,
+            num_warps=GEMV_WARPS, launch_pdl=pdl)
+        return y, r_out
+    block_m = max(16, 1 << (M - 1).bit_length())  # tl.dot's minimum tile is 16 rows; masked rows load zeros
     # the RMS pass's width; without a norm one value, so the plain kernel compiles once for every K
     norm_k = max(16, 1 << (K - 1).bit_length()) if gamma is not None else 16
-    _kernel()[(-(-inter // block_n),)](
+    _kernel()[0][(-(-inter // block_n),)](
         x, w, y, M, inter, K, x.stride(0), w.stride(0), y.stride(0), residual if residual is not None else x,
         r_out if r_out is not None else x, gamma if gamma is not None else x, float(eps),
         residual.stride(0) if residual is not None else 0, BM=block_m, BN=block_n, BK=block_k,
