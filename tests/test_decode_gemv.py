@@ -154,3 +154,24 @@ def test_norm_gemv_normed_returns_the_rows_it_projected(interpreter):
     y3, r3, normed3 = mod.norm_gemv_normed(parts, w, gamma, 1e-6, r)
     assert torch.equal(r3, (x + r) + r)
     torch.testing.assert_close(normed3.double(), _normed64(x + r, r, gamma, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+def test_row_parallel_linear_hands_parts_only_where_asked_and_too_wide(interpreter, monkeypatch):
+    """o_proj's ``parts``: at a decode-sized batch with K past MAX_K (fused ops, no TP) the split-K parts, whose sum
+    is the product; otherwise, or unasked, the plain product."""
+    from epdserve.engine.distributed import TPGroup
+    from epdserve.models.parallel import RowParallelLinear
+
+    monkeypatch.setattr(mod, "MAX_K", 32)
+    monkeypatch.setattr(mod, "SPLIT_K", 32)
+    o = RowParallelLinear(80, 12, TPGroup.single())
+    torch.nn.init.normal_(o.weight)
+    o.fused = True
+    x = torch.randn(1, 80, generator=torch.Generator().manual_seed(0))
+    parts = o(x, parts=True)
+    assert parts.shape == (3, 1, 12) and parts.dtype == torch.float32
+    torch.testing.assert_close(parts.sum(0), F.linear(x, o.weight), rtol=1e-5, atol=1e-5)
+    assert o(x).shape == (1, 12)  # unasked: the product
+    assert o(torch.randn(mod.MAX_M + 1, 80), parts=True).dim() == 2  # past a decode-sized batch
+    o.fused = False
+    assert o(x, parts=True).dim() == 2  # torch ops (the CPU path)

@@ -121,9 +121,16 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.fused = False  # CUDA kernels (the model's use_fused_ops): decode-sized products through decode_gemv
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True, parts: bool = False) -> torch.Tensor:
         """``[T, in / size]`` (this rank's features) -> ``[T, out]``, summed over the ranks (``reduce`` False: this
-        rank's partial product, for a caller that sums it with others in one all-reduce)."""
+        rank's partial product, for a caller that sums it with others in one all-reduce). ``parts``: for a caller
+        whose next kernel sums split-K parts (:func:`~epdserve.models.decode_gemv.norm_gemv`), a decode-sized
+        ``x`` (at most ``decode_gemv.MAX_M`` rows) too wide for one GEMV program (``in > decode_gemv.MAX_K``, no
+        TP) comes back as :func:`~epdserve.models.decode_gemv.down_parts`' float32 ``[S, T, out]``, whose weights
+        load before the kernel ahead of it ends, instead of cuBLAS's split-K GEMM and its reduce kernel."""
+        if (parts and self.fused and self.tp.size == 1 and x.shape[0] <= decode_gemv.MAX_M
+                and x.shape[1] > decode_gemv.MAX_K):
+            return decode_gemv.down_parts(x, self.weight)
         y = decode_gemv.linear(x, self.weight) if self.fused else F.linear(x, self.weight)
         return self.tp.all_reduce(y) if reduce else y
 

@@ -169,22 +169,25 @@ class Attention(nn.Module):
     # (epdserve.models.decode_qkv); Qwen3's per-head q/k norms come in between.
     rope_on_projection = True
 
-    def attend(self, qkv: torch.Tensor, rope: _Rope, attn: AttentionBackend) -> torch.Tensor:
-        """The block after the qkv projection: ``qkv`` ``[T, (hq + 2 hkv) * head_dim]`` -> ``[T, hidden]``."""
+    def attend(self, qkv: torch.Tensor, rope: _Rope, attn: AttentionBackend, parts: bool = False) -> torch.Tensor:
+        """The block after the qkv projection: ``qkv`` ``[T, (hq + 2 hkv) * head_dim]`` -> ``[T, hidden]`` (``parts``:
+        o_proj may return split-K parts, see :meth:`~epdserve.models.parallel.RowParallelLinear.forward`)."""
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         if rope.table is not None:  # in place on the strided views of the qkv output: no copies
-            return self.attend_rotated(qkv, attn, rope_and_kv_write(q, k, v, self.d, rope.table, attn, self.layer_id))
+            written = rope_and_kv_write(q, k, v, self.d, rope.table, attn, self.layer_id)
+            return self.attend_rotated(qkv, attn, written, parts)
         q = _rotate(q.view(-1, self.hq, self.d), rope.cos, rope.sin)
         k = _rotate(k.view(-1, self.hkv, self.d), rope.cos, rope.sin)
         out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d))
-        return self.o_proj(out.reshape(-1, self.hq * self.d))
+        return self.o_proj(out.reshape(-1, self.hq * self.d), parts=parts)
 
-    def attend_rotated(self, qkv: torch.Tensor, attn: AttentionBackend, kv_written: bool) -> torch.Tensor:
+    def attend_rotated(self, qkv: torch.Tensor, attn: AttentionBackend, kv_written: bool,
+                       parts: bool = False) -> torch.Tensor:
         """:meth:`attend` once q and k in ``qkv`` are rotated (``kv_written``: and K and V are in the KV cache)."""
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         out = attn.forward(self.layer_id, q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d),
                            v.view(-1, self.hkv, self.d), kv_written=kv_written)
-        return self.o_proj(out.reshape(-1, self.hq * self.d))
+        return self.o_proj(out.reshape(-1, self.hq * self.d), parts=parts)
 
 
 class MLP(nn.Module):
@@ -265,15 +268,16 @@ class DecoderLayer(nn.Module):
         one's output may be split-K parts, which the next norm sums; the last one through ``merge_parts``)."""
         ln1, ln2, sa = self.input_layernorm, self.post_attention_layernorm, self.self_attn
         w, b = sa.qkv_proj.weight, sa.qkv_proj.bias
+        parts = getattr(self.mlp, "takes_parts", False)  # o_proj may hand split-K parts to the MLP's norm
         if rope.table is not None and sa.rope_on_projection and decode_qkv.fits(x, w, sa.d):
             # one launch for the norm, the projection, RoPE and the KV write (epdserve.models.decode_qkv)
             target = attn.kv_write(sa.layer_id, w.dtype)
             qkv, residual = decode_qkv.norm_qkv_rope(x, w, b, ln1.weight, ln1.eps, residual, sa.d, sa.hq, sa.hkv,
                                                      rope.table, target)
-            x = sa.attend_rotated(qkv, attn, target is not None)
+            x = sa.attend_rotated(qkv, attn, target is not None, parts)
         else:
             qkv, residual = decode_gemv.norm_gemv(x, w, b, ln1.weight, ln1.eps, residual)
-            x = sa.attend(qkv, rope, attn)
+            x = sa.attend(qkv, rope, attn, parts)
         return self.mlp.forward_with_norm(x, residual, ln2)
 
 

@@ -49,15 +49,16 @@ class Qwen3Attention(Attention):
 
     rope_on_projection = False  # the q/k norms come between the projection and RoPE
 
-    def attend(self, qkv: torch.Tensor, rope: _Rope, attn) -> torch.Tensor:
-        """The block after the qkv projection: ``qkv`` ``[T, (hq + 2 hkv) * head_dim]`` -> ``[T, hidden]``."""
+    def attend(self, qkv: torch.Tensor, rope: _Rope, attn, parts: bool = False) -> torch.Tensor:
+        """The block after the qkv projection: ``qkv`` ``[T, (hq + 2 hkv) * head_dim]`` -> ``[T, hidden]`` (``parts``:
+        as :meth:`~epdserve.models.qwen2_vl_lm.Attention.attend`)."""
         if rope.table is not None and self.q_norm.fused:  # CUDA: norms and RoPE in one kernel
             target = attn.kv_write(self.layer_id, qkv.dtype)
             q, k = qk_norm_rope(qkv, self.hq, self.hkv, self.d, self.q_norm.weight, self.k_norm.weight,
                                 self.q_norm.eps, rope.table, kv_write=target)
             v = qkv[:, (self.hq + self.hkv) * self.d:]
             out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d), kv_written=target is not None)
-            return self.o_proj(out.reshape(-1, self.hq * self.d))
+            return self.o_proj(out.reshape(-1, self.hq * self.d), parts=parts)
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         # One row per head: the norm is over head_dim (what flashinfer's 2-D rmsnorm takes, too).
         q = self.q_norm(q.reshape(-1, self.d)).view(-1, self.hq * self.d)
@@ -70,7 +71,7 @@ class Qwen3Attention(Attention):
             q = _rotate(q.view(-1, self.hq, self.d), rope.cos, rope.sin)
             k = _rotate(k.view(-1, self.hkv, self.d), rope.cos, rope.sin)
         out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d), kv_written=written)
-        return self.o_proj(out.reshape(-1, self.hq * self.d))
+        return self.o_proj(out.reshape(-1, self.hq * self.d), parts=parts)
 
 
 def add_deepstack(hidden: torch.Tensor, mask: torch.Tensor, features: torch.Tensor,

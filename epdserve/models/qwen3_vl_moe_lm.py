@@ -130,11 +130,16 @@ class SparseMoeBlock(nn.Module):
         """``[T, hidden]`` -> ``[T, hidden]``."""
         return self._experts(x, *route(x, self.gate.weight, self.top_k))
 
+    # forward_with_norm's x may be split-K parts [S, T, hidden] (the attention's o_proj at one row past
+    # decode_gemv.MAX_K, e.g. the 30B-A3B's 4096 query features): the router's GEMV sums them
+    takes_parts = True
+
     def forward_with_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode row's ``(forward(norm(x + residual)), x + residual)`` on CUDA with the add + RMSNorm inside the
         router's GEMV, which also hands the normed row to the experts
         (:func:`~epdserve.models.decode_gemv.norm_gemv_normed`): the norm's kernel and the router's cuBLAS GEMM
-        become one launch whose weights load before the kernel ahead of it ends."""
+        become one launch whose weights load before the kernel ahead of it ends. ``x``: ``[T, hidden]`` or float32
+        split-K parts ``[S, T, hidden]``, which that GEMV sums."""
         logits, residual, normed = decode_gemv.norm_gemv_normed(x, self.gate.weight, norm.weight, norm.eps, residual)
         return self._experts(normed, *route_logits(logits, self.top_k)), residual
 
