@@ -165,13 +165,10 @@ class Attention(nn.Module):
         """``[T, hidden]`` -> ``[T, hidden]``."""
         return self.attend(self.qkv_proj(x), rope, attn)
 
-    # RoPE acts on q and k as the qkv projection leaves them, so one kernel may do both
-    # (epdserve.models.decode_qkv); Qwen3's per-head q/k norms come in between.
-    rope_on_projection = True
+    rope_on_projection = True  # RoPE on q, k as projected: one kernel may do both (decode_qkv); Qwen3 norms first
 
     def attend(self, qkv: torch.Tensor, rope: _Rope, attn: AttentionBackend, parts: bool = False) -> torch.Tensor:
-        """The block after the qkv projection: ``qkv`` ``[T, (hq + 2 hkv) * head_dim]`` -> ``[T, hidden]`` (``parts``:
-        o_proj may return split-K parts, see :meth:`~epdserve.models.parallel.RowParallelLinear.forward`)."""
+        """After the qkv projection: ``qkv`` ``[T, (hq + 2 hkv) * d]`` -> ``[T, hidden]`` (``parts``: as below)."""
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         if rope.table is not None:  # in place on the strided views of the qkv output: no copies
             written = rope_and_kv_write(q, k, v, self.d, rope.table, attn, self.layer_id)
@@ -181,9 +178,9 @@ class Attention(nn.Module):
         out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d))
         return self.o_proj(out.reshape(-1, self.hq * self.d), parts=parts)
 
-    def attend_rotated(self, qkv: torch.Tensor, attn: AttentionBackend, kv_written: bool,
-                       parts: bool = False) -> torch.Tensor:
-        """:meth:`attend` once q and k in ``qkv`` are rotated (``kv_written``: and K and V are in the KV cache)."""
+    def attend_rotated(self, qkv: torch.Tensor, attn: AttentionBackend, kv_written: bool, parts=False) -> torch.Tensor:
+        """:meth:`attend` once q and k in ``qkv`` are rotated (``kv_written``: and K and V are in the KV cache);
+        ``parts``: o_proj may return split-K parts (:meth:`~epdserve.models.parallel.RowParallelLinear.forward`)."""
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         out = attn.forward(self.layer_id, q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d),
                            v.view(-1, self.hkv, self.d), kv_written=kv_written)
