@@ -42,7 +42,7 @@ import functools
 import torch
 
 from epdserve.device import supports_pdl
-from epdserve.models.decode_gemv import check_norm_inputs
+from epdserve.models import decode_gemv
 
 # (block_n, block_k, num_warps, num_stages) to benchmark on Hopper for M 1..64. Each program streams 2 * block_n
 # weight rows: block_n 32 gives 344 programs for I = 11008 (2.6 per SM of 132), 128 gives 86. A stage holds two
@@ -61,10 +61,10 @@ CONFIGS: list[tuple[int, int, int, int]] = [
 ]
 
 MAX_M = 64  # above it cuBLAS is faster (see the module docstring): the caller falls back to it
-# One row with K up to this: the GEMV kernel (module docstring), GEMV_BN gate and GEMV_BN up rows over the whole K a
-# program, 32 KB of bf16 weights at K = 2048 (decode_gemv's tile: 64 registers a thread over 4 warps).
-GEMV_MAX_K = 2048
-GEMV_BN, GEMV_WARPS = 4, 4
+# One row with K up to decode_gemv's MAX_K: the GEMV kernel (module docstring) on decode_gemv's tile and warps, its
+# BLOCK_N rows being GEMV_BN gate and GEMV_BN up rows over the whole K (32 KB of bf16 weights at K = 2048).
+GEMV_MAX_K = decode_gemv.MAX_K
+GEMV_BN, GEMV_WARPS = decode_gemv.BLOCK_N // 2, decode_gemv.NUM_WARPS
 
 # The fastest entry of CONFIGS per batch-size range, measured on an H200 with flashinfer's SiLU-and-mul as the
 # baseline (benchmarks/results/h200-2026-11-29-decode-s9/gemms.json): (M at most, config).
@@ -301,7 +301,7 @@ def norm_gate_up_silu(x: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, eps
     _check(x, w, block_n, block_k, num_warps, num_stages)
     if x.shape[0] > NORM_MAX_M or x.shape[1] > 4096:
         raise ValueError(f"norm_gate_up_silu takes at most {NORM_MAX_M} rows and K <= 4096, got {list(x.shape)}")
-    check_norm_inputs("norm_gate_up_silu", x, gamma, residual)
+    decode_gemv.check_norm_inputs("norm_gate_up_silu", x, gamma, residual)
     y, r_out = _launch(x, w, gamma, residual, eps, block_n, block_k, num_warps, num_stages)
     return y, (x if residual is None else r_out)
 
