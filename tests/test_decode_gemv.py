@@ -156,6 +156,26 @@ def test_norm_gemv_normed_returns_the_rows_it_projected(interpreter):
     torch.testing.assert_close(normed3.double(), _normed64(x + r, r, gamma, 1e-6), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("S,M,K", [(1, 1, 64), (6, 1, 100), (3, 4, 130)])
+def test_norm_parts_is_the_final_norm_of_the_parts_sum(interpreter, S, M, K):
+    """The model's last norm on decode's split-K parts: the parts' sum rounded once, plus the residual, normed with
+    the arithmetic of the norm folded into the GEMVs (the same rows norm_gemv_normed projects)."""
+    g = torch.Generator().manual_seed(S * K + M)
+    parts = torch.randn(S, M, K, generator=g)
+    _, r, w, _, gamma = _case(M, 8, K, torch.float32, seed=S + K)
+    got = mod.norm_parts(parts, r, gamma, 1e-6)
+    assert got.shape == (M, K) and got.dtype == torch.float32
+    merged = mod.merge_parts(parts, torch.float32)
+    n64 = _normed64(merged, r, gamma, 1e-6)
+    # the parts' float32 sum (S - 1 roundings), the residual add, then the norm's (K + 8) u
+    assert bool(((got.double() - n64).abs() <= (K + 8 + 2 * S) * U32 * n64.abs() + 1e-12).all())
+    assert torch.equal(got, mod.norm_gemv_normed(parts, w, gamma, 1e-6, r)[2])
+    with pytest.raises(ValueError, match="norm_parts"):
+        mod.norm_parts(parts[0], r, gamma, 1e-6)  # not parts
+    with pytest.raises(ValueError, match="norm_parts"):
+        mod.norm_parts(parts, r[:, 1:], gamma, 1e-6)
+
+
 def test_row_parallel_linear_hands_parts_only_where_asked_and_too_wide(interpreter, monkeypatch):
     """o_proj's ``parts``: at a decode-sized batch with K past MAX_K (fused ops, no TP) the split-K parts, whose sum
     is the product; otherwise, or unasked, the plain product."""

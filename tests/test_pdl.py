@@ -1,9 +1,10 @@
 """Programmatic dependent launch (PDL) of this project's Triton kernels: where it is on, and, on a Hopper GPU, that
 a chain of them inside a CUDA graph (each kernel starting while the one before finishes) computes exactly what the
 same kernels compute one at a time with the device idle between them (the chain starts with RoPE, which launches
-plainly). On any machine, each kernel launched with PDL, compiled for Hopper (PTX), must wait
-(``griddepcontrol.wait``) before its first global memory access, but for the MLP kernel's first weight tiles, which
-it loads early on purpose.
+plainly, or with the one-row layer front, after which the attention loads the older KV early). On any machine,
+each kernel launched with PDL, compiled for Hopper (PTX), must wait (``griddepcontrol.wait``) before its first
+global memory access, but for loads of what no kernel of the step writes, which some load early on purpose: weight
+tiles, and the attention's page table and KV of earlier tokens.
 
 A missing or misplaced ``griddepcontrol.wait`` shows here as a kernel reading its input before the kernel writing
 it is done: stale q or KV in the attention, a stale activation in the MLP. Every replay gets fresh inputs, so a
@@ -21,6 +22,7 @@ import triton
 from epdserve.attention.base import KVWrite
 from epdserve.attention.triton_decode import decode_attention, num_kv_splits
 from epdserve.device import supports_pdl
+from epdserve.models.decode_qkv import norm_qkv_rope
 from epdserve.models.gate_up_silu import gate_up_silu
 from epdserve.models.rope_inplace import rope_inplace
 
@@ -44,11 +46,17 @@ def _rmsnorm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 class _Chain:
     """One decode layer's Triton kernels on static buffers: RoPE writing K and V into the cache, split-KV attention
-    over it, RMSNorm, gate_up + SiLU. B requests of ``ctx`` cached tokens, 16 query / 2 KV heads of 128, page 16."""
+    over it, RMSNorm, gate_up + SiLU. B requests of ``ctx`` cached tokens, 16 query / 2 KV heads of 128, page 16.
+    ``front`` (B = 1): the one-row layer front instead of RoPE (add + RMSNorm, qkv, RoPE and the KV write in one
+    kernel that launches the attention early), the attention loading the older KV before its wait."""
 
-    def __init__(self, B: int = 4, ctx: int = 300, hq: int = 16, hkv: int = 2, d: int = 128, inter: int = 512):
+    def __init__(self, B: int = 4, ctx: int = 300, hq: int = 16, hkv: int = 2, d: int = 128, inter: int = 512,
+                 front: bool = False, hidden: int = 512):
         dev, page = torch.device("cuda"), 16
-        self.B, self.hq, self.hkv, self.d = B, hq, hkv, d
+        self.B, self.hq, self.hkv, self.d, self.front = B, hq, hkv, d, front
+        self.x = torch.empty(B, hidden, dtype=torch.bfloat16, device=dev)
+        self.w_qkv = (torch.randn((hq + 2 * hkv) * d, hidden, device=dev) * hidden ** -0.5).to(torch.bfloat16)
+        self.gamma = torch.rand(hidden, device=dev).to(torch.bfloat16) + 0.5
         per = -(-(ctx + 1) // page)
         num_pages = B * per + 3
         self.kc = torch.empty(num_pages, page, hkv, d, dtype=torch.bfloat16, device=dev)
@@ -69,6 +77,7 @@ class _Chain:
     def refill(self, g: torch.Generator) -> None:
         """Fresh inputs in place: the qkv row, each token's angles, the whole KV cache."""
         self.qkv.copy_(torch.randn(self.qkv.shape, generator=g, device="cuda"))
+        self.x.copy_(torch.randn(self.x.shape, generator=g, device="cuda"))
         angles = torch.rand(self.B, self.d // 2, generator=g, device="cuda") * 6.28
         self.table.copy_(torch.cat([angles.cos(), angles.sin()], dim=-1))
         self.kc.copy_(torch.randn(self.kc.shape, generator=g, device="cuda"))
@@ -78,12 +87,17 @@ class _Chain:
         """The chain; with ``serial`` the host waits for the device after each kernel (nothing can overlap)."""
         wait = torch.cuda.synchronize if serial else (lambda: None)
         hq, hkv, d = self.hq, self.hkv, self.d
-        q, k, v = self.qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        rope_inplace(q, k, d, self.table, v=v, kv_write=KVWrite(self.kc.view(-1, hkv, d), self.vc.view(-1, hkv, d),
-                                                                self.slots))
+        kv = KVWrite(self.kc.view(-1, hkv, d), self.vc.view(-1, hkv, d), self.slots)
+        if self.front:
+            qkv = norm_qkv_rope(self.x, self.w_qkv, None, self.gamma, 1e-6, None, d, hq, hkv, self.table, kv)[0]
+        else:
+            qkv = self.qkv
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        if not self.front:
+            rope_inplace(q, k, d, self.table, v=v, kv_write=kv)
         wait()
         o = decode_attention(q.view(self.B, hq, d), self.kc, self.vc, self.indptr, self.indices, self.lens,
-                             d ** -0.5, self.splits)
+                             d ** -0.5, self.splits, early=self.front)
         wait()
         x = _rmsnorm(o.view(self.B, hq * d), self.norm_w)
         wait()
@@ -94,9 +108,10 @@ class _Chain:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a CUDA device of compute capability >= 9.0 (PDL)")
-def test_a_pdl_chain_in_a_cuda_graph_equals_the_kernels_run_one_at_a_time():
+@pytest.mark.parametrize("front", [False, True])
+def test_a_pdl_chain_in_a_cuda_graph_equals_the_kernels_run_one_at_a_time(front):
     torch.manual_seed(0)
-    chain, g = _Chain(), torch.Generator(device="cuda").manual_seed(1)
+    chain, g = _Chain(B=1 if front else 4, front=front), torch.Generator(device="cuda").manual_seed(1)
     chain.refill(g)
     chain.run(serial=False)  # compile and warm up outside the capture
     torch.cuda.synchronize()
@@ -156,7 +171,11 @@ def _kernels():
         "part_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     return {
         "split": (split, split_ptrs, dict(GROUP=8, HEAD_ROWS=16, HEAD_DIM=128, PAGE_SIZE=16, NUM_SPLITS=32,
-                                          BLOCK_N=32, DIRECT=False, PRECISION=None), dict(num_warps=4, num_stages=2)),
+                                          BLOCK_N=32, DIRECT=False, PRECISION=None, EARLY=True),
+                  dict(num_warps=4, num_stages=2)),
+        "split_late": (split, split_ptrs, dict(GROUP=8, HEAD_ROWS=16, HEAD_DIM=128, PAGE_SIZE=16, NUM_SPLITS=8,
+                                               BLOCK_N=64, DIRECT=False, PRECISION=None, EARLY=False),
+                       dict(num_warps=4, num_stages=3)),
         "merge": (merge, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": bf16},
                   dict(HEAD_DIM=128, NUM_SPLITS=32, SPLITS_POW2=32), dict(num_warps=4)),
         "gate_up_silu": (gus._kernel()[0], {"x": bf16, "w": bf16, "y": bf16, "r": bf16, "r_out": bf16, "gamma": bf16,
@@ -174,6 +193,8 @@ def _kernels():
         "norm_gemv": (decode_gemv._kernel()[0], {p: bf16 for p in ("x", "r", "r_out", "n_out", "gamma", "w", "bias",
                                                                    "y")} | {"eps": "fp32"},
                       dict(BM=4, BN=8, BK=2048, NORM=True, RESID=True, NORMED=True, BIAS=True), dict(num_warps=4)),
+        "norm_parts": (decode_gemv._kernel()[2], {"x": "*fp32", "r": bf16, "gamma": bf16, "y": bf16, "eps": "fp32"},
+                       dict(BK=2048), dict(num_warps=4)),
         "down_parts": (decode_gemv._kernel()[1], {"x": bf16, "w": bf16, "parts": "*fp32"},
                        dict(BM=4, BN=8, BK=2048), dict(num_warps=4)),
         "norm_qkv_rope": (decode_qkv._kernel(), {p: bf16 for p in ("x", "r", "r_out", "gamma", "w", "bias", "y", "kc",
@@ -194,8 +215,9 @@ def _kernels():
     }
 
 
-@pytest.mark.parametrize("name", ["split", "merge", "gate_up_silu", "norm_gate_up_silu", "norm_gemv", "down_parts",
-                                  "norm_qkv_rope", "moe_routing", "moe_gate_up", "moe_down", "norm_gate_up_silu_gemv"])
+@pytest.mark.parametrize("name", ["split", "split_late", "merge", "gate_up_silu", "norm_gate_up_silu", "norm_gemv",
+                                  "down_parts", "norm_parts", "norm_qkv_rope", "moe_routing", "moe_gate_up",
+                                  "moe_down", "norm_gate_up_silu_gemv"])
 def test_each_kernel_waits_for_the_previous_one_before_touching_its_outputs(name):
     kernel, pointers, constexprs, options = _kernels()[name]
     lines = _ptx(kernel, pointers, constexprs | {"PDL": True}, launch_pdl=True, **options)
@@ -211,6 +233,13 @@ def test_each_kernel_waits_for_the_previous_one_before_touching_its_outputs(name
     elif name == "norm_gate_up_silu_gemv":  # loads only: the whole 4 + 4 x 2048 weight slice and the norm weight
         assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
         assert loaded >= 2 * 4 * 2048 * 2 // 128
+    elif name == "split":  # loads only (the lengths, the page table and the split's first K and V block of 32
+        # tokens, all but each request's newest token: its K and V come from the kernel just before)
+        assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
+        assert loaded >= 2 * 32 * 128 * 2 // 128
+    elif name == "norm_parts":  # the norm weight only (2048 bf16), not the parts or the residual
+        assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
+        assert sum(16 if ".v4.b32" in line else 8 if ".v2.b32" in line else 4 for line in early) <= 2048 * 2 // 128
     elif name == "moe_down":  # loads only (the expert ids, routing weights, and the 8 experts' 2 x 768 rows)
         assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
         assert loaded >= 8 * 2 * 768 * 2 // 128

@@ -61,9 +61,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_written: bool = False) -> torch.Tensor:
+                kv_written: bool = False, early_kv: bool = False) -> torch.Tensor:
         """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` (RoPE applied) -> attention output ``[T, Hq, D]``.
-        ``kv_written``: the caller already stored ``k``/``v`` where :meth:`kv_write` said."""
+        ``kv_written``: the caller already stored ``k``/``v`` where :meth:`kv_write` said. ``early_kv``: and the
+        kernel that stored them launched its dependents early (programmatic dependent launch), so a decode kernel
+        may load the older KV before waiting for it (a hint: only a backend whose kernel does that reads it)."""
 
     def kv_write(self, layer_id: int, dtype: torch.dtype) -> KVWrite | None:
         """Where a caller may store layer ``layer_id``'s new K/V (``dtype``) itself in this forward (a kernel it

@@ -193,7 +193,7 @@ class FlashInferBackend(AttentionBackend):
         return KVWrite(k_slots, v_slots, self._out_slots)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_written: bool = False) -> torch.Tensor:
+                kv_written: bool = False, early_kv: bool = False) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. Raises RuntimeError when :meth:`prepare` was not called."""
         if self._wrapper is None:
             raise RuntimeError("FlashInferBackend.forward before prepare")
@@ -204,6 +204,6 @@ class FlashInferBackend(AttentionBackend):
         # a contiguous copy would be one more kernel per layer (2.4 us each at batch 32 and 128 on an H200); so
         # does the Triton decode kernel.
         if self._wrapper is self._triton:
-            return self._triton.run(layer_id, q.to(self.kv_pool.dtype))
+            return self._triton.run(layer_id, q.to(self.kv_pool.dtype), early_kv and kv_written)
         kv = (self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id))
         return self._wrapper.run(q.to(self.kv_pool.dtype), kv)

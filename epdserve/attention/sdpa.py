@@ -73,7 +73,7 @@ class SdpaBackend(AttentionBackend):
         self._plan = _Plan(out_slots, torch.cat(per_req).to(dev), None, spans)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_written: bool = False) -> torch.Tensor:
+                kv_written: bool = False, early_kv: bool = False) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. Raises RuntimeError when :meth:`prepare` was not called."""
         plan = self._plan
         if plan is None:

@@ -20,7 +20,10 @@ itself from ModelTC/lightllm; Apache-2.0, which this adaptation keeps for the pa
   page looked up in the CSR page table) against all the query heads of the group at once: the group's rows are
   padded to >= 16 so both products go through ``tl.dot`` (tensor cores) and each K/V byte is read once per group,
   not once per query head. Online softmax in float32 (exp2, ``scale * log2(e)`` folded into the logits) gives a
-  normalised partial output and its log2-sum-exp per head; a split with no tokens writes lse = -inf.
+  normalised partial output and its log2-sum-exp per head; a split with no tokens writes zeros and lse = -inf.
+  With ``early`` (:func:`decode_attention`), under programmatic dependent launch the split's first block, but for
+  each request's newest token, loads before ``griddepcontrol.wait`` (the kernels before it in a decode step write
+  only q and that token's K and V), so the KV stream starts while the layer's qkv kernel still runs.
 - stage 2, one program per (request, query head): the partial outputs weighted by ``exp2(lse - max lse)``; the
   splits with lse = -inf weigh nothing and are not read, and a request with no tokens at all (a padding row) gets
   zeros.
@@ -75,10 +78,7 @@ def _split_kernel(triton, tl):
                      stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                      GROUP: tl.constexpr, HEAD_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-                     PRECISION: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # q and the KV were written by the kernels before this one (epdserve.device.supports_pdl)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+                     PRECISION: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         chunks: tl.constexpr = (GROUP + HEAD_ROWS - 1) // HEAD_ROWS
         kv_head = tl.program_id(1) // chunks
@@ -87,36 +87,52 @@ def _split_kernel(triton, tl):
         row_ok = rows < GROUP
         heads = kv_head * GROUP + rows
         offs_d = tl.arange(0, HEAD_DIM)
-
-        kv_len = tl.load(kv_lens + b)
-        first_page = tl.load(kv_indptr + b)
+        if PDL and not EARLY:  # q and the KV were written by the kernels before this one (supports_pdl)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        kv_len, first_page = tl.load(kv_lens + b), tl.load(kv_indptr + b)
         # Whole BLOCK_N blocks per split: only the last block of a request is partial (masked).
         per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, kv_len)
-
+        start, end = split * per_split, tl.minimum((split + 1) * per_split, kv_len)
+        k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh
+        m, denom = tl.full([HEAD_ROWS], float("-inf"), tl.float32), tl.full([HEAD_ROWS], 0.0, tl.float32)
+        acc = tl.full([HEAD_ROWS, HEAD_DIM], 0.0, tl.float32)
+        if EARLY:  # before the wait what the kernels before did not write: the lengths and the page table (from the
+            # host before the step) and the split's first block but each request's newest token (stored just
+            # before); the newest and q after it. int64 pages: a cache may be a view past 2**31 elements.
+            t = start + tl.arange(0, BLOCK_N)
+            t_ok = t < end
+            page = tl.load(kv_indices + first_page + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
+            k_at = k_head + (page * stride_kp + (t % PAGE_SIZE) * stride_kt)[:, None] + offs_d[None, :]
+            v_at = v_head + (page * stride_vp + (t % PAGE_SIZE) * stride_vt)[:, None] + offs_d[None, :]
+            old = t_ok & (t < kv_len - 1)
+            k, v = tl.load(k_at, mask=old[:, None], other=0.0), tl.load(v_at, mask=old[:, None], other=0.0)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            k += tl.load(k_at, mask=(t_ok & ~old)[:, None], other=0.0)  # zeros where masked: the block, exactly
+            v += tl.load(v_at, mask=(t_ok & ~old)[:, None], other=0.0)
         # Padded rows read as zeros: their logits are finite, so no NaN reaches the running max; they are not stored.
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        k_head = k_ptr + kv_head * stride_kh
-        v_head = v_ptr + kv_head * stride_vh
-        m = tl.full([HEAD_ROWS], float("-inf"), tl.float32)
-        denom = tl.full([HEAD_ROWS], 0.0, tl.float32)
-        acc = tl.full([HEAD_ROWS, HEAD_DIM], 0.0, tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        if EARLY:
+            if start < end:  # the first block, already loaded: the online softmax below from a max of -inf
+                s = tl.where(t_ok[None, :], tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale,
+                             float("-inf"))
+                m = tl.reduce(s, 1, tl.standard._elementwise_max)
+                p = tl.exp2(s - m[:, None])
+                denom = tl.reduce(p, 1, tl.standard._sum_combine)
+                acc = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        for n0 in range(start + EARLY * BLOCK_N, end, BLOCK_N):
             t = n0 + tl.arange(0, BLOCK_N)
             t_ok = t < end
-            # int64: a layer's cache may be a view into a buffer past 2**31 elements.
             page = tl.load(kv_indices + first_page + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
-            slot = t % PAGE_SIZE
-            k = tl.load(k_head + (page * stride_kp + slot * stride_kt)[:, None] + offs_d[None, :],
+            k = tl.load(k_head + (page * stride_kp + (t % PAGE_SIZE) * stride_kt)[:, None] + offs_d[None, :],
                         mask=t_ok[:, None], other=0.0)
-            v = tl.load(v_head + (page * stride_vp + slot * stride_vt)[:, None] + offs_d[None, :],
+            v = tl.load(v_head + (page * stride_vp + (t % PAGE_SIZE) * stride_vt)[:, None] + offs_d[None, :],
                         mask=t_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            s = tl.where(t_ok[None, :], s, float("-inf"))
-            # Every block holds >= 1 valid token, so m_new is finite and alpha = exp2(-inf) = 0 on the first one.
-            m_new = tl.maximum(m, tl.reduce(s, 1, tl.standard._elementwise_max))
+            s = tl.where(t_ok[None, :], tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.reduce(s, 1, tl.standard._elementwise_max))  # finite: >= 1 token a block
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             denom = denom * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
@@ -154,6 +170,9 @@ def _merge_kernel(triton, tl):
         # Splits without tokens (lse -inf) weigh nothing, and their partial outputs are not read.
         top = tl.reduce(lse, 0, tl.standard._elementwise_max)
         weight = tl.where(filled, tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0)), 0.0)
+        # Only the splits with tokens are read. Reading all of them beside the lse instead (no wait on it) was slower
+        # on an H200: 4.5 against 3.3 us a layer at 1 x 544 tokens over 64 splits (docs/performance.md, eighteenth
+        # session).
         part = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + offs_d[None, :],
                        mask=filled[:, None], other=0.0)
         total = tl.reduce(weight, 0, tl.standard._sum_combine)
@@ -163,10 +182,14 @@ def _merge_kernel(triton, tl):
     return merge_kernel
 
 
-def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 64) -> int:
+def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 32) -> int:
     """The split count for a batch: the smallest power of two ``s`` with ``batch_size * num_kv_heads * s >= 2 *
     num_sms`` (stage 1's programs fill every multiprocessor about twice), at least 1 and at most the largest power
     of two <= ``max_splits``. Depends on the batch shape only, so a CUDA graph per batch size can fix it.
+
+    The cap: with stage 1's first block loaded before its PDL wait, the 3B preset's decode step at one request of
+    544 tokens took 1.989 ms of GPU time over 32 splits against 2.053 over 64 and 2.040 over 16 (H200,
+    docs/performance.md, eighteenth session).
 
     Raises:
         ValueError: an argument below 1.
@@ -218,7 +241,7 @@ def _check(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits, out)
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, kv_lens: torch.Tensor, scale: float, num_splits: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, early: bool = False) -> torch.Tensor:
     """Attention of one query token per request over its paged KV: ``softmax(scale * q k^T) v`` per query head,
     query head ``h`` reading KV head ``h // (HQ // HKV)``.
 
@@ -236,6 +259,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits: KV splits per request (:func:`num_kv_splits`), fixed per captured graph: the grid depends on B,
             the head counts and this only.
         out: optional ``[B, HQ, D]`` of q's dtype (``stride(2) == 1``), written in place.
+        early: load each split's first KV block, but for each request's newest token, before the PDL wait: for a
+            caller whose kernel just before launched its dependents early and wrote only q and the newest token's K
+            and V (:mod:`~epdserve.models.decode_qkv`'s one-row layer front). The 3B preset's decode step at one
+            request took 1.985 against 2.039 ms of GPU time with it (H200); after a kernel that does not launch
+            early (RoPE alone, the 7B and 8B presets' front at one row) it only costs: 4.150 against 4.139 ms on the
+            7B (docs/performance.md, eighteenth session).
 
     Returns:
         ``out``, or a new contiguous ``[B, HQ, D]`` tensor of q's dtype.
@@ -249,21 +278,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0]:
-        _launch(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, float(scale), num_splits, out)
+        _launch(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, float(scale), num_splits, out, early=early)
     return out
 
 
 def _launch(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, scale, num_splits, out, *,
             block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-            merge_warps: int = 4) -> None:
+            merge_warps: int = 4, early: bool = False) -> None:
     """Launch both stages on checked arguments. The tuning knobs: ``block_n`` (tokens per inner step, a power of
-    two >= 16), ``num_warps`` and ``num_stages`` (stage 1's software pipelining depth), ``merge_warps``.
+    two >= 16), ``num_warps`` and ``num_stages`` (stage 1's software pipelining depth), ``merge_warps``; ``early``
+    as :func:`decode_attention`'s.
 
     Defaults, from one H200 (16/2 heads, head_dim 128, page 16, bf16, 8 layers' caches in turn in a CUDA graph, 1 to
     128 requests of 512 and 2048 tokens): 64-token steps 3 stages deep, but 32-token steps 2 deep from 16 splits up
     (up to 16 requests of 2 KV heads on 132 SMs), where a split holds few tokens and more, shorter splits finish
     sooner (5.1 against 6.1 us at 1 x 512). Both depend on the batch shape only, never on the lengths, so a captured
     graph stays valid."""
+    B, hq, d = q.shape
     if block_n is None:
         # Past head_dim 128 (Qwen3.5's 256) the K and V tiles of a stage are capped at the 64 x 128 measured: three
         # stages of 64-token tiles at 256 would be 192 KB of the SM's 227 KB shared memory.
@@ -271,7 +302,6 @@ def _launch(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, scale, num_spli
     if num_stages is None:
         num_stages = 2 if block_n <= 32 else 3
     split_kernel, merge_kernel = _kernel()
-    B, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     head_rows = min(max(_MIN_HEAD_ROWS, 1 << (group - 1).bit_length()), _MAX_HEAD_ROWS)
@@ -292,7 +322,7 @@ def _launch(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, scale, num_spli
             q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, part, lse, out, scale * _LOG2E,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *part_strides, *lse_strides,
             out.stride(0), out.stride(1), GROUP=group, HEAD_ROWS=head_rows, HEAD_DIM=d, PAGE_SIZE=page_size,
-            NUM_SPLITS=num_splits, BLOCK_N=block_n, DIRECT=direct, PRECISION=precision, PDL=pdl,
+            NUM_SPLITS=num_splits, BLOCK_N=block_n, DIRECT=direct, PRECISION=precision, EARLY=early, PDL=pdl,
             num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
         if not direct:
             merge_kernel[(B, hq)](part, lse, out, *part_strides, *lse_strides, out.stride(0), out.stride(1),

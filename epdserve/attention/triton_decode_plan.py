@@ -81,8 +81,9 @@ class TritonDecode:
             plan = (packed[:bs + 1], packed[indices_at:], packed[lens_at:lens_at + bs])
         self._plan = (*plan, num_kv_splits(bs, self.kv_pool.num_kv_heads, self.num_sms))
 
-    def run(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
-        """Attention of ``q`` ``[B, Hq, D]`` (any row and head strides) over layer ``layer_id``'s KV -> ``[B, Hq, D]``.
+    def run(self, layer_id: int, q: torch.Tensor, early: bool = False) -> torch.Tensor:
+        """Attention of ``q`` ``[B, Hq, D]`` (any row and head strides) over layer ``layer_id``'s KV -> ``[B, Hq, D]``
+        (``early``: :func:`~epdserve.attention.triton_decode.decode_attention`'s).
 
         Raises:
             RuntimeError: before :meth:`prepare`.
@@ -91,4 +92,4 @@ class TritonDecode:
             raise RuntimeError("TritonDecode.run before prepare")
         indptr, indices, lens, splits = self._plan
         return decode_attention(q, self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id), indptr, indices,
-                                lens, self.scale, splits)
+                                lens, self.scale, splits, early=early)

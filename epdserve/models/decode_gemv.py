@@ -54,8 +54,11 @@ _CUDA_DTYPES = (torch.bfloat16, torch.float16)
 _CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# K per program of the split-K down projection (32 KB of bf16 weights a program at BLOCK_N = 8, as for qkv and o).
-SPLIT_K = 2048
+# The split-K down projection: K per program and columns per program (32 KB of bf16 weights a program, as for qkv
+# and o). The 3B preset's K = 11008 in 3 parts: its decode step at one row took 1.971 ms of GPU time on an H200
+# against 1.985 in 6 parts of 2048 x 8 columns, and 2.069 in 6 parts of 2048 x 16 columns over 8 warps
+# (docs/performance.md, eighteenth session); the next block sums half as many parts.
+SPLIT_K, SPLIT_BN = 4096, 4
 
 # Launch shape: 8 output columns per program over 4 warps (32 KB of bf16 weights at K = 2048, 64 registers a thread).
 # On an H200 (3B preset, qkv and o at K = 2048) 4 x 4, 8 x 8 and 16 x 8 (columns x warps) were no faster.
@@ -72,9 +75,14 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 @functools.cache
 def _kernel():
+    """The jitted ``(norm_gemv_kernel, gemv_parts_kernel, norm_parts_kernel)``; Triton imported on first use."""
     import triton
     import triton.language as tl
 
+    return _norm_gemv_kernel(triton, tl), _parts_kernel(triton, tl), _norm_parts_kernel(triton, tl)
+
+
+def _norm_gemv_kernel(triton, tl):
     @triton.jit
     def norm_gemv_kernel(x, S, r, r_out, n_out, gamma, w, bias, y, M, N, K, eps, x_stride, x_part_stride, r_stride,
                          w_stride, y_stride, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -118,6 +126,10 @@ def _kernel():
                 acc = tl.reduce(wt.to(tl.float32) * v[None, :], 1, tl.standard._sum_combine) + b
                 tl.store(y + m * y_stride + cols, acc.to(dt), mask=col_ok)
 
+    return norm_gemv_kernel
+
+
+def _parts_kernel(triton, tl):
     @triton.jit
     def gemv_parts_kernel(x, w, parts, M, N, K, x_stride, w_stride, BM: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, PDL: tl.constexpr):
@@ -137,7 +149,29 @@ def _kernel():
                 acc = tl.reduce(wt.to(tl.float32) * v[None, :], 1, tl.standard._sum_combine)
                 tl.store(parts + (p * M + m) * N + cols, acc, mask=col_ok)
 
-    return norm_gemv_kernel, gemv_parts_kernel
+    return gemv_parts_kernel
+
+
+def _norm_parts_kernel(triton, tl):
+    @triton.jit
+    def norm_parts_kernel(x, S, x_part_stride, r, gamma, y, K, eps, BK: tl.constexpr, PDL: tl.constexpr):
+        # program m: row m's parts summed, rounded, plus the residual; RMSNorm as norm_gemv_kernel's
+        m = tl.program_id(0)
+        ks = tl.arange(0, BK)
+        k_ok = ks < K
+        g = tl.load(gamma + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        dt = y.dtype.element_ty
+        v = tl.full((BK,), 0.0, tl.float32)
+        for p in range(S):
+            v += tl.load(x + p * x_part_stride + m * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+        v = v.to(dt).to(tl.float32) + tl.load(r + m * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+        ss = tl.reduce(v * v, 0, tl.standard._sum_combine)
+        tl.store(y + m * K + ks, (v * tl.rsqrt(ss / K + eps) * g).to(dt), mask=k_ok)
+
+    return norm_parts_kernel
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
@@ -267,7 +301,7 @@ def norm_input_dtype(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return x.dtype
 
 
-def down_parts(x: torch.Tensor, w: torch.Tensor, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS) -> torch.Tensor:
+def down_parts(x: torch.Tensor, w: torch.Tensor, block_n: int = SPLIT_BN, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """``x @ w.T`` as split-K float32 partial products (module docstring): ``[S, M, N]``, ``S = cdiv(K,
     SPLIT_K)``; their sum is the product. For a block's last projection at one row, whose parts the next block's
     :func:`norm_gemv` sums (others: :func:`merge_parts`).
@@ -295,6 +329,39 @@ def merge_parts(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A block's output as one ``[M, K]`` tensor of ``dtype``: :func:`down_parts`' ``[S, M, K]`` summed and rounded
     once; a 2-D ``x`` unchanged."""
     return x.sum(0).to(dtype) if x.dim() == 3 else x
+
+
+def norm_parts(x: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rmsnorm(sum(x) + residual)`` for a model's last block in :func:`down_parts`' float32 parts ``x`` ``[S, M,
+    K]``: one launch for what :func:`merge_parts` and flashinfer's ``fused_add_rmsnorm`` do in three (the parts'
+    sum, its cast, the add + RMSNorm; 8.6 us of a decode step on an H200), with their arithmetic (the sum rounded
+    once to ``residual``'s dtype, then :func:`norm_gemv`'s add + RMSNorm). The updated residual is not returned:
+    the final norm's is not read again.
+
+    Args:
+        x: ``[S, M, K]`` float32, contiguous. residual: ``[M, K]``, contiguous. gamma: ``[K]`` norm weight,
+            residual's dtype; eps: its epsilon.
+
+    Returns:
+        ``[M, K]`` in ``residual``'s dtype.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit.
+    """
+    if (x.dim() != 3 or x.dtype != torch.float32 or x.shape[1:] != residual.shape or not x.is_contiguous()
+            or not residual.is_contiguous() or x.device != residual.device):
+        raise ValueError(f"norm_parts needs parts [S, M, K] float32 and a residual [M, K] on one device, both "
+                         f"contiguous, got {list(x.shape)} {x.dtype}, {list(residual.shape)} {residual.dtype}")
+    check_norm_inputs("norm_parts", residual, gamma, None)
+    (M, K), dtype = residual.shape, residual.dtype
+    if dtype not in (_CUDA_DTYPES if x.is_cuda else _CPU_DTYPES):
+        raise ValueError(f"norm_parts takes a residual in {_CUDA_DTYPES if x.is_cuda else _CPU_DTYPES}, got {dtype}")
+    y = torch.empty(M, K, dtype=dtype, device=x.device)
+    if M:
+        pdl = supports_pdl(x.device)
+        _kernel()[2][(M,)](x, x.shape[0], x.stride(0), residual, gamma, y, K, float(eps),
+                           BK=max(16, 1 << (K - 1).bit_length()), PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl)
+    return y
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -60,15 +60,17 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.fused = False
+        self.eps, self.fused = eps, False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``x`` ``[T, dim]`` -> ``norm(x)``; with ``residual`` ``[T, dim]``: ``(norm(x + residual), x + residual)``.
-        Fused mode overwrites ``x`` and ``residual`` in place (flashinfer ``fused_add_rmsnorm``)."""
+        Fused: ``x`` and ``residual`` overwritten (flashinfer ``fused_add_rmsnorm``), or ``x`` split-K parts
+        (:func:`~epdserve.models.decode_gemv.norm_parts`: the last norm, no residual out)."""
         if self.fused:
             if residual is None:
                 return _flashinfer().norm.rmsnorm(x, self.weight, self.eps)
+            if x.dim() == 3:
+                return decode_gemv.norm_parts(x, residual, self.weight, self.eps), None
             _flashinfer().norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)
             return x, residual
         if residual is not None:
@@ -178,12 +180,14 @@ class Attention(nn.Module):
         out = attn.forward(self.layer_id, q, k, v.view(-1, self.hkv, self.d))
         return self.o_proj(out.reshape(-1, self.hq * self.d), parts=parts)
 
-    def attend_rotated(self, qkv: torch.Tensor, attn: AttentionBackend, kv_written: bool, parts=False) -> torch.Tensor:
+    def attend_rotated(self, qkv: torch.Tensor, attn: AttentionBackend, kv_written: bool, parts=False,
+                       early_kv=False) -> torch.Tensor:
         """:meth:`attend` once q and k in ``qkv`` are rotated (``kv_written``: and K and V are in the KV cache);
-        ``parts``: o_proj may return split-K parts (:meth:`~epdserve.models.parallel.RowParallelLinear.forward`)."""
+        ``parts``: o_proj may return split-K parts (:meth:`~epdserve.models.parallel.RowParallelLinear.forward`);
+        ``early_kv``: see :meth:`~epdserve.attention.base.AttentionBackend.forward`."""
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         out = attn.forward(self.layer_id, q.view(-1, self.hq, self.d), k.view(-1, self.hkv, self.d),
-                           v.view(-1, self.hkv, self.d), kv_written=kv_written)
+                           v.view(-1, self.hkv, self.d), kv_written=kv_written, early_kv=early_kv)
         return self.o_proj(out.reshape(-1, self.hq * self.d), parts=parts)
 
 
@@ -262,16 +266,15 @@ class DecoderLayer(nn.Module):
                                       attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` with each add + RMSNorm inside the projection after it: the qkv GEMV (with RoPE and the
         KV write where :mod:`~epdserve.models.decode_qkv` applies), then the MLP's ``forward_with_norm`` (the dense
-        one's output may be split-K parts, which the next norm sums; the last one through ``merge_parts``)."""
+        one's output may be split-K parts, which the next norm sums, the model's final norm too)."""
         ln1, ln2, sa = self.input_layernorm, self.post_attention_layernorm, self.self_attn
         w, b = sa.qkv_proj.weight, sa.qkv_proj.bias
         parts = getattr(self.mlp, "takes_parts", False)  # o_proj may hand split-K parts to the MLP's norm
         if rope.table is not None and sa.rope_on_projection and decode_qkv.fits(x, w, sa.d):
-            # one launch for the norm, the projection, RoPE and the KV write (epdserve.models.decode_qkv)
             target = attn.kv_write(sa.layer_id, w.dtype)
             qkv, residual = decode_qkv.norm_qkv_rope(x, w, b, ln1.weight, ln1.eps, residual, sa.d, sa.hq, sa.hkv,
                                                      rope.table, target)
-            x = sa.attend_rotated(qkv, attn, target is not None, parts)
+            x = sa.attend_rotated(qkv, attn, target is not None, parts, early_kv=target is not None)  # (PDL)
         else:
             qkv, residual = decode_gemv.norm_gemv(x, w, b, ln1.weight, ln1.eps, residual)
             x = sa.attend(qkv, rope, attn, parts)
@@ -302,9 +305,7 @@ class Qwen2VLLanguageModel(nn.Module):
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend | None = None, tp: TPGroup | None = None):
         super().__init__()
         tp = tp or TPGroup.single()
-        self.config = cfg
-        self.attn = attn
-        self.fused_ops = False
+        self.config, self.attn, self.fused_ops = cfg, attn, False
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, self._attention_cls) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -437,14 +438,13 @@ class Qwen2VLLanguageModel(nn.Module):
                 out: torch.Tensor | None) -> torch.Tensor:
         """Final norm and LM head on each request's last row of the last block's ``(x, residual)`` (``residual``
         None: ``x`` is the whole hidden state); see :meth:`forward` for ``out``."""
-        if residual is not None:
+        if residual is not None and not self.norm.fused:  # the fused norm sums decode's split-K parts itself
             x = decode_gemv.merge_parts(x, residual.dtype)
         if not batch.is_decode:  # decode has one new token per request: every row is a last row
             last = batch.last_rows
             if last is None:
                 last = torch.tensor(batch.q_lens, device=x.device).cumsum(0) - 1
-            x = x[last]
-            residual = None if residual is None else residual[last]
+            x, residual = x[last], None if residual is None else residual[last]
         x = self.norm(x) if residual is None else self.norm(x, residual)[0]
         logits = self.lm_head(x)
         return logits.float() if out is None else out.copy_(logits)
