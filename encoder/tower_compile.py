@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import Executor
@@ -107,16 +108,31 @@ def warm_shadow(model: torch.nn.Module, image_processor, device: torch.device, d
     return time.monotonic() - t0
 
 
+# CPython's GIL switch interval while the compile runs. The compile thread (dynamo's tracing, Inductor's lowering) holds
+# the GIL for whole intervals, and every torch op and socket call of the serving threads gives it up and must take it
+# back: at the default 5 ms each of those waits up to an interval (the convoy effect), hundreds of them a request.
+# On the 2-core CPU machine (tiny model) one image's tower call took 31-40 ms alone, 848-1214 ms (median) beside
+# dynamo tracing the tower at 5 ms, 446 at 1 ms, 157-165 at 0.2 ms and 81-89 at 0.05 ms; a tracing pass ~10 % longer
+# at 0.2 ms (docs/performance.md, eighteenth session). On an H200 the TTFT of one request during the compile was
+# 189-1766 ms against 39-112 after it (seventeenth session).
+COMPILE_SWITCH_INTERVAL_S = 0.0002
+
+
 def compile_beside_serving(encoder: Compilable, tower: Executor) -> threading.Thread:
     """Start ``encoder.compile_tower()`` on a new daemon thread (a shutdown does not wait for a compile), then
     hand ``encoder.finish_compile`` to ``tower``, the executor of the tower's calls, so that it runs between two
-    of them. A failed compile is logged, and the eager tower keeps serving. Returns the started thread."""
+    of them. A failed compile is logged, and the eager tower keeps serving. While it compiles the process's GIL
+    switch interval is :data:`COMPILE_SWITCH_INTERVAL_S` (restored after). Returns the started thread."""
     def run() -> None:
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(COMPILE_SWITCH_INTERVAL_S)
         try:
             seconds, compiled = encoder.compile_tower(), True
         except RuntimeError as e:
             log.error("%s; the eager tower keeps serving", e)
             compiled = False
+        finally:
+            sys.setswitchinterval(interval)
         try:
             tower.submit(encoder.finish_compile, compiled).result()
         except RuntimeError:  # the executor is shut down: the server is stopping

@@ -7,12 +7,16 @@ warm-up's own images; the GPU test in test_vision_graph.py (packed attention) ru
 
 from __future__ import annotations
 
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from PIL import Image
 from torch._dynamo.utils import counters
 
-from epdserve.encoder.tower_compile import WARM_UP_BATCHES, compile_blocks, shadow, warm_shadow
+from epdserve.encoder.tower_compile import (COMPILE_SWITCH_INTERVAL_S, WARM_UP_BATCHES, compile_beside_serving,
+                                            compile_blocks, shadow, warm_shadow)
 from epdserve.encoder.vision import VisionEncoder
 from epdserve.encoder.vision_graph import TowerGraphs
 
@@ -58,3 +62,32 @@ def test_the_tower_runs_its_shadows_compiled_code_without_compiling(encoder, wit
     assert counters["stats"]["unique_graphs"] == compiled, "the real tower compiled again"
     print(f"shadow warm-up compiled {compiled} graphs; the real tower ran its {len(batches)} batches on them "
           f"({'metadata' if with_metadata else 'plain'} calls) without another compile")
+
+
+class _FakeEncoder:
+    """A Compilable whose compile records the GIL switch interval it ran under (or fails)."""
+
+    def __init__(self, fail: bool):
+        self.fail, self.seen, self.finished = fail, None, None
+
+    def compile_tower(self) -> float:
+        self.seen = sys.getswitchinterval()
+        if self.fail:
+            raise RuntimeError("torch.compile of the vision tower failed (test)")
+        return 0.0
+
+    def finish_compile(self, compiled: bool) -> None:
+        self.finished = compiled
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_compile_runs_at_a_short_switch_interval_and_restores_it(fail):
+    """Beside serving, the compile thread would hold the GIL for whole default intervals (5 ms) against every
+    serving thread's reacquisition; the short interval applies only while it compiles, failed or not."""
+    before = sys.getswitchinterval()
+    fake = _FakeEncoder(fail)
+    with ThreadPoolExecutor(1) as tower:
+        compile_beside_serving(fake, tower).join(10)
+    assert fake.seen == pytest.approx(COMPILE_SWITCH_INTERVAL_S) and COMPILE_SWITCH_INTERVAL_S < before
+    assert sys.getswitchinterval() == pytest.approx(before)
+    assert fake.finished is (not fail)
