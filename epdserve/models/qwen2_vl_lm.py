@@ -395,7 +395,7 @@ class Qwen2VLLanguageModel(nn.Module):
     def forward(self, batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``batch`` (tensors on the model's device) and return float32 logits ``[B, vocab]`` at each
         request's last new token; ``lm_head`` runs on those B rows only. With ``out`` (float32 ``[B, vocab]``) the
-        logits are written there (the cast fused into the copy) and ``out`` is returned.
+        logits are written there (see :meth:`ParallelLMHead.forward`) and ``out`` is returned.
 
         The attention backend must have been prepared for ``batch`` (``attn.prepare(batch)``): the model runner
         does it, outside the CUDA graph when one replays this forward. A decode batch makes no host-to-device
@@ -446,5 +446,4 @@ class Qwen2VLLanguageModel(nn.Module):
                 last = torch.tensor(batch.q_lens, device=x.device).cumsum(0) - 1
             x, residual = x[last], None if residual is None else residual[last]
         x = self.norm(x) if residual is None else self.norm(x, residual)[0]
-        logits = self.lm_head(x)
-        return logits.float() if out is None else out.copy_(logits)
+        return self.lm_head(x).float() if out is None else self.lm_head(x, out)
