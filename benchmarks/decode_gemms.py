@@ -1,7 +1,8 @@
 """The decode step's projections alone, each way it could run, beside the memory roofline (issue 44).
 
 ``python -m epdserve.bench.decode_gemms --model-path DIR --batch-sizes 1 32 128 [--output-json F]`` (the fused
-gate_up candidates alone: ``--projections gate_up --batch-sizes 1 32 64``)
+gate_up candidates alone: ``--projections gate_up --batch-sizes 1 32 64``; the split-K parts of issue 44:
+``--projections o down --batch-sizes 2 8 32 64 128``)
 
 Why: the fifth session's kernel table (docs/performance.md) found the small projections reading their weights at
 1.3-1.7 TB/s (qkv, o: cuBLAS picks few, wide tiles for an ``[M, K] x [K, N]`` with M of 1 to 128 and N of 2-3k)
@@ -21,7 +22,15 @@ measures, per projection of the checkpoint's language model and per batch size M
   ``silu(g) * u`` stands in; the ratio column of the next ones is against it) and, for M <= 64,
   ``gate_up_silu/BN/BK/W/S`` for each of :data:`epdserve.models.gate_up_silu.CONFIGS`: both in one kernel, each
   program's gate and up columns accumulated side by side and ``silu(gate) * up`` written directly (one kernel and
-  the ``[M, 2I]`` round trip fewer per layer). Their check is against the float32 ``silu(g) * u``.
+  the ``[M, 2I]`` round trip fewer per layer). Their check is against the float32 ``silu(g) * u``;
+- for ``qkv``, ``o`` and ``down`` at M of 2 to 128, ``parts/BM/BN/BK/KS/W/S[/pP]`` for
+  :func:`epdserve.models.parts_gemm.config_for`'s pick and each of its ``CONFIGS`` whose K slice fits K:
+  :func:`~epdserve.models.parts_gemm.gemm_parts`, the split-K float32 parts (their sum is checked, their time
+  is the GEMM's alone: the sum is the next norm's). For ``o`` and ``down`` also the norm after them, where the parts
+  replace both cuBLAS's reduce and flashinfer's norm: ``linear+norm`` (``F.linear`` then flashinfer's
+  ``fused_add_rmsnorm``, the model's path; not run where flashinfer is not installed) against
+  ``parts+norm/...`` (``gemm_parts`` then :func:`epdserve.models.decode_gemv.norm_parts` with the new residual
+  out), both checked against the float32 RMSNorm of ``round(x @ W.T) + residual``.
 
 Fusing SiLU-and-mul into ``down``'s loads instead (the skinny GEMM reading gate_up's output) measured 10x slower
 than the two kernels and was removed.
@@ -29,9 +38,9 @@ than the two kernels and was removed.
 Each candidate runs inside one CUDA graph over ``num_hidden_layers`` distinct weight tensors, one call per layer as
 a decode step makes them, so the weights stream from HBM rather than from the 50 MB L2 (one 8 MB weight read again
 and again would sit in it). Reported per call: microseconds, TB/s of weight bytes, and the ratio to ``linear``
-(to ``silu_mul(linear)`` for gate_up's fused candidates). Each candidate's output is checked against a float32
-``x @ W.T`` (or its ``silu(g) * u``) first (relative error in bf16 rounding's range); a candidate that fails the
-check is reported and not timed.
+(to ``silu_mul(linear)`` for gate_up's fused candidates, to ``linear+norm`` for the norm pairs; none where that
+was not run). Each candidate's output is checked against a float32 ``x @ W.T`` (or its ``silu(g) * u``, or the
+norm) first (relative error in bf16 rounding's range); a candidate that fails the check is reported and not timed.
 """
 
 from __future__ import annotations
@@ -40,13 +49,15 @@ import argparse
 import contextlib
 import functools
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from epdserve.bench.step import copy_bandwidth, graph_us_per_call
 from epdserve.device import supports_pdl
+from epdserve.models import decode_gemv, parts_gemm
 from epdserve.models import gate_up_silu as fused_mlp
 
 # (BLOCK_N, BLOCK_K, num_warps) of the Triton candidate: narrow column blocks spread a 2k-column projection over
@@ -201,34 +212,114 @@ def _time(fn, x: torch.Tensor, weights: list[torch.Tensor], lt: bool, reps: int 
         return graph_us_per_call([functools.partial(fn, x, w) for w in weights], reps)
 
 
+@dataclass
+class Group:
+    """Candidates checked against one float32 reference (``view`` maps a candidate's output to it); the ratio column
+    is against ``base``'s time. ``restore`` puts back what a candidate updates in place (a residual); ``skipped``:
+    candidate -> why it is not run."""
+
+    cands: dict
+    ref: torch.Tensor
+    base: str
+    view: Callable = lambda out: out
+    restore: Callable = lambda: None
+    skipped: dict = field(default_factory=dict)
+
+
+def parts_candidates(m: int, n: int, k: int) -> dict:
+    """``parts/<config>`` -> ``fn(x, w)`` for :func:`parts_gemm.config_for`'s pick and each of ``CONFIGS`` whose K
+    slice is at most ``k`` (raised to M's row tile), where M is in ``MIN_M..MAX_M``; empty otherwise."""
+    if not parts_gemm.MIN_M <= m <= parts_gemm.MAX_M:
+        return {}
+    cfgs = [parts_gemm.config_for(m, n, k)] + [c.with_rows(m) for c in parts_gemm.CONFIGS if c.k_split <= k]
+    return {"parts/" + c.name: functools.partial(parts_gemm.gemm_parts, config=c) for c in cfgs}
+
+
+@functools.cache
+def _flashinfer_fused_add_rmsnorm():
+    """flashinfer's ``fused_add_rmsnorm`` (what the model runs after o and down), or None without flashinfer."""
+    try:
+        from flashinfer.norm import fused_add_rmsnorm
+    except ImportError:
+        return None
+    return fused_add_rmsnorm
+
+
+EPS = 1e-6
+
+
+def norm_group(m: int, k: int, want: torch.Tensor) -> Group:
+    """The add + RMSNorm after ``o`` or ``down``: ``linear+norm`` (the model's path, flashinfer) and
+    ``parts+norm/<config>`` for each of :func:`parts_candidates`, checked against the float32 RMSNorm of
+    ``round(want) + residual`` (``want``: the float32 product ``[M, N]``; the residual and norm weight random)."""
+    dtype, dev = torch.bfloat16, want.device
+    residual = torch.randn(m, want.shape[1], device=dev).to(dtype)
+    gamma = (1 + 0.1 * torch.randn(want.shape[1], device=dev)).to(dtype)
+    saved = residual.clone()
+    s = want.to(dtype).float() + residual.float()
+    ref = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * gamma.float()
+    cands, skipped = {}, {}
+    add_rmsnorm = _flashinfer_fused_add_rmsnorm()
+    if add_rmsnorm is None:
+        skipped["linear+norm"] = "not run: flashinfer not installed"
+    else:
+        def linear_norm(x, w):
+            y = F.linear(x, w)
+            add_rmsnorm(y, residual, gamma, EPS)  # in place: y normed, residual updated
+            return y
+        cands["linear+norm"] = linear_norm
+    for name, fn in parts_candidates(m, want.shape[1], k).items():
+        cands["parts+norm/" + name.split("/", 1)[1]] = (
+            lambda x, w, fn=fn: decode_gemv.norm_parts(fn(x, w), residual, gamma, EPS, residual_out=True)[0])
+    return Group(cands, ref, "linear+norm", restore=lambda: residual.copy_(saved), skipped=skipped)
+
+
+def _groups(name: str, m: int, x: torch.Tensor, w: torch.Tensor) -> list[Group]:
+    want = x.float() @ w.float().T
+    plain = {**_candidates(m), **(parts_candidates(m, w.shape[0], x.shape[1]) if name in ("qkv", "o", "down") else {})}
+    out = [Group(plain, want, "linear", view=lambda out: out.sum(0) if out.dim() == 3 else out)]
+    if name == "gate_up":  # its output feeds SiLU-and-mul: the fused candidates return that
+        fused = _fused_gate_up_candidates(m)
+        g, u = want.chunk(2, dim=-1)
+        out.append(Group(fused, F.silu(g) * u, next(iter(fused))))
+    if name in ("o", "down") and parts_gemm.MIN_M <= m <= parts_gemm.MAX_M:
+        out.append(norm_group(m, x.shape[1], want))
+    return out
+
+
+def check(cand: str, fn, group: Group, x: torch.Tensor, w: torch.Tensor) -> tuple[float, str]:
+    """``(relative error, note)`` of one call against the group's reference; the note is empty where it is right."""
+    try:
+        with _blas(cand == "linear_lt"):
+            got = group.view(fn(x, w)).float()
+    except Exception as e:  # e.g. a Triton block too large for shared memory at this M
+        return float("nan"), f"failed: {type(e).__name__}"
+    finally:
+        group.restore()
+    err = float((got - group.ref).abs().max() / group.ref.abs().max())
+    # bf16 output rounding is 4e-3 of the value; a wrong kernel is off by O(1)
+    return err, ("wrong result: not timed" if err > 2e-2 else "")
+
+
 def measure(name: str, n: int, k: int, copies: int, m: int, device: torch.device) -> list[Row]:
     """Every candidate for one projection and batch size (see the module docstring)."""
     torch.manual_seed(0)
     weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    want = x.float() @ weights[0].float().T
-    rows, bases, fused = [], {}, {}
-    if name == "gate_up":  # its output feeds SiLU-and-mul: the fused candidates return that
-        fused = _fused_gate_up_candidates(m)
-        g, u = want.chunk(2, dim=-1)
-        want_fused = F.silu(g) * u
-    for cand, fn in {**_candidates(m), **fused}.items():
-        ref = want_fused if cand in fused else want
-        try:
-            with _blas(cand == "linear_lt"):
-                got = fn(x, weights[0]).float()
-        except Exception as e:  # e.g. a Triton block too large for shared memory at this M
-            rows.append(Row(name, n, k, m, cand, None, None, None, float("nan"), f"failed: {type(e).__name__}"))
-            continue
-        err = float((got - ref).abs().max() / ref.abs().max())
-        if err > 2e-2:  # bf16 output rounding is 4e-3 of the value; a wrong kernel is off by O(1)
-            rows.append(Row(name, n, k, m, cand, None, None, None, err, "wrong result: not timed"))
-            continue
-        us = _time(fn, x, weights, lt=cand == "linear_lt")
-        base = "fused" if cand in fused else "linear"  # the first of each group (what the model runs) is the base
-        bases.setdefault(base, us)
-        rows.append(Row(name, n, k, m, cand, round(us, 2), round(n * k * 2 / us / 1e6, 3), round(us / bases[base], 3),
-                        err))
+    rows = []
+    for group in _groups(name, m, x, weights[0]):
+        rows += [Row(name, n, k, m, c, None, None, None, float("nan"), note) for c, note in group.skipped.items()]
+        base = None
+        for cand, fn in group.cands.items():
+            err, note = check(cand, fn, group, x, weights[0])
+            if note:
+                rows.append(Row(name, n, k, m, cand, None, None, None, err, note))
+                continue
+            us = _time(fn, x, weights, lt=cand == "linear_lt")
+            group.restore()
+            base = us if cand == group.base else base
+            rows.append(Row(name, n, k, m, cand, round(us, 2), round(n * k * 2 / us / 1e6, 3),
+                            round(us / base, 3) if base else None, err))
     del weights
     return rows
 
@@ -252,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.batch_sizes:
             for row in measure(name, n, k, copies, m, device):
                 rows.append(row)
-                print(f"{name:8s} N={n:6d} K={k:6d} M={m:4d} {row.candidate:24s} "
-                      + (f"{row.us_per_call:8.2f} us {row.tb_per_s:5.2f} TB/s {row.vs_linear:5.2f}x"
+                print(f"{name:8s} N={n:6d} K={k:6d} M={m:4d} {row.candidate:34s} "
+                      + (f"{row.us_per_call:8.2f} us {row.tb_per_s:5.2f} TB/s "
+                         + (f"{row.vs_linear:5.2f}x" if row.vs_linear is not None else "  n/a")
                          if row.us_per_call is not None else row.note) + f"  err {row.rel_error:.1e}")
     if args.output_json:
         with open(args.output_json, "w") as f:

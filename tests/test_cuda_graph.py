@@ -111,3 +111,37 @@ def test_overlapped_decode_matches_step_by_step_on_cpu(tiny_model_path):
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(10, runner.config.vocab_size, (n,), generator=gen).tolist() for n in (3, 40, 17)]
     assert overlapped(runner, runner, prompts, 24) == greedy(runner, prompts, 24)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_extends_of_one_and_several_tokens_match_one_shot_prefill(gpu_model):
+    """A prompt prefilled at once against the same prompt as a prefill and then an extend of 1 token (the one-row
+    path, whose layers hand split-K parts to the next norm) or of 7 (the several-row path's parts): the last
+    token's log-probabilities within 0.5 nats of the one-shot's for its top token and the extend's own, so each
+    greedy choice is the one-shot's or a near-tie of it. Summing only some parts (a lost split-K part) moves the
+    hidden state by a whole MLP's output and breaks this."""
+    runner = ModelRunner(gpu_model, device=torch.device("cuda"), dtype=torch.bfloat16, num_pages=64,
+                         page_size=16, cuda_graph_max_bs=0)
+    ps, gen = runner.page_size, torch.Generator().manual_seed(5)
+    vocab = min(runner.config.vocab_size, 1000)  # the small checkpoint's tokenizer has fewer than 1000 ids
+    for n in (40, 57, 90):
+        prompt = torch.randint(10, vocab, (n,), generator=gen)
+        pool = PagePool(runner.num_pages, ps)
+
+        def prefill(start: int, pages) -> torch.Tensor:
+            ids, pos = prompt[start:], torch.arange(start, n).expand(3, -1)
+            return runner.forward(ForwardBatch(False, ids, pos, torch.tensor(pool.slots(pages, start, n)),
+                                               [n - start], [n], [pages])).float().log_softmax(-1)[0]
+
+        pages = pool.alloc(pool.pages_for(n))
+        one_shot = prefill(0, pages)
+        for new in (1, 7):
+            pages = pool.alloc(pool.pages_for(n))
+            ids, pos = prompt[:n - new], torch.arange(n - new).expand(3, -1)
+            runner.forward(ForwardBatch(False, ids, pos, torch.tensor(pool.slots(pages, 0, n - new)), [n - new],
+                                        [n - new], [pages]))
+            got = prefill(n - new, pages)
+            for token in {int(one_shot.argmax()), int(got.argmax())}:
+                assert abs(float(got[token] - one_shot[token])) < 0.5 and \
+                    float(one_shot.max() - one_shot[token]) < 0.5, (n, new, token)

@@ -176,6 +176,51 @@ def test_norm_parts_is_the_final_norm_of_the_parts_sum(interpreter, S, M, K):
         mod.norm_parts(parts, r[:, 1:], gamma, 1e-6)
 
 
+def _norm_parts_reference(parts: torch.Tensor, r: torch.Tensor, gamma: torch.Tensor, eps: float):
+    """torch's ``(new residual, s)``: the parts summed part by part in float32 (the kernel's order), rounded once to
+    the residual's dtype, plus the residual in float32 (``s``, what the norm is computed over), rounded."""
+    total = parts[0].clone()
+    for p in range(1, parts.shape[0]):
+        total += parts[p]
+    s = total.to(r.dtype).float() + r.float()
+    return s.to(r.dtype), s
+
+
+@pytest.mark.parametrize("M,S,K", [(1, 1, 64), (3, 3, 100), (40, 4, 96)])
+def test_norm_parts_returns_the_new_residual_where_asked(interpreter, M, S, K):
+    """The add + RMSNorm after a multi-row split-K projection (parts_gemm): the new residual exactly torch's
+    ``sum + residual``, the norm over it within float32's bound. One program per row: 40 rows as well as one. (In
+    float32: the interpreter's float32 -> bf16 casts truncate rather than round; bf16 in the CUDA test below.)"""
+    g = torch.Generator().manual_seed(M * K + S)
+    parts = torch.randn(S, M, K, generator=g) * 4
+    _, r, _, _, gamma = _case(M, 8, K, torch.float32, seed=S + K)
+    normed, new_r = mod.norm_parts(parts, r, gamma, 1e-6, residual_out=True)
+    assert normed.shape == new_r.shape == (M, K) and normed.dtype == new_r.dtype == torch.float32
+    want_r, s = _norm_parts_reference(parts, r, gamma, 1e-6)
+    assert torch.equal(new_r, want_r)
+    n64 = _normed64(s, None, gamma, 1e-6)
+    assert bool(((normed.double() - n64).abs() <= (K + 8) * U32 * n64.abs() + 1e-12).all())
+    assert torch.equal(normed, mod.norm_parts(parts, r, gamma, 1e-6))  # without the residual: the same rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter truncates to bf16)")
+@pytest.mark.parametrize("M,S", [(1, 3), (40, 4), (128, 2)])
+def test_norm_parts_in_bf16_rounds_like_flashinfer(M, S):
+    """bf16: the new residual bit for bit torch's ``round(round(sum) + residual)``; the norm over the unrounded
+    float32 ``s``, rounded once (flashinfer's ``fused_add_rmsnorm``): within half a bf16 ulp plus float32's bound."""
+    K = 2048
+    g = torch.Generator().manual_seed(M)
+    parts = (torch.randn(S, M, K, generator=g) * 4).cuda()
+    _, r, _, _, gamma = (t.cuda() for t in _case(M, 8, K, torch.bfloat16, seed=S))
+    normed, new_r = mod.norm_parts(parts, r, gamma, 1e-6, residual_out=True)
+    want_r, s = _norm_parts_reference(parts, r, gamma, 1e-6)
+    assert torch.equal(new_r, want_r)
+    n64 = _normed64(s, None, gamma, 1e-6)
+    delta = (K + 8) * U32
+    assert bool(((normed.double() - n64).abs() <= (2.0**-8 * (1 + delta) + delta) * n64.abs() + 1e-12).all())
+
+
 def test_row_parallel_linear_hands_parts_only_where_asked_and_too_wide(interpreter, monkeypatch):
     """o_proj's ``parts``: at a decode-sized batch with K past MAX_K (fused ops, no TP) the split-K parts, whose sum
     is the product; otherwise, or unasked, the plain product."""

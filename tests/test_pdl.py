@@ -160,7 +160,7 @@ def _before_wait(lines: list[str]) -> list[str]:
 
 def _kernels():
     from epdserve.attention import triton_decode
-    from epdserve.models import decode_gemv, decode_qkv
+    from epdserve.models import decode_gemv, decode_qkv, parts_gemm
     from epdserve.models import gate_up_silu as gus
     from epdserve.models import moe_decode
 
@@ -192,15 +192,20 @@ def _kernels():
                                    dict(num_warps=gus.GEMV_WARPS)),
         "norm_gemv": (decode_gemv._kernel()[0], {p: bf16 for p in ("x", "r", "r_out", "n_out", "gamma", "w", "bias",
                                                                    "y")} | {"eps": "fp32"},
-                      dict(BM=4, BN=8, BK=2048, NORM=True, RESID=True, NORMED=True, BIAS=True), dict(num_warps=4)),
-        "norm_parts": (decode_gemv._kernel()[2], {"x": "*fp32", "r": bf16, "gamma": bf16, "y": bf16, "eps": "fp32"},
-                       dict(BK=2048), dict(num_warps=4)),
+                      dict(S=1, BM=4, BN=8, BK=2048, NORM=True, RESID=True, NORMED=True, BIAS=True), dict(num_warps=4)),
+        "norm_parts": (decode_gemv._kernel()[2], {"x": "*fp32", "r": bf16, "gamma": bf16, "y": bf16, "r_out": bf16,
+                                                 "eps": "fp32"},
+                       dict(S=3, BK=2048, R_OUT=True), dict(num_warps=4)),
+        # the split-K GEMM of 2-128 rows (o at 32 rows): 2 of 4 K tiles of 32 x 128 before the wait
+        "gemm_parts": (parts_gemm._kernel(), {"x": bf16, "w": bf16, "parts": "*fp32"},
+                       dict(BM=32, BN=32, BK=128, KS=512, PRE=2, IEEE=False), dict(num_warps=4, num_stages=3)),
         "down_parts": (decode_gemv._kernel()[1], {"x": bf16, "w": bf16, "parts": "*fp32"},
                        dict(BM=4, BN=8, BK=2048), dict(num_warps=4)),
-        "norm_qkv_rope": (decode_qkv._kernel(), {p: bf16 for p in ("x", "r", "r_out", "gamma", "w", "bias", "y", "kc",
-                                                                   "vc")} | {"table": "*fp32", "slots": "*i64",
-                                                                              "eps": "fp32"},
-                          dict(HQ=16, HKV=2, D=128, HALF=64, P=4, BK=2048, RESID=True, BIAS=True, WRITE_KV=True),
+        # (the previous block's down projection in 3 float32 split-K parts, as the 3B's at one row)
+        "norm_qkv_rope": (decode_qkv._kernel(), {p: bf16 for p in ("r", "r_out", "gamma", "w", "bias", "y", "kc",
+                                                                   "vc")} | {"x": "*fp32", "table": "*fp32",
+                                                                             "slots": "*i64", "eps": "fp32"},
+                          dict(S=3, HQ=16, HKV=2, D=128, HALF=64, P=4, BK=2048, RESID=True, BIAS=True, WRITE_KV=True),
                           dict(num_warps=4)),
         # the MoE experts at Qwen3-VL-30B-A3B's shapes (top 8 of width 768)
         "moe_routing": (moe_decode._kernel()[2], {"logits": bf16, "weights": bf16, "experts": "*i64"},
@@ -217,7 +222,7 @@ def _kernels():
 
 @pytest.mark.parametrize("name", ["split", "split_late", "merge", "gate_up_silu", "norm_gate_up_silu", "norm_gemv",
                                   "down_parts", "norm_parts", "norm_qkv_rope", "moe_routing", "moe_gate_up",
-                                  "moe_down", "norm_gate_up_silu_gemv"])
+                                  "moe_down", "norm_gate_up_silu_gemv", "gemm_parts"])
 def test_each_kernel_waits_for_the_previous_one_before_touching_its_outputs(name):
     kernel, pointers, constexprs, options = _kernels()[name]
     lines = _ptx(kernel, pointers, constexprs | {"PDL": True}, launch_pdl=True, **options)
@@ -230,6 +235,9 @@ def test_each_kernel_waits_for_the_previous_one_before_touching_its_outputs(name
         # the whole 8 x 2048 weight slice among them
         assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
         assert loaded >= 8 * 2048 * 2 // 128
+    elif name == "gemm_parts":  # loads only, exactly the prefetched 32 x 256 weight tile (not x, not the loop's)
+        assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
+        assert loaded == 32 * 2 * 128 * 2 // 128
     elif name == "norm_gate_up_silu_gemv":  # loads only: the whole 4 + 4 x 2048 weight slice and the norm weight
         assert early and all(_MEMORY.match(line).group(2) == "ld.global" for line in early)
         assert loaded >= 2 * 4 * 2048 * 2 // 128

@@ -84,10 +84,10 @@ def _kernel():
 
 def _norm_gemv_kernel(triton, tl):
     @triton.jit
-    def norm_gemv_kernel(x, S, r, r_out, n_out, gamma, w, bias, y, M, N, K, eps, x_stride, x_part_stride, r_stride,
-                         w_stride, y_stride, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         NORM: tl.constexpr, RESID: tl.constexpr, NORMED: tl.constexpr, BIAS: tl.constexpr,
-                         PDL: tl.constexpr):
+    def norm_gemv_kernel(x, S: tl.constexpr, r, r_out, n_out, gamma, w, bias, y, M, N, K, eps, x_stride,
+                         x_part_stride, r_stride, w_stride, y_stride, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr, NORMED: tl.constexpr,
+                         BIAS: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         cols = pid * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
@@ -109,7 +109,7 @@ def _norm_gemv_kernel(triton, tl):
             if m < M:
                 # x: S >= 1 parts summed in float32 and rounded once (S = 1, x in the activation dtype: exact)
                 v = tl.full((BK,), 0.0, tl.float32)
-                for p in range(S):
+                for p in tl.static_range(S):
                     v += tl.load(x + p * x_part_stride + m * x_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
                 v = v.to(dt).to(tl.float32)
                 if RESID:
@@ -154,8 +154,10 @@ def _parts_kernel(triton, tl):
 
 def _norm_parts_kernel(triton, tl):
     @triton.jit
-    def norm_parts_kernel(x, S, x_part_stride, r, gamma, y, K, eps, BK: tl.constexpr, PDL: tl.constexpr):
-        # program m: row m's parts summed, rounded, plus the residual; RMSNorm as norm_gemv_kernel's
+    def norm_parts_kernel(x, S: tl.constexpr, x_part_stride, r, gamma, y, r_out, K, eps, BK: tl.constexpr,
+                          R_OUT: tl.constexpr, PDL: tl.constexpr):
+        # program m: row m's parts summed, rounded, plus the residual (stored rounded with R_OUT, as
+        # norm_gemv_kernel's r_out); RMSNorm as norm_gemv_kernel's, over the unrounded sum
         m = tl.program_id(0)
         ks = tl.arange(0, BK)
         k_ok = ks < K
@@ -165,9 +167,11 @@ def _norm_parts_kernel(triton, tl):
             tl.extra.cuda.gdc_launch_dependents()
         dt = y.dtype.element_ty
         v = tl.full((BK,), 0.0, tl.float32)
-        for p in range(S):
+        for p in tl.static_range(S):
             v += tl.load(x + p * x_part_stride + m * K + ks, mask=k_ok, other=0.0).to(tl.float32)
         v = v.to(dt).to(tl.float32) + tl.load(r + m * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if R_OUT:
+            tl.store(r_out + m * K + ks, v.to(dt), mask=k_ok)
         ss = tl.reduce(v * v, 0, tl.standard._sum_combine)
         tl.store(y + m * K + ks, (v * tl.rsqrt(ss / K + eps) * g).to(dt), mask=k_ok)
 
@@ -331,18 +335,24 @@ def merge_parts(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.sum(0).to(dtype) if x.dim() == 3 else x
 
 
-def norm_parts(x: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rmsnorm(sum(x) + residual)`` for a model's last block in :func:`down_parts`' float32 parts ``x`` ``[S, M,
-    K]``: one launch for what :func:`merge_parts` and flashinfer's ``fused_add_rmsnorm`` do in three (the parts'
-    sum, its cast, the add + RMSNorm; 8.6 us of a decode step on an H200), with their arithmetic (the sum rounded
-    once to ``residual``'s dtype, then :func:`norm_gemv`'s add + RMSNorm). The updated residual is not returned:
-    the final norm's is not read again.
+def norm_parts(x: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, eps: float,
+               residual_out: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``rmsnorm(sum(x) + residual)`` of split-K float32 parts ``x`` ``[S, M, K]`` (:func:`down_parts`',
+    :func:`~epdserve.models.parts_gemm.gemm_parts`'): one launch for what :func:`merge_parts` and flashinfer's
+    ``fused_add_rmsnorm`` do in three (the parts' sum, its cast, the add + RMSNorm; 8.6 us of a decode step on an
+    H200), with their arithmetic (the sum rounded once to ``residual``'s dtype, then :func:`norm_gemv`'s add +
+    RMSNorm over the unrounded float32 ``round(sum) + residual``). One program per row, any number of rows: the
+    model's last norm at one row, and (``residual_out``) the add + RMSNorm after the o and down projections at
+    decode batches of several rows (issue 44), where the new residual is read again.
 
     Args:
         x: ``[S, M, K]`` float32, contiguous. residual: ``[M, K]``, contiguous. gamma: ``[K]`` norm weight,
             residual's dtype; eps: its epsilon.
+        residual_out: also store the new residual ``round(sum(x)) + residual``, rounded to ``residual``'s dtype
+            (the value the norm is computed from, as :func:`norm_gemv` stores it), into a new tensor.
 
     Returns:
+        ``normed`` ``[M, K]`` in ``residual``'s dtype; with ``residual_out``, ``(normed, new_residual)``, both
         ``[M, K]`` in ``residual``'s dtype.
 
     Raises:
@@ -357,11 +367,13 @@ def norm_parts(x: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, eps
     if dtype not in (_CUDA_DTYPES if x.is_cuda else _CPU_DTYPES):
         raise ValueError(f"norm_parts takes a residual in {_CUDA_DTYPES if x.is_cuda else _CPU_DTYPES}, got {dtype}")
     y = torch.empty(M, K, dtype=dtype, device=x.device)
+    r_out = torch.empty(M, K, dtype=dtype, device=x.device) if residual_out else None
     if M:
         pdl = supports_pdl(x.device)
-        _kernel()[2][(M,)](x, x.shape[0], x.stride(0), residual, gamma, y, K, float(eps),
-                           BK=max(16, 1 << (K - 1).bit_length()), PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl)
-    return y
+        _kernel()[2][(M,)](x, x.shape[0], x.stride(0), residual, gamma, y, r_out if residual_out else y, K,
+                           float(eps), BK=max(16, 1 << (K - 1).bit_length()), R_OUT=bool(residual_out), PDL=pdl,
+                           num_warps=NUM_WARPS, launch_pdl=pdl)
+    return (y, r_out) if residual_out else y
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,10 +38,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def norm_qkv_rope_kernel(x, S, x_part_stride, r, r_out, gamma, w, bias, y, table, kc, vc, slots, K, eps,
-                             w_stride, kc_stride, vc_stride, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                             HALF: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, RESID: tl.constexpr,
-                             BIAS: tl.constexpr, WRITE_KV: tl.constexpr, PDL: tl.constexpr):
+    def norm_qkv_rope_kernel(x, S: tl.constexpr, x_part_stride, r, r_out, gamma, w, bias, y, table, kc, vc, slots,
+                             K, eps, w_stride, kc_stride, vc_stride, HQ: tl.constexpr, HKV: tl.constexpr,
+                             D: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr, BK: tl.constexpr,
+                             RESID: tl.constexpr, BIAS: tl.constexpr, WRITE_KV: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         head = pid // (HALF // P)
         offs = (pid % (HALF // P)) * P + tl.arange(0, P)  # this program's columns within each half of the head
@@ -64,7 +64,8 @@ def _kernel():
             tl.extra.cuda.gdc_launch_dependents()
         dt = y.dtype.element_ty
         v = tl.full((BK,), 0.0, tl.float32)
-        for p in range(S):  # the previous block's output, maybe in split-K parts: summed, rounded once
+        # the previous block's output, maybe in split-K parts: summed (all loads in flight at once), rounded once
+        for p in tl.static_range(S):
             v += tl.load(x + p * x_part_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
         v = v.to(dt).to(tl.float32)
         if RESID:

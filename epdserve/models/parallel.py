@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdserve.engine.distributed import TPGroup
-from epdserve.models import decode_gemv
+from epdserve.models import decode_gemv, parts_gemm
 
 
 @dataclass(frozen=True)
@@ -124,13 +124,18 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True, parts: bool = False) -> torch.Tensor:
         """``[T, in / size]`` (this rank's features) -> ``[T, out]``, summed over the ranks (``reduce`` False: this
         rank's partial product, for a caller that sums it with others in one all-reduce). ``parts``: for a caller
-        whose next kernel sums split-K parts (:func:`~epdserve.models.decode_gemv.norm_gemv`), a decode-sized
-        ``x`` (at most ``decode_gemv.MAX_M`` rows) too wide for one GEMV program (``in > decode_gemv.MAX_K``, no
-        TP) comes back as :func:`~epdserve.models.decode_gemv.down_parts`' float32 ``[S, T, out]``, whose weights
-        load before the kernel ahead of it ends, instead of cuBLAS's split-K GEMM and its reduce kernel."""
-        if (parts and self.fused and self.tp.size == 1 and x.shape[0] <= decode_gemv.MAX_M
-                and x.shape[1] > decode_gemv.MAX_K):
-            return decode_gemv.down_parts(x, self.weight)
+        whose next kernel sums split-K parts (:func:`~epdserve.models.decode_gemv.norm_gemv`,
+        :func:`~epdserve.models.decode_gemv.norm_parts`), a decode-sized ``x`` without TP comes back as float32
+        parts ``[S, T, out]`` whose weights load before the kernel ahead of it ends, instead of cuBLAS's GEMM (and
+        its split-K reduce kernel): :func:`~epdserve.models.parts_gemm.gemm_parts` where it fits (2 to 128 rows),
+        else one row too wide for one GEMV program (``in > decode_gemv.MAX_K``) through
+        :func:`~epdserve.models.decode_gemv.down_parts` (the 7B preset's decode step at one row 3.964 against 4.139
+        ms on an H200, docs/performance.md, nineteenth session)."""
+        if parts and self.fused and self.tp.size == 1:
+            if parts_gemm.fits(x, self.weight):
+                return parts_gemm.gemm_parts(x, self.weight)
+            if x.shape[0] == 1 and x.shape[1] > decode_gemv.MAX_K:
+                return decode_gemv.down_parts(x, self.weight)
         y = decode_gemv.linear(x, self.weight) if self.fused else F.linear(x, self.weight)
         return self.tp.all_reduce(y) if reduce else y
 

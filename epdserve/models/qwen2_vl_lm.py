@@ -65,16 +65,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``x`` ``[T, dim]`` -> ``norm(x)``; with ``residual`` ``[T, dim]``: ``(norm(x + residual), x + residual)``.
         Fused: ``x`` and ``residual`` overwritten (flashinfer ``fused_add_rmsnorm``), or ``x`` split-K parts
-        (:func:`~epdserve.models.decode_gemv.norm_parts`: the last norm, no residual out)."""
+        ``[S, T, dim]`` summed (:func:`~epdserve.models.decode_gemv.norm_parts`; unfused: ``merge_parts``)."""
         if self.fused:
             if residual is None:
                 return _flashinfer().norm.rmsnorm(x, self.weight, self.eps)
             if x.dim() == 3:
-                return decode_gemv.norm_parts(x, residual, self.weight, self.eps), None
+                return decode_gemv.norm_parts(x, residual, self.weight, self.eps, residual_out=True)
             _flashinfer().norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)
             return x, residual
         if residual is not None:
-            residual = x + residual
+            residual = decode_gemv.merge_parts(x, residual.dtype) + residual
             x = residual
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -163,9 +163,9 @@ class Attention(nn.Module):
             cfg.hidden_size, [(cfg.num_heads * d, heads.q_start * d, self.hq * d), kv_part, kv_part], bias=qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor, rope: _Rope, attn: AttentionBackend) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``."""
-        return self.attend(self.qkv_proj(x), rope, attn)
+    def forward(self, x: torch.Tensor, rope: _Rope, attn: AttentionBackend, parts: bool = False) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]`` (``parts``: as :meth:`attend_rotated`)."""
+        return self.attend(self.qkv_proj(x), rope, attn, parts)
 
     rope_on_projection = True  # RoPE on q, k as projected: one kernel may do both (decode_qkv); Qwen3 norms first
 
@@ -201,17 +201,18 @@ class MLP(nn.Module):
         start, local = split_evenly(inter, tp, "intermediate size")
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(inter, start, local)] * 2, bias=False)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
-        self.fused = False
+        # parts_out: the owner's next kernel sums split-K parts (DecoderLayer's next norm), so down may make them
+        self.fused, self.parts_out = False, False
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]`` (``reduce`` False: this TP rank's partial sum, see
-        :meth:`RowParallelLinear.forward`)."""
+        """``[T, hidden]`` -> ``[T, hidden]`` (``reduce`` False: this TP rank's partial sum; with ``parts_out``
+        maybe split-K parts ``[S, T, hidden]``: see :meth:`RowParallelLinear.forward`)."""
         if self.fused and x.shape[0] <= gate_up_silu.MAX_M:  # decode-sized: projection and SiLU in one kernel
             act = gate_up_silu.gate_up_silu(x, self.gate_up_proj.weight, *gate_up_silu.config_for(x.shape[0]))
-            return self.down_proj(act, reduce)
+            return self.down_proj(act, reduce, self.parts_out)
         gate_up = self.gate_up_proj(x)
         if self.fused:
-            return self.down_proj(_flashinfer().activation.silu_and_mul(gate_up), reduce)
+            return self.down_proj(_flashinfer().activation.silu_and_mul(gate_up), reduce, self.parts_out)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up, reduce)
 
@@ -237,6 +238,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = attention_cls(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
+        self.mlp.parts_out = True  # the next block's norm, or the model's last, sums them
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: _Rope,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,12 +246,11 @@ class DecoderLayer(nn.Module):
         ``x + residual`` (kept apart so the next norm can fuse the add). ``residual`` None: first block."""
         if self._norms_in_projections(x):
             return self._forward_norms_in_projections(x, residual, rope, attn)
-        x = decode_gemv.merge_parts(x, residual.dtype) if residual is not None else x
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, attn)
+        x = self.self_attn(x, rope, attn, parts=self.post_attention_layernorm.fused)  # o's parts: the norm sums
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -257,10 +258,10 @@ class DecoderLayer(nn.Module):
         """Whether this forward folds both norms into the projections after them (fused ops, a dense MLP, a
         decode batch of at most :data:`decode_gemv.FOLD_NORMS_MAX_M` rows): see :mod:`epdserve.models.decode_gemv`."""
         takes_norm = hasattr(self.mlp, "forward_with_norm")  # the dense MLP, an MoE block
-        if x.dim() == 3:  # the previous block's down projection in parts: only a folding block makes them
-            return takes_norm
+        # x in split-K parts [S, T, K] (either path's down projection; either norm sums them): a row of K it fits
+        fits = x.shape[-1] <= decode_gemv.MAX_K if x.dim() == 3 else decode_gemv.fits(x, self.self_attn.qkv_proj.weight)
         return (self.input_layernorm.fused and takes_norm and getattr(self.mlp, "fused", True)
-                and x.shape[0] <= decode_gemv.FOLD_NORMS_MAX_M and decode_gemv.fits(x, self.self_attn.qkv_proj.weight))
+                and x.shape[-2] <= decode_gemv.FOLD_NORMS_MAX_M and fits)
 
     def _forward_norms_in_projections(self, x: torch.Tensor, residual: torch.Tensor | None, rope: _Rope,
                                       attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,6 +445,6 @@ class Qwen2VLLanguageModel(nn.Module):
             last = batch.last_rows
             if last is None:
                 last = torch.tensor(batch.q_lens, device=x.device).cumsum(0) - 1
-            x, residual = x[last], None if residual is None else residual[last]
+            x, residual = x[..., last, :], None if residual is None else residual[last]  # x: maybe parts
         x = self.norm(x) if residual is None else self.norm(x, residual)[0]
         return self.lm_head(x).float() if out is None else self.lm_head(x, out)
