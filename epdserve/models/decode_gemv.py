@@ -197,6 +197,20 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual
     check_norm_inputs(who, x, gamma, residual)
 
 
+def check_operands(who: str, x: torch.Tensor, w: torch.Tensor) -> None:
+    """Raise ValueError (naming ``who``) unless ``x`` ``[M, K]`` and ``w`` ``[N, K]`` share a device and a dtype the
+    decode kernels take there (bf16/fp16 on CUDA; float32 too on the CPU, through Triton's interpreter) and their
+    rows are contiguous. The shapes are the caller's to check."""
+    if x.device != w.device:
+        raise ValueError(f"{who} needs x and w on one device, got {x.device} and {w.device}")
+    allowed = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
+    if x.dtype not in allowed or w.dtype != x.dtype:
+        raise ValueError(f"{who} needs x and w of one dtype among {[str(d) for d in allowed]} on "
+                         f"{x.device.type}, got {x.dtype} and {w.dtype}")
+    if (x.shape[1] > 1 and (x.stride(1) != 1 or w.stride(1) != 1)) or x.stride(0) < 0 or w.stride(0) < 0:
+        raise ValueError(f"{who} needs rows of x and w contiguous, got strides {x.stride()} and {w.stride()}")
+
+
 def check_norm_inputs(who: str, x: torch.Tensor, gamma: torch.Tensor | None, residual: torch.Tensor | None) -> None:
     """The norm folded into a projection (:func:`norm_gemv`, :func:`~epdserve.models.gate_up_silu.norm_gate_up_silu`)
     takes a norm weight ``[K]`` and a residual ``[M, K]`` with contiguous rows, both in ``x``'s dtype and on its

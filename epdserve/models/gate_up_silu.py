@@ -82,9 +82,7 @@ def config_for(m: int) -> tuple[int, int, int, int]:
         if m <= top:
             return cfg
     raise ValueError(f"gate_up_silu takes at most {MAX_M} rows, got {m}")
-_CUDA_DTYPES = (torch.bfloat16, torch.float16)
-# float32 only on the interpreter (the CPU tests): on CUDA tl.dot would take it as tf32, a path nobody tuned
-_CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# (dtypes: decode_gemv.check_operands; float32 only on the interpreter, as tl.dot would take it as tf32 on CUDA)
 
 
 # The kernel, in order: weight offsets in int64 (2I * K of a large MLP would not fit int32). The first K step is
@@ -228,15 +226,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, block_n, block_k, num_warps, num_st
     if x.shape[0] > MAX_M:
         raise ValueError(f"gate_up_silu is for decode batches of M <= {MAX_M} rows (use cuBLAS and silu_and_mul "
                          f"above), got M = {x.shape[0]}")
-    if x.device != w.device:
-        raise ValueError(f"gate_up_silu needs x and w on one device, got {x.device} and {w.device}")
-    allowed = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
-    if x.dtype not in allowed or w.dtype != x.dtype:
-        raise ValueError(f"gate_up_silu needs x and w of one dtype among {[str(d) for d in allowed]} on "
-                         f"{x.device.type}, got {x.dtype} and {w.dtype}")
-    if (x.shape[1] > 1 and (x.stride(1) != 1 or w.stride(1) != 1)) or x.stride(0) < 0 or w.stride(0) < 0:
-        raise ValueError(f"gate_up_silu needs rows of x and w contiguous, got strides {x.stride()} and "
-                         f"{w.stride()}")
+    decode_gemv.check_operands("gate_up_silu", x, w)
     if not (_is_pow2(block_n) and _is_pow2(block_k) and block_n >= 16 and block_k >= 16):
         raise ValueError(f"gate_up_silu needs power-of-two block_n and block_k >= 16 (tl.dot's minimum), got "
                          f"{block_n} and {block_k}")

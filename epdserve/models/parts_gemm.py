@@ -51,14 +51,13 @@ import functools
 import torch
 
 from epdserve.device import supports_pdl
+from epdserve.models import decode_gemv
 
 MIN_M, MAX_M = 2, 128  # one row: decode_gemv's GEMV; past 128 rows the weights are no longer the whole cost
 WIDE_K, MAX_M_WIDE = 4096, 64  # a K past WIDE_K (the MLP's down projection) fits up to MAX_M_WIDE rows (docstring)
 MAX_N = 2048  # the layer widths measured (docstring): N and a narrow K up to it
 
-_CUDA_DTYPES = (torch.bfloat16, torch.float16)
-# float32 only on the interpreter (the CPU tests): on CUDA tl.dot would take it as tf32, a path nobody tuned
-_CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CUDA_DTYPES = (torch.bfloat16, torch.float16)  # float32 only on the interpreter (decode_gemv.check_operands)
 
 
 def _pow2(v) -> bool:
@@ -232,14 +231,7 @@ def _check(x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"gemm_parts needs x [M, K] and w [N, K], got x {list(x.shape)}, w {list(w.shape)}")
     if not 1 <= x.shape[0] <= MAX_M:
         raise ValueError(f"gemm_parts takes 1 to {MAX_M} rows (decode batches), got M = {x.shape[0]}")
-    if x.device != w.device:
-        raise ValueError(f"gemm_parts needs x and w on one device, got {x.device} and {w.device}")
-    allowed = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
-    if x.dtype not in allowed or w.dtype != x.dtype:
-        raise ValueError(f"gemm_parts needs x and w of one dtype among {[str(d) for d in allowed]} on "
-                         f"{x.device.type}, got {x.dtype} and {w.dtype}")
-    if (x.shape[1] > 1 and (x.stride(1) != 1 or w.stride(1) != 1)) or x.stride(0) < 0 or w.stride(0) < 0:
-        raise ValueError(f"gemm_parts needs rows of x and w contiguous, got strides {x.stride()} and {w.stride()}")
+    decode_gemv.check_operands("gemm_parts", x, w)
 
 
 def _check_config(cfg: Config, m: int) -> None:
