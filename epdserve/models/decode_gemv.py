@@ -197,6 +197,11 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual
     check_norm_inputs(who, x, gamma, residual)
 
 
+def is_pow2(v) -> bool:
+    """Whether ``v`` is a power of two as a launch knob takes it: an int (not a bool) >= 1."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and not v & (v - 1)
+
+
 def check_operands(who: str, x: torch.Tensor, w: torch.Tensor) -> None:
     """Raise ValueError (naming ``who``) unless ``x`` ``[M, K]`` and ``w`` ``[N, K]`` share a device and a dtype the
     decode kernels take there (bf16/fp16 on CUDA; float32 too on the CPU, through Triton's interpreter) and their

@@ -215,10 +215,6 @@ def _gemv_kernel(triton, tl):
     return gate_up_silu_gemv
 
 
-def _is_pow2(v) -> bool:
-    return isinstance(v, int) and v >= 1 and not v & (v - 1)
-
-
 def _check(x: torch.Tensor, w: torch.Tensor, block_n, block_k, num_warps, num_stages) -> None:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.shape[0] % 2:
         raise ValueError(f"gate_up_silu needs x [M, K] and w [2I, K] (gate rows then up rows), got x "
@@ -227,10 +223,10 @@ def _check(x: torch.Tensor, w: torch.Tensor, block_n, block_k, num_warps, num_st
         raise ValueError(f"gate_up_silu is for decode batches of M <= {MAX_M} rows (use cuBLAS and silu_and_mul "
                          f"above), got M = {x.shape[0]}")
     decode_gemv.check_operands("gate_up_silu", x, w)
-    if not (_is_pow2(block_n) and _is_pow2(block_k) and block_n >= 16 and block_k >= 16):
+    if not (decode_gemv.is_pow2(block_n) and decode_gemv.is_pow2(block_k) and block_n >= 16 and block_k >= 16):
         raise ValueError(f"gate_up_silu needs power-of-two block_n and block_k >= 16 (tl.dot's minimum), got "
                          f"{block_n} and {block_k}")
-    if not _is_pow2(num_warps) or not isinstance(num_stages, int) or num_stages < 1:
+    if not decode_gemv.is_pow2(num_warps) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"gate_up_silu needs a power-of-two num_warps and an int num_stages >= 1, got "
                          f"{num_warps!r} and {num_stages!r}")
 

@@ -60,10 +60,6 @@ MAX_N = 2048  # the layer widths measured (docstring): N and a narrow K up to it
 _CUDA_DTYPES = (torch.bfloat16, torch.float16)  # float32 only on the interpreter (decode_gemv.check_operands)
 
 
-def _pow2(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and not v & (v - 1)
-
-
 def rows_tile(m: int) -> int:
     """The smallest row tile for ``m`` rows: a power of two, at least 16 (``tl.dot``'s minimum)."""
     return max(16, 1 << (m - 1).bit_length())
@@ -144,8 +140,8 @@ _TABLE: list[tuple[int, int, int, int, int, int, int, int]] = [
 
 def config_for(m: int, n: int, k: int) -> Config:
     """The :class:`Config` for ``m`` rows of ``[n, k]`` weights: the first entry of ``_TABLE`` whose M and K bounds
-    hold (a first guess for the GPU sweep to revise), ``block_m`` the row tile of ``m``, ``prefetch`` lowered where
-    a short slice has fewer tiles. ``n`` is not used yet.
+    hold (chosen by the module docstring's sweep on the 3B's widths), ``block_m`` the row tile of ``m``,
+    ``prefetch`` lowered where a short slice has fewer tiles. ``n`` is not used yet.
 
     Raises:
         ValueError: ``m`` outside ``1..MAX_M``.
@@ -238,17 +234,17 @@ def _check_config(cfg: Config, m: int) -> None:
     if not isinstance(cfg, Config):
         raise ValueError(f"gemm_parts takes a parts_gemm.Config, got {cfg!r}")
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    if not (_pow2(bm) and 16 <= bm <= 128 and bm >= m):
+    if not (decode_gemv.is_pow2(bm) and 16 <= bm <= 128 and bm >= m):
         raise ValueError(f"gemm_parts needs block_m a power of two in 16..128 and at least M = {m}, got {bm}")
-    if not (_pow2(bn) and _pow2(bk) and bn >= 16 and bk >= 16):
+    if not (decode_gemv.is_pow2(bn) and decode_gemv.is_pow2(bk) and bn >= 16 and bk >= 16):
         raise ValueError(f"gemm_parts needs power-of-two block_n and block_k >= 16 (tl.dot's minimum), got {bn} "
                          f"and {bk}")
     if not (isinstance(cfg.k_split, int) and cfg.k_split >= bk and cfg.k_split % bk == 0):
         raise ValueError(f"gemm_parts needs k_split a positive multiple of block_k = {bk}, got {cfg.k_split!r}")
-    if not (_pow2(cfg.prefetch) and cfg.prefetch * bk <= cfg.k_split):
+    if not (decode_gemv.is_pow2(cfg.prefetch) and cfg.prefetch * bk <= cfg.k_split):
         raise ValueError(f"gemm_parts needs prefetch a power of two with prefetch * block_k <= k_split, got "
                          f"{cfg.prefetch!r} x {bk} against {cfg.k_split}")
-    if not (_pow2(cfg.num_warps) and isinstance(cfg.num_stages, int) and cfg.num_stages >= 1):
+    if not (decode_gemv.is_pow2(cfg.num_warps) and isinstance(cfg.num_stages, int) and cfg.num_stages >= 1):
         raise ValueError(f"gemm_parts needs a power-of-two num_warps and an int num_stages >= 1, got "
                          f"{cfg.num_warps!r} and {cfg.num_stages!r}")
 
